@@ -80,3 +80,15 @@ def llama_target():
 @pytest.fixture(params=["qwen3", "llama"])
 def any_target(request):
     return make_target(request.param)
+
+
+@pytest.fixture
+def target_factory():
+    """``target_factory(kind="qwen3"|"llama", seed=0, dtype=torch.float32, **config_overrides)``."""
+    return make_target
+
+
+@pytest.fixture
+def drafter_factory():
+    """``drafter_factory(target, seed=1, **AdaFlashConfig_overrides)``: a random drafter built for ``target``."""
+    return make_drafter
