@@ -1,0 +1,324 @@
+"""``target.generate(..., assistant_model=drafter)`` with AdaFlash: the candidate generator and its hook.
+
+transformers has no public hook for a third-party candidate generator, so ``enable()`` wraps two private
+``GenerationMixin`` methods narrowly and idempotently: ``_validate_generation_mode`` (our checks, before any forward)
+and ``_get_candidate_generator`` (returns ``AdaFlashCandidateGenerator`` for an ``AdaFlashDrafter`` assistant). Every
+other assistant goes to the original methods untouched. The upstream loop keeps doing verification, speculative
+sampling, cache cropping, EOS/length handling and streaming.
+
+Knobs live on the generation config (``GenerationConfig(adaflash_length_mode="fixed", ...)`` or
+``target.generation_config.adaflash_gamma = 1.3``):
+
+- ``adaflash_length_mode``: ``"adaptive"`` (default: the length head truncates the draft) or ``"fixed"`` (always
+  ``block_size - 1`` drafts, i.e. DFlash);
+- ``adaflash_gamma`` / ``adaflash_min_len``: override the config's γ and minimum draft length;
+- ``adaflash_proposal``: under sampling, ``"argmax"`` (default: one-hot q on the drafter's argmax, lossless) or
+  ``"sample"`` (q = the processed drafter distribution the proposals were drawn from).
+
+After each call ``drafter.last_stats`` holds an ``AdaFlashStats``; ``drafter.round_recorder`` (a callable, default
+None) receives a ``RoundRecord`` per drafting round.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import time
+from typing import Any
+
+import torch
+import transformers
+from transformers.generation.candidate_generator import CandidateGenerator
+from transformers.generation.configuration_utils import GenerationMode
+from transformers.generation.utils import GenerationMixin
+from transformers.utils import logging
+
+from adaflash_hf.modeling import AdaFlashDrafter
+from adaflash_hf.stats import AdaFlashStats, RoundRecord
+
+logger = logging.get_logger(__name__)
+
+TESTED_TRANSFORMERS = ("5.24.0", "5.25.0")  # [low, high)
+LENGTH_MODES = ("adaptive", "fixed")
+PROPOSAL_MODES = ("argmax", "sample")
+_HOOKED = ("_get_candidate_generator", "_validate_generation_mode")
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in version.split("+")[0].split(".")[:3] if part.isdigit())
+
+
+def check_transformers_support() -> None:
+    """Raise a clear error if the installed transformers lacks the internals this integration relies on."""
+    version = transformers.__version__
+    low, high = TESTED_TRANSFORMERS
+    problems = []
+    if not _version_tuple(low) <= _version_tuple(version) < _version_tuple(high):
+        problems.append(f"transformers version: expected >={low},<{high} (the tested range), got {version}")
+    if not getattr(CandidateGenerator, "requires_model_outputs", None) is not None:
+        problems.append("CandidateGenerator.requires_model_outputs: expected the 5.x model-outputs protocol, missing")
+    for name in _HOOKED:
+        if not callable(getattr(GenerationMixin, name, None)):
+            problems.append(f"GenerationMixin.{name}: expected a method, missing")
+    try:
+        from transformers.cache_utils import DFlashCache  # noqa: F401
+    except ImportError:
+        problems.append("transformers.cache_utils.DFlashCache: expected importable, missing")
+    if problems:
+        raise RuntimeError("adaflash_hf cannot hook into this transformers: " + "; ".join(problems))
+
+
+def _setting(generation_config, name: str, default: Any, allowed: tuple | None = None) -> Any:
+    value = getattr(generation_config, f"adaflash_{name}", None)
+    value = default if value is None else value
+    if allowed is not None and value not in allowed:
+        raise ValueError(f"generation_config.adaflash_{name}: expected one of {allowed}, got {value!r}")
+    return value
+
+
+def validate_adaflash_generation(target, drafter: AdaFlashDrafter, generation_mode, generation_config) -> None:
+    """All checks that must fail before any forward pass of an AdaFlash ``generate`` call."""
+    drafter.check_target(target)
+    if generation_config.num_beams > 1 or generation_mode in (GenerationMode.BEAM_SEARCH, GenerationMode.BEAM_SAMPLE):
+        raise ValueError(
+            f"num_beams: expected 1 with an AdaFlash assistant (speculative decoding is greedy or sampling), "
+            f"got {generation_config.num_beams}"
+        )
+    if generation_config.num_return_sequences != 1:
+        raise ValueError(
+            "num_return_sequences: expected 1 with an AdaFlash assistant (use the batched engine, "
+            f"adaflash_hf.serving, for several sequences), got {generation_config.num_return_sequences}"
+        )
+    if generation_config.cache_implementation not in (None, "dynamic"):
+        raise ValueError(
+            f"cache_implementation: expected None or 'dynamic' (a cache that can be cropped after rejected drafts), "
+            f"got {generation_config.cache_implementation!r}"
+        )
+    _setting(generation_config, "length_mode", "adaptive", LENGTH_MODES)
+    _setting(generation_config, "proposal", "argmax", PROPOSAL_MODES)
+    gamma = _setting(generation_config, "gamma", drafter.config.length_head_gamma)
+    min_len = _setting(generation_config, "min_len", drafter.config.length_head_min_len)
+    if not (isinstance(gamma, (int, float)) and gamma > 0):
+        raise ValueError(f"generation_config.adaflash_gamma: expected a number > 0, got {gamma!r}")
+    if not (isinstance(min_len, int) and 0 <= min_len <= drafter.config.block_size - 1):
+        raise ValueError(
+            f"generation_config.adaflash_min_len: expected an int in 0..{drafter.config.block_size - 1}, got {min_len!r}"
+        )
+
+
+class AdaFlashCandidateGenerator(CandidateGenerator):
+    """Drafts a block per round from the target's hidden states and truncates it to the length head's k̂.
+
+    Drafter-cache invariant: before a round it holds the K/V of every committed position except the newest token
+    (the anchor, whose target hidden state does not exist yet) plus, after round one, last round's block rows, which
+    are evicted first. Only committed positions are ever fed as context.
+    """
+
+    requires_model_outputs = True
+
+    def __init__(self, target, drafter: AdaFlashDrafter, generation_config, logits_processor, input_ids, model_kwargs):
+        from transformers.cache_utils import DFlashCache
+
+        if input_ids.shape[0] != 1:
+            raise ValueError(
+                f"input_ids: expected batch size 1 for generate(assistant_model=...) (use adaflash_hf.serving's "
+                f"AdaFlashEngine for batches), got {input_ids.shape[0]}"
+            )
+        cache = model_kwargs.get("cache")
+        if cache is not None and not getattr(cache, "is_croppable", True):
+            raise ValueError(f"cache: expected a croppable cache, got {type(cache).__name__}")
+        self.drafter = drafter
+        self.config = drafter.config
+        self.block_size = drafter.config.block_size
+        self.model_kwargs_overrides = {"output_hidden_states": [i + 1 for i in drafter.config.target_layer_ids]}
+        self.cache = DFlashCache(config=drafter.config)
+        self.embedding_weight = target.get_input_embeddings().weight
+        self.lm_head = target.get_output_embeddings()
+        self.logits_processor = logits_processor
+        self.do_sample = generation_config.do_sample
+        self.max_length = generation_config.max_length
+        self.max_positions = getattr(target.config.get_text_config(), "max_position_embeddings", None) or 1 << 62
+        self.length_mode = _setting(generation_config, "length_mode", "adaptive", LENGTH_MODES)
+        self.proposal = _setting(generation_config, "proposal", "argmax", PROPOSAL_MODES)
+        self.gamma = _setting(generation_config, "gamma", self.config.length_head_gamma)
+        self.min_len = _setting(generation_config, "min_len", self.config.length_head_min_len)
+        self.stats = AdaFlashStats(block_size=self.block_size)
+        drafter.last_stats = self.stats
+        self.recorder = getattr(drafter, "round_recorder", None)
+        self.version = int(getattr(drafter, "weights_version", 0))
+        self.num_cached = 0
+        self.block_in_cache = False
+        self.pending: dict[str, Any] | None = None
+
+    @torch.no_grad()
+    def get_candidates(self, input_ids, model_kwargs=None, model_outputs=None, is_first_iteration=False, **kwargs):
+        cur_len = input_ids.shape[1]
+        self.pending = None
+        if is_first_iteration or self.max_length - cur_len <= 1:
+            # Prefill (the target's first forward yields the context), or only the bonus token still fits.
+            return input_ids, None
+        started = time.perf_counter()
+        # Context = committed positions whose target states we have but the drafter cache lacks: all but the anchor.
+        num_new = cur_len - 1 - self.num_cached
+        hidden = model_outputs.hidden_states
+        context = torch.cat([hidden[i + 1][:, :num_new] for i in self.config.target_layer_ids], dim=-1)
+        if self.block_in_cache:
+            self.cache.crop(-self.block_size)
+        position_ids = model_kwargs["position_ids"][:, -num_new - 1 : -1]
+        block_positions = torch.arange(self.block_size, device=position_ids.device) + position_ids[:, -1:] + 1
+        attention_mask = model_kwargs.get("attention_mask")
+        if attention_mask is not None:
+            attention_mask = torch.cat([attention_mask[:, :-1], attention_mask.new_ones(1, self.block_size)], dim=-1)
+        device = self.drafter.device
+        noise = self.drafter.block_embeds(self.embedding_weight, input_ids[:, -1]).to(device)
+        out = self.drafter(
+            noise_embeds=noise,
+            context_hidden_states=context.to(device=device, dtype=noise.dtype),
+            position_ids=torch.cat([position_ids, block_positions], dim=-1).to(device),
+            attention_mask=None if attention_mask is None else attention_mask.to(device),
+            cache=self.cache,
+        )
+        self.num_cached += num_new
+        self.block_in_cache = True
+
+        predicted = float(out.acceptance_prob.float().reshape(-1)[0])
+        if self.length_mode == "fixed":
+            length = self.block_size - 1
+        else:
+            length = int(self.drafter.predict_draft_length(out.acceptance_prob, self.gamma, self.min_len).reshape(-1)[0])
+        # Never verify drafts that could not be kept: the bonus token needs one slot of max_length, and the
+        # verify forward must stay inside the target's positions.
+        length = max(0, min(length, self.max_length - cur_len - 1, self.max_positions - cur_len))
+        # The lm_head over V is the expensive part: only the verified rows, unless a recorder wants the whole block.
+        rows = self.block_size - 1 if self.recorder is not None else length
+        block_states = out.last_hidden_state[:, 1 : 1 + rows].to(self.lm_head.weight.device)
+        drafted = self.lm_head(block_states).float()
+        candidate_ids, candidate_logits = self._propose(input_ids, drafted, length)
+        self.pending = {
+            "started": time.perf_counter(),
+            "drafter_seconds": time.perf_counter() - started,
+            "length": length,
+            "predicted": predicted,
+            "context_length": cur_len - 1,
+            "anchor": int(input_ids[0, -1]),
+            "drafted": drafted,
+            "proposed": candidate_ids[0, cur_len:],
+        }
+        if length == 0:
+            # An empty draft must be (input_ids, None): zero-length logits crash transformers' speculative sampling.
+            return input_ids, None
+        return candidate_ids, candidate_logits
+
+    def _propose(self, input_ids, drafted_logits, length):
+        """Proposals and the q logits returned to the verifier.
+
+        Processors run position by position over the growing candidate prefix, as the target's logits are processed.
+        ``argmax`` proposals return one-hot q (0 at the proposal, -inf elsewhere), so speculative sampling accepts
+        with probability p(x) and resamples from p without x: lossless. ``sample`` returns the processed logits the
+        proposals were drawn from, so q is exactly the sampling distribution.
+        """
+        logits = drafted_logits[:, :length].clone()
+        candidate_ids = input_ids
+        for i in range(length):
+            if self.logits_processor:
+                logits[:, i] = self.logits_processor(candidate_ids, logits[:, i])
+            if self.do_sample and self.proposal == "sample":
+                token = torch.multinomial(torch.softmax(logits[:, i], dim=-1), num_samples=1)
+            else:
+                token = logits[:, i].argmax(dim=-1, keepdim=True)
+            candidate_ids = torch.cat([candidate_ids, token.to(candidate_ids.device)], dim=-1)
+        if self.do_sample and self.proposal == "argmax" and length:
+            proposals = candidate_ids[:, input_ids.shape[1] :]
+            logits = torch.full_like(logits, float("-inf")).scatter_(-1, proposals[..., None].to(logits.device), 0.0)
+        return candidate_ids, logits
+
+    def update_candidate_strategy(self, input_ids, scores, num_matches):
+        self.stats.target_forwards += 1
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        accepted = int(num_matches)
+        self.stats.verify_seconds += time.perf_counter() - pending["started"]
+        self.stats.drafter_seconds += pending["drafter_seconds"]
+        self.stats.add_round(pending["length"], accepted, pending["predicted"])
+        if self.recorder is not None:
+            drafted = pending["drafted"][0].argmax(dim=-1) if pending["drafted"].shape[1] else pending["proposed"]
+            drafted[: pending["length"]] = pending["proposed"].to(drafted.device)
+            self.recorder(
+                RoundRecord(
+                    context_length=pending["context_length"],
+                    anchor_token=pending["anchor"],
+                    drafted_tokens=drafted.tolist(),
+                    draft_length=pending["length"],
+                    predicted_acceptance=pending["predicted"],
+                    accepted=accepted,
+                    drafter_version=self.version,
+                )
+            )
+
+
+# ------------------------------------------------------------------------------------------------------- the hook
+def _wrap_get_candidate_generator(original):
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def _get_candidate_generator(self, *args, **kwargs):
+        bound = signature.bind(self, *args, **kwargs).arguments
+        assistant = bound.get("assistant_model")
+        if not isinstance(assistant, AdaFlashDrafter):
+            return original(self, *args, **kwargs)
+        return AdaFlashCandidateGenerator(
+            target=self,
+            drafter=assistant,
+            generation_config=bound["generation_config"],
+            logits_processor=bound.get("logits_processor"),
+            input_ids=bound["input_ids"],
+            model_kwargs=bound.get("model_kwargs") or {},
+        )
+
+    return _get_candidate_generator
+
+
+def _wrap_validate_generation_mode(original):
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def _validate_generation_mode(self, *args, **kwargs):
+        bound = signature.bind(self, *args, **kwargs).arguments
+        assistant = (bound.get("generation_mode_kwargs") or {}).get("assistant_model")
+        if isinstance(assistant, AdaFlashDrafter):
+            validate_adaflash_generation(self, assistant, bound["generation_mode"], bound["generation_config"])
+        return original(self, *args, **kwargs)
+
+    return _validate_generation_mode
+
+
+_WRAPPERS = {
+    "_get_candidate_generator": _wrap_get_candidate_generator,
+    "_validate_generation_mode": _wrap_validate_generation_mode,
+}
+
+
+def is_enabled() -> bool:
+    return all(getattr(getattr(GenerationMixin, name), "_adaflash_original", None) for name in _HOOKED)
+
+
+def enable() -> None:
+    """Install the generate hook (idempotent). Raises if this transformers lacks the internals we rely on."""
+    check_transformers_support()
+    for name, wrap in _WRAPPERS.items():
+        current = getattr(GenerationMixin, name)
+        if getattr(current, "_adaflash_original", None) is not None:
+            continue
+        wrapper = wrap(current)
+        wrapper._adaflash_original = current
+        setattr(GenerationMixin, name, wrapper)
+
+
+def disable() -> None:
+    """Remove the generate hook; AdaFlash drafters then need ``speculation_type="dflash"`` (fixed length)."""
+    for name in _HOOKED:
+        current = getattr(GenerationMixin, name)
+        original = getattr(current, "_adaflash_original", None)
+        if original is not None:
+            setattr(GenerationMixin, name, original)

@@ -1,0 +1,98 @@
+"""Per-call statistics and per-round records of AdaFlash speculative decoding, as plain data."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class RoundRecord:
+    """One drafting round, as handed to a round recorder (the online-learning hook).
+
+    ``context_length`` is the number of committed tokens before the anchor (the anchor sits at that position);
+    ``drafted_tokens`` are all ``block_size - 1`` proposals of the block, of which the first ``draft_length`` were
+    verified and the first ``accepted`` of those accepted.
+    """
+
+    context_length: int
+    anchor_token: int
+    drafted_tokens: list[int]
+    draft_length: int
+    predicted_acceptance: float
+    accepted: int
+    drafter_version: int
+
+
+@dataclass
+class AdaFlashStats:
+    """What one ``generate`` call did. ``tau`` counts committed tokens per target forward in drafting rounds."""
+
+    block_size: int
+    drafting_rounds: int = 0
+    target_forwards: int = 0
+    committed_tokens: int = 0
+    accepted_histogram: list[int] = field(default_factory=list)
+    position_attempts: list[int] = field(default_factory=list)
+    position_accepts: list[int] = field(default_factory=list)
+    verify_lengths: list[int] = field(default_factory=list)
+    predicted_acceptance: list[float] = field(default_factory=list)
+    realised_acceptance: list[float] = field(default_factory=list)
+    drafter_seconds: float = 0.0
+    verify_seconds: float = 0.0
+
+    def __post_init__(self):
+        slots = self.block_size - 1
+        self.accepted_histogram = self.accepted_histogram or [0] * (slots + 1)
+        self.position_attempts = self.position_attempts or [0] * slots
+        self.position_accepts = self.position_accepts or [0] * slots
+
+    def add_round(self, draft_length: int, accepted: int, predicted: float) -> None:
+        self.drafting_rounds += 1
+        self.committed_tokens += accepted + 1
+        self.accepted_histogram[accepted] += 1
+        for position in range(draft_length):
+            self.position_attempts[position] += 1
+            self.position_accepts[position] += int(position < accepted)
+        self.verify_lengths.append(draft_length)
+        self.predicted_acceptance.append(predicted)
+        self.realised_acceptance.append(accepted / (self.block_size - 1))
+
+    @property
+    def tau(self) -> float:
+        """Committed tokens per target forward over drafting rounds (accepted + 1 bonus); 0 before any round."""
+        return self.committed_tokens / self.drafting_rounds if self.drafting_rounds else 0.0
+
+    @property
+    def mean_verify_length(self) -> float:
+        return sum(self.verify_lengths) / len(self.verify_lengths) if self.verify_lengths else 0.0
+
+    @property
+    def acceptance_per_position(self) -> list[float | None]:
+        """P(position j accepted | position j verified), j = 1..block_size-1; None where never verified."""
+        return [acc / att if att else None for acc, att in zip(self.position_accepts, self.position_attempts)]
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted drafts / verified drafts."""
+        verified = sum(self.verify_lengths)
+        return sum(self.position_accepts) / verified if verified else 0.0
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out.update(
+            tau=self.tau,
+            mean_verify_length=self.mean_verify_length,
+            acceptance_rate=self.acceptance_rate,
+            acceptance_per_position=self.acceptance_per_position,
+        )
+        return out
+
+    def summary(self) -> str:
+        mean_pred = sum(self.predicted_acceptance) / max(len(self.predicted_acceptance), 1)
+        mean_real = sum(self.realised_acceptance) / max(len(self.realised_acceptance), 1)
+        return (
+            f"tau={self.tau:.2f} rounds={self.drafting_rounds} target_forwards={self.target_forwards} "
+            f"mean_verify_len={self.mean_verify_length:.2f} acceptance_rate={self.acceptance_rate:.2f} "
+            f"predicted/realised acceptance={mean_pred:.2f}/{mean_real:.2f} "
+            f"drafter/verify s={self.drafter_seconds:.3f}/{self.verify_seconds:.3f}"
+        )
