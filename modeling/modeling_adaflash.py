@@ -58,22 +58,26 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class AdaFlashRotaryEmbedding(nn.Module):
     def __init__(self, config: AdaFlashConfig):
         super().__init__()
+        inv_freq, self.attention_scaling = self.compute_inv_freq(config)
+        self.inv_freq = nn.Buffer(inv_freq, persistent=False)
+
+    @staticmethod
+    def compute_inv_freq(config: AdaFlashConfig) -> tuple[torch.Tensor, float]:
         rope_type = config.rope_parameters.get("rope_type", "default")
         if rope_type == "default":
             base = config.rope_parameters["rope_theta"]
             dim = config.head_dim
-            inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-            self.attention_scaling = 1.0
-        else:
-            inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config)
-        self.inv_freq = nn.Buffer(inv_freq, persistent=False)
+            return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
+        return ROPE_INIT_FUNCTIONS[rope_type](config)
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # position_ids: [B, S] absolute positions -> cos/sin [B, S, head_dim] in x's dtype
         freqs = position_ids[..., None].to(torch.float64) * self.inv_freq.to(x.device, torch.float64)
         emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
+        return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(
+            x.dtype
+        )
 
 
 def _eager_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
@@ -83,7 +87,8 @@ def _eager_attention(module, query, key, value, attention_mask, scaling, dropout
     scores = torch.matmul(query, key.transpose(2, 3)) * scaling
     if attention_mask is not None:
         scores = scores + attention_mask
-    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    # Upcast half precision for a stable softmax, but never downcast float64 (exactness tests run in float64).
+    probs = F.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(query.dtype)
     probs = F.dropout(probs, p=dropout, training=module.training)
     return torch.matmul(probs, value).transpose(1, 2).contiguous(), probs
 
@@ -118,7 +123,9 @@ class AdaFlashAttention(nn.Module):
         # Keys/values see [new context, block]; queries only the block.  kv_hidden: [B, n_ctx + q_len, H]
         kv_hidden = torch.cat([context_hidden, block_hidden], dim=1)
         query = self.q_norm(self.q_proj(block_hidden).view(batch, q_len, -1, self.head_dim)).transpose(1, 2)
-        key = self.k_norm(self.k_proj(kv_hidden).view(batch, kv_hidden.shape[1], -1, self.head_dim)).transpose(1, 2)
+        key = self.k_norm(
+            self.k_proj(kv_hidden).view(batch, kv_hidden.shape[1], -1, self.head_dim)
+        ).transpose(1, 2)
         value = self.v_proj(kv_hidden).view(batch, kv_hidden.shape[1], -1, self.head_dim).transpose(1, 2)
 
         # cos/sin cover every new kv position (context then block); the block's queries are the last q_len of them.
@@ -129,7 +136,9 @@ class AdaFlashAttention(nn.Module):
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx)
 
-        attention: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, _eager_attention)
+        attention: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, _eager_attention
+        )
         out, _ = attention(
             self,
             query,
@@ -228,6 +237,10 @@ class AdaFlashPreTrainedModel(PreTrainedModel):
 
     def _init_weights(self, module):
         super()._init_weights(module)
+        if isinstance(module, AdaFlashRotaryEmbedding):
+            # inv_freq is a non-persistent buffer: from_pretrained builds the model on the meta device and never loads
+            # it, so it must be recomputed here or RoPE reads uninitialised memory.
+            init.copy_(module.inv_freq, module.compute_inv_freq(self.config)[0])
         if isinstance(module, AdaFlashDrafter) and module.mask_embedding is not None:
             init.normal_(module.mask_embedding, mean=0.0, std=self.config.initializer_range)
 
@@ -242,15 +255,20 @@ class AdaFlashDrafter(AdaFlashPreTrainedModel):
         self.hidden_norm = AdaFlashRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.norm = AdaFlashRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = AdaFlashRotaryEmbedding(config)
-        self.mask_embedding = nn.Parameter(torch.zeros(config.hidden_size)) if config.learned_mask_embedding else None
-        head = LENGTH_HEAD_CLASS[config.length_head_variant](config.hidden_size, config.length_head_bottleneck)
+        self.mask_embedding = (
+            nn.Parameter(torch.zeros(config.hidden_size)) if config.learned_mask_embedding else None
+        )
+        head = LENGTH_HEAD_CLASS[config.length_head_variant](
+            config.hidden_size, config.length_head_bottleneck
+        )
         setattr(self, LENGTH_HEAD_ATTRIBUTE[config.length_head_variant], head)
         self.post_init()
 
     # ------------------------------------------------------------------------------------------------ properties
     @property
     def length_head(self) -> nn.Module:
-        return getattr(self, LENGTH_HEAD_ATTRIBUTE[self.config.length_head_variant])
+        # Read _modules directly: the paper head's attribute is itself named ``length_head``, which this property shadows.
+        return self._modules[LENGTH_HEAD_ATTRIBUTE[self.config.length_head_variant]]
 
     def length_head_parameter_names(self) -> list[str]:
         prefix = LENGTH_HEAD_ATTRIBUTE[self.config.length_head_variant] + "."
@@ -312,7 +330,9 @@ class AdaFlashDrafter(AdaFlashPreTrainedModel):
             raise ValueError(f"attention_mask: expected a 2-D or 4-D tensor, got {attention_mask.dim()}-D")
         if self.config._attn_implementation == "sdpa":
             return allowed
-        return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+        return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(
+            ~allowed, torch.finfo(dtype).min
+        )
 
     # --------------------------------------------------------------------------------------------------- forward
     def forward(
@@ -354,7 +374,9 @@ class AdaFlashDrafter(AdaFlashPreTrainedModel):
         if hasattr(cache, "set_previous_accepted_tokens"):
             cache.set_previous_accepted_tokens(n_ctx)
         if position_ids is None:
-            position_ids = torch.arange(past, past + n_ctx + q_len, device=noise_embeds.device)[None].expand(batch, -1)
+            position_ids = torch.arange(past, past + n_ctx + q_len, device=noise_embeds.device)[None].expand(
+                batch, -1
+            )
         elif position_ids.dim() == 1:
             position_ids = position_ids[None].expand(batch, -1)
 
@@ -377,7 +399,9 @@ class AdaFlashDrafter(AdaFlashPreTrainedModel):
         acceptance_prob = self.length_head(per_block)
         if q_len == block:
             acceptance_prob = acceptance_prob.squeeze(1)
-        return AdaFlashDrafterOutput(last_hidden_state=hidden_states, cache=cache, acceptance_prob=acceptance_prob)
+        return AdaFlashDrafterOutput(
+            last_hidden_state=hidden_states, cache=cache, acceptance_prob=acceptance_prob
+        )
 
     # ------------------------------------------------------------------------------------------------ validation
     def check_target(self, target: nn.Module) -> None:
@@ -409,13 +433,19 @@ class AdaFlashDrafter(AdaFlashPreTrainedModel):
                 f"mask_token_id: expected a row of the target embedding (0..{embedding_rows - 1}) or "
                 f"learned_mask_embedding=True, got {cfg.mask_token_id}"
             )
-        if cfg.learned_mask_embedding and not (cfg.mask_token_id is not None and 0 <= cfg.mask_token_id < embedding_rows):
+        if cfg.learned_mask_embedding and not (
+            cfg.mask_token_id is not None and 0 <= cfg.mask_token_id < embedding_rows
+        ):
             raise ValueError(
                 f"mask_token_id: expected a placeholder row 0..{embedding_rows - 1} (replaced by the learned mask "
                 f"embedding), got {cfg.mask_token_id}"
             )
         non_attention = sorted(
-            {t for t in (getattr(text, "layer_types", None) or ()) if t not in ("full_attention", "sliding_attention")}
+            {
+                t
+                for t in (getattr(text, "layer_types", None) or ())
+                if t not in ("full_attention", "sliding_attention")
+            }
         )
         if getattr(target, "_is_stateful", False) or non_attention:
             raise NotImplementedError(
@@ -433,7 +463,9 @@ class AdaFlashDrafter(AdaFlashPreTrainedModel):
     def save_pretrained(self, save_directory, *args, **kwargs):
         """Save safetensors weights, the config and the remote-code files (loadable with ``trust_remote_code``)."""
         if kwargs.get("safe_serialization") is False:
-            raise ValueError("safe_serialization: expected True (AdaFlash drafters are saved as safetensors only), got False")
+            raise ValueError(
+                "safe_serialization: expected True (AdaFlash drafters are saved as safetensors only), got False"
+            )
         self.config.__class__.register_for_auto_class()
         self.__class__.register_for_auto_class("AutoModel")
         source_layout = self.config.source_layout
@@ -454,10 +486,17 @@ class AdaFlashDrafter(AdaFlashPreTrainedModel):
         if kwargs.get("ignore_mismatched_sizes"):
             raise ValueError("ignore_mismatched_sizes: expected False (drafter loading is strict), got True")
         kwargs.setdefault("key_mapping", MUSE_GLIMMER_KEY_MAPPING)
-        model, info = super().from_pretrained(pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs)
+        # Let transformers list wrong-shaped tensors in the loading info (its own error names none of them); every
+        # mismatch is turned into a ValueError below, so nothing is silently re-initialised.
+        kwargs["ignore_mismatched_sizes"] = True
+        model, info = super().from_pretrained(
+            pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs
+        )
         head_keys = set(model.length_head_parameter_names())
         missing = set(info.get("missing_keys") or ())
-        fresh_head = model.config.source_layout in ("dflash", "muse_glimmer") and head_keys and head_keys <= missing
+        fresh_head = (
+            model.config.source_layout in ("dflash", "muse_glimmer") and head_keys and head_keys <= missing
+        )
         if fresh_head:
             missing -= head_keys
         problems = []
