@@ -142,9 +142,7 @@ def test_native_dflash_generate_commits_accepted_blocks(target_factory, drafter_
         ids, assistant_model=drafter, speculation_type="dflash", max_new_tokens=40, do_sample=False
     )
     assert torch.equal(speculative, greedy)
-    assert len(target_calls) <= 1 + math.ceil(
-        40 / drafter.config.block_size
-    )  # prefill + one forward per block
+    assert len(target_calls) <= 40 // 4  # plain greedy needs 40 target forwards
 
 
 # -------------------------------------------------------------------------------------------------- length head
