@@ -1,0 +1,316 @@
+"""The ``adaflash`` command line (console script declared in setup.cfg).
+
+    adaflash export --format dflash PATH OUT    drafter -> z-lab DFlash layout for SGLang/vLLM (+ length-head sidecar)
+    adaflash import PATH OUT                    z-lab DFlash / official AdaFlash / Muse-Glimmer / exported -> ours
+    adaflash publish PATH REPO_ID               upload with a model card in one commit (``--dry-run`` to preview)
+    adaflash bench {kernels,generate,serve} ... run ``adaflash_hf.bench.<name>:main`` with the remaining arguments
+    adaflash train ... / adaflash opd ...       ``accelerate launch`` the trainer scripts shipped in adaflash_hf.trainers
+
+Subcommands backed by modules or scripts missing from this installation are listed as "not available in this version"
+and exit with status 2. ``adaflash <command> --help`` describes each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import inspect
+import subprocess
+import sys
+from importlib import resources
+from pathlib import Path
+
+from transformers.utils import logging
+
+import adaflash_hf
+
+logger = logging.get_logger(__name__)
+
+BENCH_MODULES = {
+    "kernels": (
+        "adaflash_hf.bench.kernels",
+        "micro-benchmark the Triton kernels against their torch references",
+    ),
+    "generate": (
+        "adaflash_hf.bench.generate",
+        "τ and speed-up of AdaFlash vs baselines with target.generate",
+    ),
+    "serve": ("adaflash_hf.bench.serve", "throughput of the batched serving engine under concurrency"),
+}
+TRAINER_SCRIPTS = {
+    "train": ("train_drafter.py", "train a drafter from scratch for a causal LM (accelerate launch)"),
+    "opd": ("opd.py", "online on-policy distillation of a drafter (accelerate launch)"),
+}
+UNAVAILABLE = 2
+
+
+def module_available(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def trainer_script(filename: str) -> Path | None:
+    """The installed path of ``adaflash_hf/trainers/<filename>``, or None when this installation lacks it."""
+    try:
+        path = resources.files("adaflash_hf.trainers") / filename
+    except ModuleNotFoundError:
+        return None
+    return Path(str(path)) if path.is_file() else None
+
+
+def _not_available(what: str, reason: str) -> int:
+    print(f"adaflash {what}: not available in this version ({reason})", file=sys.stderr)
+    return UNAVAILABLE
+
+
+# -------------------------------------------------------------------------------------------- handlers
+def _run_export(args) -> int:
+    from adaflash_hf.interop import export_dflash
+
+    out = export_dflash(
+        args.path,
+        args.out,
+        format=args.format,
+        target_config=args.target_config,
+        revision=args.revision,
+        overwrite=args.overwrite,
+    )
+    print(f"wrote {args.format} checkpoint to {out}")
+    return 0
+
+
+def _run_import(args) -> int:
+    from adaflash_hf.interop import import_checkpoint
+
+    out = import_checkpoint(
+        args.path,
+        args.out,
+        target_config=args.target_config,
+        revision=args.revision,
+        overwrite=args.overwrite,
+    )
+    print(f"wrote AdaFlash checkpoint to {out}")
+    return 0
+
+
+def _run_publish(args) -> int:
+    from adaflash_hf.hub import push_drafter
+
+    result = push_drafter(
+        args.path,
+        args.repo_id,
+        private=args.private,
+        revision=args.revision,
+        bench_json=args.bench_json,
+        training_command=args.training_command,
+        datasets=args.dataset or None,
+        license=args.license,
+        base_model=args.base_model,
+        target_config=args.target_config,
+        tags=args.tag or None,
+        commit_message=args.commit_message,
+        create_pr=args.create_pr,
+        dry_run=args.dry_run,
+    )
+    if args.dry_run:
+        print(f"would upload to {args.repo_id}@{args.revision or 'main'} in one commit:")
+        for path, size in result:
+            print(f"  {path}  ({size:,} bytes)")
+    else:
+        print(f"published {args.repo_id}@{args.revision or 'main'}: {getattr(result, 'commit_url', result)}")
+    return 0
+
+
+def _run_bench(name: str, argv: list[str]) -> int:
+    module_name = BENCH_MODULES[name][0]
+    if not module_available(module_name):
+        return _not_available(f"bench {name}", f"module {module_name} is not installed")
+    main = getattr(importlib.import_module(module_name), "main", None)
+    if main is None:
+        return _not_available(f"bench {name}", f"{module_name} has no main()")
+    saved_argv, sys.argv = sys.argv, [f"adaflash bench {name}", *argv]
+    try:
+        # bench mains take argv as their first parameter, or read sys.argv when they take none
+        result = main(list(argv)) if inspect.signature(main).parameters else main()
+    finally:
+        sys.argv = saved_argv
+    return result if isinstance(result, int) else 0
+
+
+_LAUNCHER_OPTIONS = ("--accelerate-config", "--num-processes")
+
+
+def split_launcher_args(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Split ``adaflash train|opd`` arguments into ours (launcher options, --dry-run, --help) and the script's.
+
+    The script's arguments keep their order; a ``--`` ends our options so the script can receive ``--help``.
+    """
+    ours: list[str] = []
+    script: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--":
+            script += argv[i + 1 :]
+            break
+        if arg.split("=", 1)[0] in _LAUNCHER_OPTIONS:
+            take = 1 if "=" in arg else 2
+            ours += argv[i : i + take]
+            i += take
+            continue
+        (ours if arg in ("--dry-run", "-h", "--help") else script).append(arg)
+        i += 1
+    return ours, script
+
+
+def launch_command(script: Path, launcher_args: argparse.Namespace, script_args: list[str]) -> list[str]:
+    """``accelerate launch [launcher options] SCRIPT ARGS...`` as an argv list for the current interpreter."""
+    command = [sys.executable, "-m", "accelerate.commands.launch"]
+    if launcher_args.accelerate_config:
+        command += ["--config_file", launcher_args.accelerate_config]
+    if launcher_args.num_processes is not None:
+        command += ["--num_processes", str(launcher_args.num_processes)]
+    return [*command, str(script), *script_args]
+
+
+def _run_trainer(name: str, launcher_args: argparse.Namespace, script_args: list[str]) -> int:
+    filename = TRAINER_SCRIPTS[name][0]
+    script = trainer_script(filename)
+    if script is None:
+        return _not_available(name, f"adaflash_hf/trainers/{filename} is not installed")
+    command = launch_command(script, launcher_args, script_args)
+    if launcher_args.dry_run:
+        print(" ".join(command))
+        return 0
+    logger.info(f"Running {' '.join(command)}")
+    return subprocess.call(command)
+
+
+# ---------------------------------------------------------------------------------------------- parser
+def _add_checkpoint_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--target-config",
+        help="target config.json, model folder or repo id: refuse a drafter recorded for another target",
+    )
+    parser.add_argument("--revision", help="branch, tag or commit when PATH is a Hub repo id")
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT folder")
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="adaflash",
+        description="AdaFlash adaptive-length speculative decoding drafters: convert, publish, benchmark, train.",
+    )
+    parser.add_argument("--version", action="version", version=f"adaflash-hf {adaflash_hf.__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    export = commands.add_parser(
+        "export",
+        help="write a drafter in the z-lab DFlash layout that SGLang and vLLM load",
+        description="Write PATH (our layout, z-lab, official AdaFlash, Muse-Glimmer; folder or repo id) to OUT. "
+        "The length head goes to adaflash_length_head.{safetensors,json}; a learned mask embedding also to "
+        "mask_embedding.pt (vLLM).",
+    )
+    export.add_argument(
+        "--format",
+        choices=("dflash", "adaflash-official"),
+        default="dflash",
+        help="dflash: z-lab layout + sidecar; adaflash-official: head inside model.safetensors (SGLang PR #34171)",
+    )
+    export.add_argument("path", metavar="PATH", help="drafter folder or Hub repo id")
+    export.add_argument("out", metavar="OUT", help="output folder (new or empty)")
+    _add_checkpoint_options(export)
+    export.set_defaults(handler=_run_export)
+
+    imp = commands.add_parser(
+        "import",
+        help="convert a z-lab DFlash, official AdaFlash or Muse-Glimmer checkpoint to the AdaFlash layout",
+        description="Load PATH (folder or repo id; an exported sidecar and mask_embedding.pt are restored) and save "
+        "it in our layout with remote code. With --target-config, missing target fingerprint fields are recorded.",
+    )
+    imp.add_argument("path", metavar="PATH", help="checkpoint folder or Hub repo id")
+    imp.add_argument("out", metavar="OUT", help="output folder (new or empty)")
+    _add_checkpoint_options(imp)
+    imp.set_defaults(handler=_run_import)
+
+    publish = commands.add_parser(
+        "publish",
+        help="upload a drafter with its model card to the Hub in one commit",
+        description="Upload safetensors weights, config, remote code and a README model card to REPO_ID in a single "
+        "commit (a failed upload leaves the repo as it was).",
+    )
+    publish.add_argument("path", metavar="PATH", help="drafter folder (any supported layout) or Hub repo id")
+    publish.add_argument("repo_id", metavar="REPO_ID", help="target repo, e.g. my-org/Qwen3-8B-AdaFlash")
+    publish.add_argument("--private", action="store_true", help="create the repo as private")
+    publish.add_argument("--revision", help="branch to commit to (created if missing)")
+    publish.add_argument("--create-pr", action="store_true", help="open a pull request instead of committing")
+    publish.add_argument("--bench-json", help="bench JSON whose τ/speed-up rows go into the card")
+    publish.add_argument("--training-command", help="the command that trained the drafter, shown in the card")
+    publish.add_argument("--dataset", action="append", help="training dataset repo id (repeatable)")
+    publish.add_argument("--license", default="apache-2.0", help="license identifier (default: apache-2.0)")
+    publish.add_argument("--base-model", help="the target's Hub repo id (default: from --target-config)")
+    publish.add_argument(
+        "--target-config", help="target config.json, folder or repo id to check the drafter against"
+    )
+    publish.add_argument("--tag", action="append", help="extra card tag (repeatable)")
+    publish.add_argument("--commit-message", help="commit message")
+    publish.add_argument(
+        "--dry-run", action="store_true", help="stage and check, then list the files; upload nothing"
+    )
+    publish.set_defaults(handler=_run_publish)
+
+    bench = commands.add_parser(
+        "bench",
+        help="run a benchmark",
+        description="Benchmarks. `adaflash bench NAME ARGS...` passes ARGS (--help included) to NAME's main().",
+    )
+    bench_commands = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
+    for name, (module_name, summary) in BENCH_MODULES.items():
+        available = module_available(module_name)
+        bench_commands.add_parser(
+            name, help=summary if available else f"{summary} (not available in this version)"
+        )
+
+    for name, (filename, summary) in TRAINER_SCRIPTS.items():
+        available = trainer_script(filename) is not None
+        sub = commands.add_parser(
+            name,
+            help=summary if available else f"{summary} (not available in this version)",
+            allow_abbrev=False,
+            description=f"accelerate launch adaflash_hf/trainers/{filename} ARGS. Options below go to accelerate; "
+            f"everything else (e.g. --config run.yaml) goes to the script; `adaflash {name} -- --help` shows its options.",
+        )
+        sub.add_argument(
+            "--accelerate-config", help="accelerate config file (accelerate launch --config_file)"
+        )
+        sub.add_argument(
+            "--num-processes", type=int, help="processes to launch (accelerate launch --num_processes)"
+        )
+        sub.add_argument(
+            "--dry-run", action="store_true", help="print the launch command instead of running it"
+        )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = make_parser()
+    # Pass-through commands keep argparse away from the arguments of the module or script they run.
+    if argv[:1] == ["bench"] and len(argv) > 1 and argv[1] in BENCH_MODULES:
+        return _run_bench(argv[1], argv[2:])
+    if argv[:1] and argv[0] in TRAINER_SCRIPTS:
+        ours, script_args = split_launcher_args(argv[1:])
+        return _run_trainer(argv[0], parser.parse_args([argv[0], *ours]), script_args)
+    args = parser.parse_args(argv)
+    try:
+        return args.handler(args)
+    except (FileNotFoundError, FileExistsError, ValueError, NotImplementedError) as error:
+        print(f"adaflash {args.command}: error: {error}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
