@@ -1,0 +1,180 @@
+"""The ``adaflash`` command line: --help for every subcommand, export/import/publish end to end, dispatch of bench
+modules and accelerate-launched trainer scripts, and 'not available' for parts this installation lacks."""
+
+import importlib.machinery
+import sys
+import types
+from importlib.metadata import entry_points
+from unittest.mock import create_autospec
+
+import pytest
+import torch
+from huggingface_hub import HfApi
+
+from adaflash_hf import AdaFlashDrafter, cli
+
+
+def _help(capsys, *argv) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([*argv, "--help"])
+    assert exit_info.value.code == 0
+    return capsys.readouterr().out
+
+
+@pytest.fixture
+def drafter_folder(target_factory, drafter_factory, tmp_path):
+    drafter = drafter_factory(target_factory("qwen3"))
+    drafter.save_pretrained(tmp_path / "drafter")
+    return drafter, tmp_path / "drafter"
+
+
+@pytest.fixture
+def fake_bench(monkeypatch):
+    """Install a stand-in ``adaflash_hf.bench.generate`` module whose main records its argv."""
+    calls = []
+    module = types.ModuleType("adaflash_hf.bench.generate")
+    module.__spec__ = importlib.machinery.ModuleSpec("adaflash_hf.bench.generate", loader=None)
+
+    def main(argv=None):
+        calls.append((list(argv), list(sys.argv)))
+        return 0
+
+    module.main = main
+    package = types.ModuleType("adaflash_hf.bench")
+    package.__spec__ = importlib.machinery.ModuleSpec("adaflash_hf.bench", loader=None, is_package=True)
+    package.__path__ = []
+    monkeypatch.setitem(sys.modules, "adaflash_hf.bench", package)
+    monkeypatch.setitem(sys.modules, "adaflash_hf.bench.generate", module)
+    return calls
+
+
+def test_top_level_help_lists_every_subcommand(capsys):
+    text = _help(capsys)
+    for command in ("export", "import", "publish", "bench", "train", "opd"):
+        assert command in text
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["export"], "--format {dflash,adaflash-official}"),
+        (["import"], "--target-config"),
+        (["publish"], "--bench-json"),
+        (["bench"], "BENCHMARK"),
+        (["train"], "--accelerate-config"),
+        (["opd"], "--num-processes"),
+    ],
+)
+def test_each_subcommand_has_help(capsys, argv, expected):
+    assert expected in _help(capsys, *argv)
+
+
+def test_export_then_import_round_trips(drafter_folder, tmp_path, capsys):
+    drafter, folder = drafter_folder
+    assert cli.main(["export", "--format", "dflash", str(folder), str(tmp_path / "dflash")]) == 0
+    assert cli.main(["import", str(tmp_path / "dflash"), str(tmp_path / "ours")]) == 0
+    assert "wrote AdaFlash checkpoint" in capsys.readouterr().out
+    imported = AdaFlashDrafter.from_pretrained(tmp_path / "ours")
+    assert all(torch.equal(imported.state_dict()[k], v) for k, v in drafter.state_dict().items())
+
+
+def test_bad_input_exits_1_with_a_clear_message(drafter_folder, target_factory, tmp_path, capsys):
+    _, folder = drafter_folder
+    target_factory("qwen3", vocab_size=1024).config.save_pretrained(tmp_path / "target")
+    argv = ["export", str(folder), str(tmp_path / "out"), "--target-config", str(tmp_path / "target")]
+    assert cli.main(argv) == 1
+    assert "adaflash export: error: target_vocab_size: expected the target's vocab_size=1024, got 512" in (
+        capsys.readouterr().err
+    )
+    assert cli.main(["import", str(tmp_path / "missing"), str(tmp_path / "out")]) == 1
+    assert "expected an existing folder" in capsys.readouterr().err
+
+
+def test_publish_dry_run_lists_the_files(drafter_folder, capsys):
+    _, folder = drafter_folder
+    assert cli.main(["publish", str(folder), "org/tiny", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "would upload to org/tiny@main in one commit" in out
+    for name in ("README.md", "config.json", "model.safetensors", "modeling_adaflash.py"):
+        assert name in out
+
+
+def test_publish_passes_its_options_to_the_hub(drafter_folder, tmp_path, monkeypatch):
+    _, folder = drafter_folder
+    api = create_autospec(HfApi, instance=True)
+    monkeypatch.setattr("adaflash_hf.hub.HfApi", lambda **kwargs: api)
+    bench = tmp_path / "bench.json"
+    bench.write_text('[{"method": "adaflash", "tau": 3.1}]')
+    argv = ["publish", str(folder), "org/tiny", "--private", "--revision", "exp", "--bench-json", str(bench)]
+    assert cli.main([*argv, "--dataset", "a/b", "--base-model", "Qwen/Qwen3-8B"]) == 0
+    assert api.create_repo.call_args.kwargs["private"] is True
+    assert api.create_branch.call_args.kwargs["branch"] == "exp"
+    assert api.create_commit.call_args.kwargs["revision"] == "exp"
+
+
+def test_bench_dispatches_to_the_module_main(fake_bench):
+    assert cli.main(["bench", "generate", "--max-new-tokens", "8", "--help"]) == 0
+    assert fake_bench == [
+        (["--max-new-tokens", "8", "--help"], ["adaflash bench generate", "--max-new-tokens", "8", "--help"])
+    ]
+
+
+def test_missing_bench_module_is_not_available(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "module_available", lambda name: False)
+    assert cli.main(["bench", "serve"]) == cli.UNAVAILABLE
+    assert "adaflash bench serve: not available in this version" in capsys.readouterr().err
+
+
+def test_train_launches_the_script_through_accelerate(monkeypatch, tmp_path):
+    script = tmp_path / "train_drafter.py"
+    script.write_text("")
+    launched = []
+    monkeypatch.setattr(cli, "trainer_script", lambda filename: script)
+    monkeypatch.setattr(cli.subprocess, "call", lambda command: launched.append(command) or 0)
+    argv = [
+        "train",
+        "--num-processes",
+        "2",
+        "--config",
+        "run.yaml",
+        "--accelerate-config=acc.yaml",
+        "--",
+        "--help",
+    ]
+    assert cli.main(argv) == 0
+    assert launched == [
+        [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            "acc.yaml",
+            "--num_processes",
+            "2",
+        ]
+        + [str(script), "--config", "run.yaml", "--help"]
+    ]
+
+
+def test_train_dry_run_prints_the_command(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(cli, "trainer_script", lambda filename: tmp_path / filename)
+    assert cli.main(["opd", "--dry-run", "--config", "opd.yaml"]) == 0
+    assert (
+        capsys.readouterr()
+        .out.strip()
+        .endswith(f"accelerate.commands.launch {tmp_path / 'opd.py'} --config opd.yaml")
+    )
+
+
+def test_missing_trainer_script_is_not_available(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "trainer_script", lambda filename: None)
+    assert cli.main(["opd", "--config", "x.yaml"]) == cli.UNAVAILABLE
+    assert "adaflash opd: not available in this version" in capsys.readouterr().err
+
+
+def test_console_script_points_at_main(capsys):
+    (entry_point,) = entry_points(group="console_scripts", name="adaflash")
+    assert entry_point.value == "adaflash_hf.cli:main" and entry_point.load() is cli.main
+    with pytest.raises(SystemExit):
+        cli.main(["--version"])
+    assert capsys.readouterr().out.startswith("adaflash-hf ")
