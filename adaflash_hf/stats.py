@@ -35,6 +35,7 @@ class AdaFlashStats:
     position_attempts: list[int] = field(default_factory=list)
     position_accepts: list[int] = field(default_factory=list)
     verify_lengths: list[int] = field(default_factory=list)
+    accepted_lengths: list[int] = field(default_factory=list)
     predicted_acceptance: list[float] = field(default_factory=list)
     realised_acceptance: list[float] = field(default_factory=list)
     drafter_seconds: float = 0.0
@@ -54,6 +55,7 @@ class AdaFlashStats:
             self.position_attempts[position] += 1
             self.position_accepts[position] += int(position < accepted)
         self.verify_lengths.append(draft_length)
+        self.accepted_lengths.append(accepted)
         self.predicted_acceptance.append(predicted)
         self.realised_acceptance.append(accepted / (self.block_size - 1))
 

@@ -82,13 +82,64 @@ def any_target(request):
     return make_target(request.param)
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def target_factory():
     """``target_factory(kind="qwen3"|"llama", seed=0, dtype=torch.float32, **config_overrides)``."""
     return make_target
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def drafter_factory():
     """``drafter_factory(target, seed=1, **AdaFlashConfig_overrides)``: a random drafter built for ``target``."""
     return make_drafter
+
+
+class OracleDrafter(AdaFlashDrafter):
+    """A real drafter whose block rows are overwritten so the target's lm_head proposes the reference tokens for
+    exactly ``j`` rows, then a wrong token: it exercises partial acceptance and cache rollback deterministically."""
+
+    def arm(self, reference, lm_weight, seed: int = 0, max_right: int | None = None, sharpness: float = 4.0):
+        self.reference = reference[0]
+        self.sharpness = sharpness
+        self.lm_weight = lm_weight
+        self.rng = torch.Generator().manual_seed(seed)
+        self.max_right = self.config.block_size - 1 if max_right is None else max_right
+        self.rights: list[int] = []
+        return self
+
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        block = self.config.block_size
+        anchor_position = int(kwargs["position_ids"][0, -block])
+        right = int(torch.randint(0, self.max_right + 1, (1,), generator=self.rng))
+        self.rights.append(right)
+        states = out.last_hidden_state.clone()
+        vocab = self.lm_weight.shape[0]
+        for row in range(1, block):
+            position = anchor_position + row
+            if position >= self.reference.shape[0]:
+                token = 0
+            elif row <= right:
+                token = int(self.reference[position])
+            else:
+                token = (int(self.reference[position]) + 1) % vocab
+            states[0, row] = self.lm_weight[token] * self.sharpness
+        out.last_hidden_state = states
+        return out
+
+
+def make_oracle(target, reference, seed=0, max_right=None, sharpness=4.0, **config):
+    base = make_drafter(target, **config)
+    oracle = OracleDrafter(base.config).to(next(target.parameters()).dtype).eval()
+    oracle.load_state_dict(base.state_dict())
+    weight = target.get_output_embeddings().weight.detach()
+    logits = weight @ weight.T
+    assert torch.equal(logits.argmax(-1), torch.arange(weight.shape[0])), "oracle encoding needs argmax(W W^T) = id"
+    return oracle.arm(reference, weight, seed=seed, max_right=max_right, sharpness=sharpness)
+
+
+@pytest.fixture(scope="session")
+def oracle_factory():
+    """``oracle_factory(target, reference, seed=0, max_right=None)``: an OracleDrafter right for a random
+    0..max_right rows of each block, then wrong, against the ``reference`` sequence."""
+    return make_oracle

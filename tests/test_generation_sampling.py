@@ -1,0 +1,151 @@
+"""Sampling with AdaFlash is lossless: the marginal law of each generated position equals the target's.
+
+The target has a 16-token vocabulary, so the exact marginals of the first three generated tokens are computed by
+enumerating every prefix. Generated samples are compared with a chi-square goodness-of-fit test per position
+(N = 1000 sequences, bins with expected count < 5 merged, Bonferroni over the three positions, family-wise level
+1e-3). The same test must reject two deliberately broken proposal functions: "accept all" (q ~ 0 on every proposal)
+and "wrong q" (q from the unprocessed drafter logits instead of the distribution the proposals were drawn from).
+"""
+
+import pytest
+import torch
+from transformers import GenerationConfig
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from adaflash_hf import AdaFlashCandidateGenerator
+
+VOCAB = 16
+SCALE = 12.0
+SHARPNESS = 0.5
+NUM_SAMPLES = 1000
+POSITIONS = 3
+TEMPERATURE, TOP_K, TOP_P = 0.6, 6, 0.95
+FAMILY_ALPHA = 1e-3
+PROMPT = torch.tensor([[3, 9, 1, 12, 5]])
+
+
+def processors() -> LogitsProcessorList:
+    # The order transformers' generate uses for these three warpers.
+    return LogitsProcessorList(
+        [TemperatureLogitsWarper(TEMPERATURE), TopKLogitsWarper(top_k=TOP_K), TopPLogitsWarper(top_p=TOP_P)]
+    )
+
+
+@pytest.fixture(scope="module")
+def setup(target_factory, oracle_factory):
+    target = target_factory("qwen3", seed=7, vocab_size=VOCAB)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(SCALE)  # spread the logits so the law is far from uniform
+    # Proposals follow the greedy continuation for a random number of rows: often accepted, so q matters.
+    reference = target.generate(PROMPT, do_sample=False, max_new_tokens=POSITIONS + 16)
+    drafter = oracle_factory(target, reference, seed=8, sharpness=SHARPNESS, mask_token_id=VOCAB - 1)
+    return target, drafter, exact_marginals(target)
+
+
+def exact_marginals(target) -> torch.Tensor:
+    """[POSITIONS, VOCAB] exact marginal law of generated positions 1..3 under the processed target distribution."""
+    pairs = torch.cartesian_prod(torch.arange(VOCAB), torch.arange(VOCAB))  # every (x1, x2)
+    ids = torch.cat([PROMPT.expand(pairs.shape[0], -1), pairs], dim=1)
+    with torch.no_grad():
+        logits = target(ids).logits.double()[:, -3:]
+    warp = processors()
+    probs = [torch.softmax(warp(ids, logits[:, i].float()).double(), -1) for i in range(3)]
+    p1 = probs[0][0]
+    p2_given_x1 = probs[1].view(VOCAB, VOCAB, VOCAB)[:, 0]  # rows indexed by x1
+    p3_given_x1x2 = probs[2].view(VOCAB, VOCAB, VOCAB)
+    m2 = p1 @ p2_given_x1
+    m3 = torch.einsum("a,ab,abc->c", p1, p2_given_x1, p3_given_x1x2)
+    return torch.stack([p1, m2, m3])
+
+
+def chi_square_p_value(counts: torch.Tensor, expected_probs: torch.Tensor) -> float:
+    expected = expected_probs * counts.sum()
+    order = torch.argsort(expected, descending=True)
+    observed_bins, expected_bins = [], []
+    obs_acc = exp_acc = 0.0
+    for index in order.tolist():
+        obs_acc += float(counts[index])
+        exp_acc += float(expected[index])
+        if exp_acc >= 5:
+            observed_bins.append(obs_acc)
+            expected_bins.append(exp_acc)
+            obs_acc = exp_acc = 0.0
+    if exp_acc > 0 or obs_acc > 0:  # fold the small remainder into the last bin
+        observed_bins[-1] += obs_acc
+        expected_bins[-1] += exp_acc
+    observed_t = torch.tensor(observed_bins, dtype=torch.float64)
+    expected_t = torch.tensor(expected_bins, dtype=torch.float64)
+    statistic = ((observed_t - expected_t) ** 2 / expected_t).sum()
+    dof = len(observed_bins) - 1
+    if dof == 0:
+        return 1.0
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64), statistic / 2))
+
+
+def sample_counts(target, drafter, proposal: str) -> torch.Tensor:
+    torch.manual_seed(1234)
+    config = GenerationConfig(
+        do_sample=True,
+        temperature=TEMPERATURE,
+        top_k=TOP_K,
+        top_p=TOP_P,
+        max_new_tokens=POSITIONS,
+        adaflash_proposal=proposal,
+        adaflash_min_len=POSITIONS,
+    )
+    counts = torch.zeros(POSITIONS, VOCAB)
+    for _ in range(NUM_SAMPLES):
+        out = target.generate(PROMPT, assistant_model=drafter, generation_config=config)
+        tokens = out[0, PROMPT.shape[1] :]
+        counts[torch.arange(POSITIONS), tokens] += 1
+    return counts
+
+
+def min_p_value(counts, marginals) -> float:
+    return min(chi_square_p_value(counts[i], marginals[i]) for i in range(POSITIONS))
+
+
+@pytest.mark.parametrize("proposal", ["argmax", "sample"])
+def test_sampled_marginals_equal_the_targets(proposal, setup):
+    target, drafter, marginals = setup
+    counts = sample_counts(target, drafter, proposal)
+    assert drafter.last_stats.drafting_rounds >= 1
+    assert min_p_value(counts, marginals) > FAMILY_ALPHA / POSITIONS
+
+
+def _accept_all(self, input_ids, drafted_logits, length):
+    candidate_ids, logits = _ORIGINAL_PROPOSE(self, input_ids, drafted_logits, length)
+    proposals = candidate_ids[:, input_ids.shape[1] :]
+    # q(x) ~ 0 for every proposal: p/q is huge, so speculative sampling accepts (almost) everything.
+    broken = torch.zeros_like(logits).scatter_(-1, proposals[..., None], -60.0)
+    return candidate_ids, broken
+
+
+def _wrong_q(self, input_ids, drafted_logits, length):
+    candidate_ids, _ = _ORIGINAL_PROPOSE(self, input_ids, drafted_logits, length)
+    # The transformers #47932 class of bug: q from the raw drafter logits, not the processed ones sampled from.
+    return candidate_ids, drafted_logits[:, :length]
+
+
+_ORIGINAL_PROPOSE = AdaFlashCandidateGenerator._propose
+
+
+@pytest.mark.parametrize("broken, proposal", [(_accept_all, "argmax"), (_wrong_q, "sample")])
+def test_the_same_test_rejects_a_broken_verifier_contract(broken, proposal, setup, monkeypatch):
+    target, drafter, marginals = setup
+    monkeypatch.setattr(AdaFlashCandidateGenerator, "_propose", broken)
+    counts = sample_counts(target, drafter, proposal)
+    assert min_p_value(counts, marginals) < FAMILY_ALPHA / POSITIONS
+
+
+def test_empty_draft_does_not_crash_the_sampling_path(setup):
+    target, drafter, _ = setup
+    config = GenerationConfig(do_sample=True, max_new_tokens=6, adaflash_gamma=1e-9, adaflash_min_len=0)
+    out = target.generate(PROMPT, assistant_model=drafter, generation_config=config)
+    assert out.shape[1] == PROMPT.shape[1] + 6
+    assert set(drafter.last_stats.verify_lengths) == {0}
