@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 from huggingface_hub import snapshot_download
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -37,6 +38,7 @@ from transformers import AutoConfig, PreTrainedConfig
 from transformers.initialization import no_init_weights
 from transformers.utils import logging
 
+import adaflash_hf
 from adaflash_hf.modeling import AdaFlashConfig, AdaFlashDrafter
 from adaflash_hf.modeling.modeling_adaflash import LENGTH_HEAD_ATTRIBUTE, MUSE_GLIMMER_KEY_MAPPING
 
@@ -171,7 +173,7 @@ def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
     for file in files:
         with safe_open(file, framework="pt") as handle:
-            tensors.update({key: handle.get_tensor(key) for key in handle.keys()})  # noqa: SIM118
+            tensors.update({key: handle.get_tensor(key) for key in handle.keys()})
     for pattern, replacement in MUSE_GLIMMER_KEY_MAPPING.items():
         tensors = {re.sub(pattern, replacement, key): value for key, value in tensors.items()}
     return tensors
@@ -200,7 +202,7 @@ def load_drafter(source: AdaFlashDrafter | str | os.PathLike, revision: str | No
                 setattr(config, field, meta[field])
         if (folder / SIDECAR_WEIGHTS).is_file():
             with safe_open(folder / SIDECAR_WEIGHTS, framework="pt") as handle:
-                extra = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118
+                extra = {key: handle.get_tensor(key) for key in handle.keys()}
     if "mask_embedding" not in extra and mask_file.is_file():
         config.learned_mask_embedding = True
         extra["mask_embedding"] = _load_mask_embedding(mask_file, config.hidden_size)
@@ -255,8 +257,10 @@ def _prepare_out(out: str | os.PathLike, overwrite: bool) -> Path:
 
 def _finish(staging: Path, out: Path) -> Path:
     """Move a fully written staging folder into place, so a failed write never leaves a half checkpoint at ``out``."""
-    if out.exists():
-        shutil.rmtree(out) if out.is_dir() else out.unlink()
+    if out.is_dir():
+        shutil.rmtree(out)
+    elif out.exists():
+        out.unlink()
     os.replace(staging, out)
     return out
 
@@ -267,8 +271,6 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def dflash_config_dict(config: AdaFlashConfig, dtype: torch.dtype, format: str = "dflash") -> dict[str, Any]:
     """``config.json`` in z-lab's ``DFlashDraftModel`` schema (``model_type='qwen3'``, ``dflash_config``)."""
-    import transformers
-
     rope = dict(config.rope_parameters or {"rope_type": "default", "rope_theta": 1e6})
     default_rope = rope.get("rope_type", "default") == "default"
     dflash_config: dict[str, Any] = {
@@ -367,8 +369,6 @@ def export_dflash(
         (staging / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
         if sidecar_tensors:
             save_file(sidecar_tensors, staging / SIDECAR_WEIGHTS, metadata={"format": "pt"})
-        import adaflash_hf
-
         meta = {
             "format_version": SIDECAR_FORMAT_VERSION,
             "adaflash_hf_version": adaflash_hf.__version__,
