@@ -226,11 +226,10 @@ def load_drafter(source: AdaFlashDrafter | str | os.PathLike, revision: str | No
             f"(plus {SIDECAR_WEIGHTS}/{MASK_EMBEDDING_FILE}), got missing keys {sorted(missing)}, "
             f"unexpected keys {sorted(unexpected)}"
         )
+    shapes = {name: tuple(tensor.shape) for name, tensor in drafter.state_dict().items()}
     for key, value in tensors.items():
-        if value.shape != drafter.state_dict()[key].shape:
-            raise ValueError(
-                f"{key}: expected shape {tuple(drafter.state_dict()[key].shape)}, got {tuple(value.shape)}"
-            )
+        if tuple(value.shape) != shapes[key]:
+            raise ValueError(f"{key}: expected shape {shapes[key]}, got {tuple(value.shape)}")
     drafter.load_state_dict(tensors, strict=not fresh_head)
     if fresh_head:
         drafter.length_head.apply(drafter._init_weights)
