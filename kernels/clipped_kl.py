@@ -274,7 +274,7 @@ def _fused_forward(
     row_scale = (row_w * inv_total).contiguous()
     compute_grad = need_h or need_w
     grad_h = torch.empty_like(h) if need_h else None
-    grad_w = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) if need_w else None
+    grad_w = torch.zeros(weight.shape, device=weight.device, dtype=dtype) if need_w else None
     stats = torch.empty(n_rows, _STATS, device=h.device, dtype=torch.promote_types(h.dtype, torch.float32))
     rows_fn = _rows_triton if settings.impl == "triton" else _rows_torch
     for start in range(0, n_rows, settings.chunk_size):
@@ -289,7 +289,7 @@ def _fused_forward(
         if need_h:
             grad_h[start:end] = grad.to(weight.dtype) @ weight
         if need_w:
-            grad_w += (grad.T.to(h.dtype) @ h_chunk).float()
+            grad_w += (grad.T.to(h.dtype) @ h_chunk).to(dtype)
     ce, kl_clip, kl_raw, n_clip, n_cols, correct = stats.unbind(1)
     if settings.row_clip:
         normalised = kl_raw * inv_total
