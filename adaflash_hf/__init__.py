@@ -16,7 +16,9 @@ from adaflash_hf.stats import AdaFlashStats, RoundRecord
 register()
 try:
     enable()
-except RuntimeError as error:  # an untested transformers: keep the package importable, say why generate won't adapt
+except (
+    RuntimeError
+) as error:  # an untested transformers: keep the package importable, say why generate won't adapt
     logging.get_logger(__name__).warning(f"{error}. Call adaflash_hf.enable() after fixing this.")
 
 __all__ = [

@@ -56,7 +56,9 @@ def check_transformers_support() -> None:
     if not _version_tuple(low) <= _version_tuple(version) < _version_tuple(high):
         problems.append(f"transformers version: expected >={low},<{high} (the tested range), got {version}")
     if not getattr(CandidateGenerator, "requires_model_outputs", None) is not None:
-        problems.append("CandidateGenerator.requires_model_outputs: expected the 5.x model-outputs protocol, missing")
+        problems.append(
+            "CandidateGenerator.requires_model_outputs: expected the 5.x model-outputs protocol, missing"
+        )
     for name in _HOOKED:
         if not callable(getattr(GenerationMixin, name, None)):
             problems.append(f"GenerationMixin.{name}: expected a method, missing")
@@ -76,10 +78,15 @@ def _setting(generation_config, name: str, default: Any, allowed: tuple | None =
     return value
 
 
-def validate_adaflash_generation(target, drafter: AdaFlashDrafter, generation_mode, generation_config) -> None:
+def validate_adaflash_generation(
+    target, drafter: AdaFlashDrafter, generation_mode, generation_config
+) -> None:
     """All checks that must fail before any forward pass of an AdaFlash ``generate`` call."""
     drafter.check_target(target)
-    if generation_config.num_beams > 1 or generation_mode in (GenerationMode.BEAM_SEARCH, GenerationMode.BEAM_SAMPLE):
+    if generation_config.num_beams > 1 or generation_mode in (
+        GenerationMode.BEAM_SEARCH,
+        GenerationMode.BEAM_SAMPLE,
+    ):
         raise ValueError(
             f"num_beams: expected 1 with an AdaFlash assistant (speculative decoding is greedy or sampling), "
             f"got {generation_config.num_beams}"
@@ -116,7 +123,9 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
 
     requires_model_outputs = True
 
-    def __init__(self, target, drafter: AdaFlashDrafter, generation_config, logits_processor, input_ids, model_kwargs):
+    def __init__(
+        self, target, drafter: AdaFlashDrafter, generation_config, logits_processor, input_ids, model_kwargs
+    ):
         from transformers.cache_utils import DFlashCache
 
         if input_ids.shape[0] != 1:
@@ -130,14 +139,18 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
         self.drafter = drafter
         self.config = drafter.config
         self.block_size = drafter.config.block_size
-        self.model_kwargs_overrides = {"output_hidden_states": [i + 1 for i in drafter.config.target_layer_ids]}
+        self.model_kwargs_overrides = {
+            "output_hidden_states": [i + 1 for i in drafter.config.target_layer_ids]
+        }
         self.cache = DFlashCache(config=drafter.config)
         self.embedding_weight = target.get_input_embeddings().weight
         self.lm_head = target.get_output_embeddings()
         self.logits_processor = logits_processor
         self.do_sample = generation_config.do_sample
         self.max_length = generation_config.max_length
-        self.max_positions = getattr(target.config.get_text_config(), "max_position_embeddings", None) or 1 << 62
+        self.max_positions = (
+            getattr(target.config.get_text_config(), "max_position_embeddings", None) or 1 << 62
+        )
         self.length_mode = _setting(generation_config, "length_mode", "adaptive", LENGTH_MODES)
         self.proposal = _setting(generation_config, "proposal", "argmax", PROPOSAL_MODES)
         self.gamma = _setting(generation_config, "gamma", self.config.length_head_gamma)
@@ -151,7 +164,9 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
         self.pending: dict[str, Any] | None = None
 
     @torch.no_grad()
-    def get_candidates(self, input_ids, model_kwargs=None, model_outputs=None, is_first_iteration=False, **kwargs):
+    def get_candidates(
+        self, input_ids, model_kwargs=None, model_outputs=None, is_first_iteration=False, **kwargs
+    ):
         cur_len = input_ids.shape[1]
         self.pending = None
         if is_first_iteration or self.max_length - cur_len <= 1:
@@ -168,7 +183,9 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
         block_positions = torch.arange(self.block_size, device=position_ids.device) + position_ids[:, -1:] + 1
         attention_mask = model_kwargs.get("attention_mask")
         if attention_mask is not None:
-            attention_mask = torch.cat([attention_mask[:, :-1], attention_mask.new_ones(1, self.block_size)], dim=-1)
+            attention_mask = torch.cat(
+                [attention_mask[:, :-1], attention_mask.new_ones(1, self.block_size)], dim=-1
+            )
         device = self.drafter.device
         noise = self.drafter.block_embeds(self.embedding_weight, input_ids[:, -1]).to(device)
         out = self.drafter(
@@ -185,7 +202,11 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
         if self.length_mode == "fixed":
             length = self.block_size - 1
         else:
-            length = int(self.drafter.predict_draft_length(out.acceptance_prob, self.gamma, self.min_len).reshape(-1)[0])
+            length = int(
+                self.drafter.predict_draft_length(out.acceptance_prob, self.gamma, self.min_len).reshape(-1)[
+                    0
+                ]
+            )
         # Never verify drafts that could not be kept: the bonus token needs one slot of max_length, and the
         # verify forward must stay inside the target's positions.
         length = max(0, min(length, self.max_length - cur_len - 1, self.max_positions - cur_len))
@@ -229,7 +250,9 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
             candidate_ids = torch.cat([candidate_ids, token.to(candidate_ids.device)], dim=-1)
         if self.do_sample and self.proposal == "argmax" and length:
             proposals = candidate_ids[:, input_ids.shape[1] :]
-            logits = torch.full_like(logits, float("-inf")).scatter_(-1, proposals[..., None].to(logits.device), 0.0)
+            logits = torch.full_like(logits, float("-inf")).scatter_(
+                -1, proposals[..., None].to(logits.device), 0.0
+            )
         return candidate_ids, logits
 
     def update_candidate_strategy(self, input_ids, scores, num_matches):
@@ -242,7 +265,9 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
         self.stats.drafter_seconds += pending["drafter_seconds"]
         self.stats.add_round(pending["length"], accepted, pending["predicted"])
         if self.recorder is not None:
-            drafted = pending["drafted"][0].argmax(dim=-1) if pending["drafted"].shape[1] else pending["proposed"]
+            drafted = (
+                pending["drafted"][0].argmax(dim=-1) if pending["drafted"].shape[1] else pending["proposed"]
+            )
             drafted[: pending["length"]] = pending["proposed"].to(drafted.device)
             self.recorder(
                 RoundRecord(
@@ -287,7 +312,9 @@ def _wrap_validate_generation_mode(original):
         bound = signature.bind(self, *args, **kwargs).arguments
         assistant = (bound.get("generation_mode_kwargs") or {}).get("assistant_model")
         if isinstance(assistant, AdaFlashDrafter):
-            validate_adaflash_generation(self, assistant, bound["generation_mode"], bound["generation_config"])
+            validate_adaflash_generation(
+                self, assistant, bound["generation_mode"], bound["generation_config"]
+            )
         return original(self, *args, **kwargs)
 
     return _validate_generation_mode

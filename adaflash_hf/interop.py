@@ -40,6 +40,7 @@ from transformers.utils import logging
 
 import adaflash_hf
 from adaflash_hf.modeling import AdaFlashConfig, AdaFlashDrafter
+from adaflash_hf.modeling.configuration_adaflash import TARGET_FINGERPRINT
 from adaflash_hf.modeling.modeling_adaflash import LENGTH_HEAD_ATTRIBUTE, MUSE_GLIMMER_KEY_MAPPING
 
 logger = logging.get_logger(__name__)
@@ -50,19 +51,13 @@ SIDECAR_CONFIG = "adaflash_length_head.json"
 SIDECAR_FORMAT_VERSION = 1
 MASK_EMBEDDING_FILE = "mask_embedding.pt"
 # drafter config field -> target text-config attribute it must equal
-FINGERPRINT_FIELDS = {
-    "target_model_type": "model_type",
-    "target_hidden_size": "hidden_size",
-    "target_vocab_size": "vocab_size",
-    "target_num_hidden_layers": "num_hidden_layers",
-}
 _SIDECAR_CONFIG_FIELDS = (
     "length_head_variant",
     "length_head_bottleneck",
     "length_head_gamma",
     "length_head_min_len",
     "learned_mask_embedding",
-    *FINGERPRINT_FIELDS,
+    *TARGET_FINGERPRINT,
 )
 _DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", MASK_EMBEDDING_FILE]
 
@@ -92,31 +87,9 @@ def load_target_config(target_config: PreTrainedConfig | str | os.PathLike) -> P
 def check_target_fingerprint(
     config: AdaFlashConfig, target_config: PreTrainedConfig | str | os.PathLike
 ) -> None:
-    """Raise before any weights move when the drafter was recorded for a different target than ``target_config``.
-
-    Compares the fingerprint the drafter config records (``target_model_type``, ``target_hidden_size``,
-    ``target_vocab_size``, ``target_num_hidden_layers``; unrecorded fields are skipped) and what must match anyway
-    (hidden size, vocabulary, target layer ids in range).
-    """
-    text = load_target_config(target_config).get_text_config()
-    for field, attribute in FINGERPRINT_FIELDS.items():
-        recorded = getattr(config, field, None)
-        actual = getattr(text, attribute, None)
-        if recorded is not None and recorded != actual:
-            raise ValueError(
-                f"{field}: expected the target's {attribute}={actual!r}, got {recorded!r} recorded in the drafter "
-                "(the drafter was trained for a different target)"
-            )
-    if config.hidden_size != text.hidden_size:
-        raise ValueError(f"hidden_size: expected the target's {text.hidden_size}, got {config.hidden_size}")
-    if config.vocab_size != text.vocab_size:
-        raise ValueError(f"vocab_size: expected the target's {text.vocab_size}, got {config.vocab_size}")
-    for layer_id in config.target_layer_ids or ():
-        if not 0 <= layer_id < text.num_hidden_layers:
-            raise ValueError(
-                f"target_layer_ids: expected ids in 0..{text.num_hidden_layers - 1} (the target has "
-                f"{text.num_hidden_layers} layers), got {layer_id} in {config.target_layer_ids}"
-            )
+    """Raise before any weights move when the drafter cannot serve ``target_config`` (see
+    ``AdaFlashConfig.check_target_config``)."""
+    config.check_target_config(load_target_config(target_config))
 
 
 def record_target_fingerprint(
@@ -125,7 +98,7 @@ def record_target_fingerprint(
     """Check against ``target_config``, then fill fingerprint fields the checkpoint did not record (z-lab's)."""
     check_target_fingerprint(config, target_config)
     text = load_target_config(target_config).get_text_config()
-    for field, attribute in FINGERPRINT_FIELDS.items():
+    for field, attribute in TARGET_FINGERPRINT.items():
         if getattr(config, field, None) is None:
             setattr(config, field, getattr(text, attribute))
 

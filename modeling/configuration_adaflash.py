@@ -13,6 +13,13 @@ from transformers.configuration_utils import PreTrainedConfig
 
 LENGTH_HEAD_VARIANTS = ("two_model", "paper")
 SOURCE_LAYOUTS = ("adaflash", "dflash", "adaflash_official", "muse_glimmer")
+# Drafter config field -> target text-config attribute it records.
+TARGET_FINGERPRINT = {
+    "target_model_type": "model_type",
+    "target_hidden_size": "hidden_size",
+    "target_vocab_size": "vocab_size",
+    "target_num_hidden_layers": "num_hidden_layers",
+}
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -46,7 +53,7 @@ class AdaFlashConfig(PreTrainedConfig):
     model_type = "adaflash"
     keys_to_ignore_at_inference = ["cache"]
 
-    vocab_size: int = 151936
+    vocab_size: int | None = 151936
     hidden_size: int = 4096
     intermediate_size: int = 12288
     num_hidden_layers: int = 5
@@ -95,13 +102,17 @@ class AdaFlashConfig(PreTrainedConfig):
         if self.layer_types is None:
             self.layer_types = ["full_attention"] * self.num_hidden_layers
         if self.target_layer_ids is None and self.target_num_hidden_layers is not None:
-            self.target_layer_ids = build_target_layer_ids(self.target_num_hidden_layers, self.num_hidden_layers)
+            self.target_layer_ids = build_target_layer_ids(
+                self.target_num_hidden_layers, self.num_hidden_layers
+            )
         super().__post_init__(**kwargs)
 
     def validate_architecture(self):
         """Checks that need nothing but the config; target-dependent checks live in ``AdaFlashDrafter.check_target``."""
         if self.block_size < 2:
-            raise ValueError(f"block_size: expected >= 2 (one anchor plus at least one draft), got {self.block_size}")
+            raise ValueError(
+                f"block_size: expected >= 2 (one anchor plus at least one draft), got {self.block_size}"
+            )
         if self.length_head_variant not in LENGTH_HEAD_VARIANTS:
             raise ValueError(
                 f"length_head_variant: expected one of {LENGTH_HEAD_VARIANTS}, got {self.length_head_variant!r}"
@@ -126,6 +137,47 @@ class AdaFlashConfig(PreTrainedConfig):
             )
         if self.target_layer_ids is not None and len(self.target_layer_ids) == 0:
             raise ValueError("target_layer_ids: expected a non-empty list of target layer indices, got []")
+
+    def check_target_config(self, target_config: PreTrainedConfig) -> None:
+        """Raise a clear error when this drafter cannot serve a target with ``target_config`` (config-level checks).
+
+        A drafter whose config records no ``vocab_size`` (Muse-Glimmer layout) adopts the target's.
+        """
+        text = target_config.get_text_config()
+        if self.block_size < 2:
+            raise ValueError(f"block_size: expected >= 2, got {self.block_size}")
+        if text.hidden_size != self.hidden_size:
+            raise ValueError(f"hidden_size: expected the target's {text.hidden_size}, got {self.hidden_size}")
+        if self.vocab_size is None:
+            self.vocab_size = text.vocab_size
+        if self.vocab_size != text.vocab_size:
+            raise ValueError(f"vocab_size: expected the target's {text.vocab_size}, got {self.vocab_size}")
+        for field_name, attribute in TARGET_FINGERPRINT.items():
+            recorded, actual = getattr(self, field_name), getattr(text, attribute, None)
+            if recorded is not None and recorded != actual:
+                raise ValueError(
+                    f"{field_name}: expected the target's {attribute}={actual!r}, got {recorded!r} recorded in the "
+                    "drafter (the drafter was built for a different target)"
+                )
+        num_layers = text.num_hidden_layers
+        for layer_id in self.target_layer_ids or ():
+            if not 0 <= layer_id < num_layers:
+                raise ValueError(
+                    f"target_layer_ids: expected every id in 0..{num_layers - 1} (the target has {num_layers} "
+                    f"layers), got {layer_id} in {self.target_layer_ids}"
+                )
+        non_attention = sorted(
+            {
+                t
+                for t in (getattr(text, "layer_types", None) or ())
+                if t not in ("full_attention", "sliding_attention")
+            }
+        )
+        if non_attention:
+            raise NotImplementedError(
+                f"target layer_types: its cache cannot be cropped after a rejected draft; linear-attention and hybrid "
+                f"targets are not supported, got {non_attention}"
+            )
 
     @property
     def num_context_features(self) -> int:
@@ -153,7 +205,9 @@ class AdaFlashConfig(PreTrainedConfig):
             "head_dim": head_dim,
             "max_position_embeddings": text.max_position_embeddings,
             "rms_norm_eps": getattr(text, "rms_norm_eps", 1e-6),
-            "rope_parameters": dict(getattr(text, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 1e6}),
+            "rope_parameters": dict(
+                getattr(text, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 1e6}
+            ),
             "target_layer_ids": build_target_layer_ids(text.num_hidden_layers, num_layers),
             "target_model_type": text.model_type,
             "target_hidden_size": text.hidden_size,
@@ -200,7 +254,13 @@ def detect_layout(config_dict: dict[str, Any]) -> str:
     )
 
 
-_DROPPED_FOREIGN_KEYS = ("auto_map", "architectures", "dflash_config", "use_sliding_window", "max_window_layers")
+_DROPPED_FOREIGN_KEYS = (
+    "auto_map",
+    "architectures",
+    "dflash_config",
+    "use_sliding_window",
+    "max_window_layers",
+)
 
 
 def translate_foreign_config(config_dict: dict[str, Any]) -> dict[str, Any]:
@@ -218,6 +278,7 @@ def translate_foreign_config(config_dict: dict[str, Any]) -> dict[str, Any]:
             # Muse-Glimmer's own default is sliding layers, which validate_architecture rejects with a clear error.
             out["layer_types"] = ["sliding_attention"] * out.get("num_hidden_layers", 5)
         out.setdefault("block_size", 16)
+        out.setdefault("vocab_size", None)
         out["length_head_variant"] = "two_model"
         return out
     dflash_config = dict(config_dict.get("dflash_config") or {})

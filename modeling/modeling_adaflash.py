@@ -407,50 +407,22 @@ class AdaFlashDrafter(AdaFlashPreTrainedModel):
     def check_target(self, target: nn.Module) -> None:
         """Raise a clear error, before any forward pass, when this drafter cannot serve ``target``."""
         cfg = self.config
-        text = target.config.get_text_config()
-        if cfg.block_size < 2:
-            raise ValueError(f"block_size: expected >= 2, got {cfg.block_size}")
-        if text.hidden_size != cfg.hidden_size:
-            raise ValueError(f"hidden_size: expected the target's {text.hidden_size}, got {cfg.hidden_size}")
+        cfg.check_target_config(target.config)
         embedding_rows = target.get_input_embeddings().weight.shape[0]
-        if cfg.vocab_size != text.vocab_size:
-            raise ValueError(f"vocab_size: expected the target's {text.vocab_size}, got {cfg.vocab_size}")
-        if cfg.target_hidden_size is not None and cfg.target_hidden_size != text.hidden_size:
-            raise ValueError(
-                f"target_hidden_size: expected the target's {text.hidden_size}, got {cfg.target_hidden_size}"
-            )
-        num_layers = text.num_hidden_layers
-        for layer_id in cfg.target_layer_ids or ():
-            if not 0 <= layer_id < num_layers:
-                raise ValueError(
-                    f"target_layer_ids: expected every id in 0..{num_layers - 1} (the target has {num_layers} "
-                    f"layers), got {layer_id} in {cfg.target_layer_ids}"
+        if cfg.mask_token_id is None or not 0 <= cfg.mask_token_id < embedding_rows:
+            if cfg.learned_mask_embedding:
+                expected = (
+                    f"a placeholder row 0..{embedding_rows - 1} (replaced by the learned mask embedding)"
                 )
-        if not cfg.learned_mask_embedding and not (
-            cfg.mask_token_id is not None and 0 <= cfg.mask_token_id < embedding_rows
-        ):
-            raise ValueError(
-                f"mask_token_id: expected a row of the target embedding (0..{embedding_rows - 1}) or "
-                f"learned_mask_embedding=True, got {cfg.mask_token_id}"
-            )
-        if cfg.learned_mask_embedding and not (
-            cfg.mask_token_id is not None and 0 <= cfg.mask_token_id < embedding_rows
-        ):
-            raise ValueError(
-                f"mask_token_id: expected a placeholder row 0..{embedding_rows - 1} (replaced by the learned mask "
-                f"embedding), got {cfg.mask_token_id}"
-            )
-        non_attention = sorted(
-            {
-                t
-                for t in (getattr(text, "layer_types", None) or ())
-                if t not in ("full_attention", "sliding_attention")
-            }
-        )
-        if getattr(target, "_is_stateful", False) or non_attention:
+            else:
+                expected = (
+                    f"a row of the target embedding (0..{embedding_rows - 1}) or learned_mask_embedding=True"
+                )
+            raise ValueError(f"mask_token_id: expected {expected}, got {cfg.mask_token_id}")
+        if getattr(target, "_is_stateful", False):
             raise NotImplementedError(
-                f"target: its cache cannot be cropped after a rejected draft (layer types {non_attention or 'stateful'}"
-                f"); linear-attention and hybrid targets are not supported, got {type(target).__name__}"
+                f"target: its cache cannot be cropped after a rejected draft (stateful model); linear-attention and "
+                f"hybrid targets are not supported, got {type(target).__name__}"
             )
         target_dtype = next(target.parameters()).dtype
         drafter_dtype = next(self.parameters()).dtype

@@ -134,7 +134,9 @@ def make_oracle(target, reference, seed=0, max_right=None, sharpness=4.0, **conf
     oracle.load_state_dict(base.state_dict())
     weight = target.get_output_embeddings().weight.detach()
     logits = weight @ weight.T
-    assert torch.equal(logits.argmax(-1), torch.arange(weight.shape[0])), "oracle encoding needs argmax(W W^T) = id"
+    assert torch.equal(logits.argmax(-1), torch.arange(weight.shape[0])), (
+        "oracle encoding needs argmax(W W^T) = id"
+    )
     return oracle.arm(reference, weight, seed=seed, max_right=max_right, sharpness=sharpness)
 
 

@@ -83,7 +83,7 @@ def test_bad_input_exits_1_with_a_clear_message(drafter_folder, target_factory, 
     target_factory("qwen3", vocab_size=1024).config.save_pretrained(tmp_path / "target")
     argv = ["export", str(folder), str(tmp_path / "out"), "--target-config", str(tmp_path / "target")]
     assert cli.main(argv) == 1
-    assert "adaflash export: error: target_vocab_size: expected the target's vocab_size=1024, got 512" in (
+    assert "adaflash export: error: vocab_size: expected the target's 1024, got 512" in (
         capsys.readouterr().err
     )
     assert cli.main(["import", str(tmp_path / "missing"), str(tmp_path / "out")]) == 1

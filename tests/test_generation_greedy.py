@@ -190,6 +190,8 @@ def test_drafter_sees_exactly_the_committed_context(target_factory, drafter_fact
             hidden = target(prefix, output_hidden_states=True).hidden_states
             noise = drafter.block_embeds(target.get_input_embeddings().weight, out[:, record.context_length])
             positions = torch.arange(record.context_length + block)[None]
-            states = drafter(noise, drafter.context_features(hidden), position_ids=positions).last_hidden_state
+            states = drafter(
+                noise, drafter.context_features(hidden), position_ids=positions
+            ).last_hidden_state
         expected = (states[0, 1:] @ lm_weight.T).argmax(-1).tolist()
         assert record.drafted_tokens == expected

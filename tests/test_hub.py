@@ -165,7 +165,7 @@ def test_failed_commit_leaves_no_other_write(drafter, api):
 def test_bad_inputs_fail_before_touching_the_hub(drafter, target_factory, api, tmp_path):
     with pytest.raises(FileNotFoundError, match="bench_json"):
         push_drafter(drafter, "org/x", bench_json=tmp_path / "missing.json", api=api)
-    with pytest.raises(ValueError, match="target_hidden_size: expected the target's hidden_size=128, got 64"):
+    with pytest.raises(ValueError, match="hidden_size: expected the target.s 128, got 64"):
         push_drafter(drafter, "org/x", target_config=target_factory("qwen3", hidden_size=128).config, api=api)
     with pytest.raises(FileNotFoundError, match="expected an existing folder"):
         push_drafter(tmp_path / "missing", "org/x", api=api)

@@ -1,0 +1,124 @@
+"""``generate(assistant_model=drafter)`` rejects what it cannot do losslessly, with a clear error, before any forward."""
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+import adaflash_hf
+from adaflash_hf import AdaFlashCandidateGenerator
+from adaflash_hf.generation import check_transformers_support
+
+PROMPT = torch.tensor([[5, 17, 99, 3, 250, 8]])
+
+
+@pytest.fixture
+def watched(target_factory, drafter_factory):
+    target = target_factory("qwen3")
+    drafter = drafter_factory(target)
+    calls = []
+    for model in (target, drafter):
+        for name, module in model.named_modules():
+            module.register_forward_pre_hook(lambda *_, name=name: calls.append(name))
+    return target, drafter, calls
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"num_beams": 2}, ValueError, r"^num_beams: expected 1 with an AdaFlash assistant .*got 2"),
+        (
+            {"num_return_sequences": 2, "do_sample": True},
+            ValueError,
+            r"^num_return_sequences: expected 1 .*got 2",
+        ),
+        (
+            {"cache_implementation": "static"},
+            ValueError,
+            r"^cache_implementation: expected None or 'dynamic'.*'static'",
+        ),
+        (
+            {"adaflash_length_mode": "short"},
+            ValueError,
+            r"adaflash_length_mode: expected one of .*got 'short'",
+        ),
+        ({"adaflash_proposal": "beam"}, ValueError, r"adaflash_proposal: expected one of .*got 'beam'"),
+        ({"adaflash_gamma": -1.0}, ValueError, r"adaflash_gamma: expected a number > 0, got -1.0"),
+        ({"adaflash_min_len": 16}, ValueError, r"adaflash_min_len: expected an int in 0..15, got 16"),
+    ],
+)
+def test_unsupported_settings_raise_before_any_forward(watched, kwargs, error, match):
+    target, drafter, calls = watched
+    config = GenerationConfig(max_new_tokens=5, **kwargs)
+    with pytest.raises(error, match=match):
+        target.generate(PROMPT, assistant_model=drafter, generation_config=config)
+    assert calls == []
+
+
+def test_batch_of_two_points_to_the_engine(watched):
+    target, drafter, calls = watched
+    with pytest.raises(ValueError, match=r"^input_ids: expected batch size 1 .*AdaFlashEngine.*got 2"):
+        target.generate(PROMPT.repeat(2, 1), assistant_model=drafter, max_new_tokens=5)
+    assert calls == []
+
+
+def test_mismatched_drafter_raises_check_target_error(target_factory, drafter_factory):
+    target = target_factory("qwen3")
+    other = drafter_factory(target_factory("qwen3", hidden_size=32, head_dim=8))
+    with pytest.raises(ValueError, match=r"^hidden_size: expected the target's 64, got 32"):
+        target.generate(PROMPT, assistant_model=other, max_new_tokens=5)
+
+
+def test_drafter_built_for_another_target_is_rejected(target_factory, drafter_factory):
+    target = target_factory("qwen3")
+    drafter = drafter_factory(target_factory("qwen3", num_hidden_layers=6))
+    with pytest.raises(
+        ValueError,
+        match=r"^target_num_hidden_layers: expected the target.s num_hidden_layers=4, got 6 recorded",
+    ):
+        drafter.check_target(target)
+
+
+def test_other_assistants_are_untouched_by_the_hook(target_factory):
+    target = target_factory("qwen3")
+    assistant = target_factory("qwen3", seed=3)
+    reference = target.generate(PROMPT, max_new_tokens=12, do_sample=False)
+    assert torch.equal(
+        target.generate(PROMPT, assistant_model=assistant, max_new_tokens=12, do_sample=False), reference
+    )
+
+
+def test_enable_and_disable_are_idempotent(target_factory, drafter_factory, monkeypatch):
+    target = target_factory("qwen3")
+    drafter = drafter_factory(target)
+    built = []
+    original_init = AdaFlashCandidateGenerator.__init__
+
+    def spy(self, *args, **kwargs):
+        built.append(self)
+        original_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(AdaFlashCandidateGenerator, "__init__", spy)
+    try:
+        adaflash_hf.enable()
+        adaflash_hf.enable()
+        assert adaflash_hf.is_enabled()
+        target.generate(PROMPT, assistant_model=drafter, max_new_tokens=4, do_sample=False)
+        assert len(built) == 1
+        adaflash_hf.disable()
+        adaflash_hf.disable()
+        assert not adaflash_hf.is_enabled()
+        config = GenerationConfig(max_new_tokens=4, do_sample=False, speculation_type="dflash")
+        target.generate(
+            PROMPT, assistant_model=drafter, generation_config=config
+        )  # the native fixed-length path
+        assert len(built) == 1
+    finally:
+        adaflash_hf.enable()
+
+
+def test_untested_transformers_version_fails_clearly(monkeypatch):
+    import transformers
+
+    monkeypatch.setattr(transformers, "__version__", "6.0.0")
+    with pytest.raises(RuntimeError, match=r"transformers version: expected >=5.24.0,<5.25.0 .*got 6.0.0"):
+        check_transformers_support()
