@@ -1,0 +1,228 @@
+"""Offline drafter training: the DFlash recipe (anchors, masks, labels, weights), the loss, and DrafterTrainer."""
+
+import math
+
+import datasets
+import pytest
+import torch
+
+from adaflash_hf.trainers import DrafterTrainer, DrafterTrainingConfig
+from adaflash_hf.trainers.dflash_recipe import (
+    IGNORE,
+    block_ce_and_head_loss,
+    build_blocks,
+    position_weights,
+    sample_anchors,
+)
+
+BLOCK = 16
+
+
+def toy_batch(seq=60, prompt=10, batch=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, 500, (batch, seq), generator=g)
+    loss_mask = torch.zeros(batch, seq, dtype=torch.long)
+    loss_mask[:, prompt:] = 1
+    loss_mask[1, seq - 7 :] = 0  # a shorter second sequence (padding)
+    return input_ids, loss_mask
+
+
+def test_anchors_have_context_and_a_supervised_next_token():
+    input_ids, loss_mask = toy_batch()
+    anchors = sample_anchors(loss_mask, 12, torch.Generator().manual_seed(1))
+    for row in range(anchors.shape[0]):
+        chosen = anchors[row][anchors[row] >= 0]
+        assert torch.all(chosen[1:] > chosen[:-1])  # sorted, distinct
+        assert torch.all(chosen >= 1)
+        assert torch.all(loss_mask[row, chosen + 1] == 1)
+
+
+def test_blocks_never_see_context_at_or_after_their_anchor():
+    input_ids, loss_mask = toy_batch()
+    anchors = sample_anchors(loss_mask, 8, torch.Generator().manual_seed(2))
+    blocks = build_blocks(input_ids, loss_mask, anchors, BLOCK, mask_token_id=511, decay_gamma=7.0)
+    seq = input_ids.shape[1]
+    mask = blocks.attention_mask[:, 0]
+    for row in range(anchors.shape[0]):
+        for b, anchor in enumerate(anchors[row].tolist()):
+            rows = slice(b * BLOCK, (b + 1) * BLOCK)
+            visible_context = mask[row, rows, :seq].nonzero()[:, 1]
+            if anchor < 0:
+                assert visible_context.numel() == 0
+                continue
+            assert visible_context.max() == anchor - 1 and visible_context.numel() == anchor * BLOCK
+            block_keys = mask[row, rows, seq:]
+            assert block_keys[:, rows].all()  # bidirectional inside the block
+            assert int(block_keys.sum()) == BLOCK * BLOCK  # and nothing of other blocks
+
+
+def test_blocks_are_anchor_then_masks_with_same_position_labels():
+    input_ids, loss_mask = toy_batch()
+    anchors = torch.tensor([[20, 50], [15, -1]])
+    blocks = build_blocks(input_ids, loss_mask, anchors, BLOCK, mask_token_id=511, decay_gamma=7.0)
+    noise = blocks.noise_ids.view(2, 2, BLOCK)
+    labels = blocks.labels.view(2, 2, BLOCK)
+    assert int(noise[0, 0, 0]) == int(input_ids[0, 20]) and torch.all(noise[0, 0, 1:] == 511)
+    assert torch.equal(labels[0, 0, 1:], input_ids[0, 21:36]) and int(labels[0, 0, 0]) == IGNORE
+    # block at 50 runs past the end (seq 60): rows beyond position 59 are unsupervised
+    assert torch.equal(labels[0, 1, 1:10], input_ids[0, 51:60]) and torch.all(labels[0, 1, 10:] == IGNORE)
+    assert torch.all(labels[1, 1] == IGNORE) and torch.all(noise[1, 1] == 511)
+    positions = blocks.position_ids.view(2, -1)[0, 60:].view(2, BLOCK)
+    assert torch.equal(positions[0], torch.arange(20, 36))
+
+
+def test_position_weights_decay_as_specified():
+    weights = position_weights(BLOCK, 7.0)
+    assert weights[0] == 0.0 and weights[1] == 1.0
+    assert all(math.isclose(weights[j], math.exp(-(j - 1) / 7.0)) for j in range(1, BLOCK))
+    input_ids, loss_mask = toy_batch()
+    blocks = build_blocks(input_ids, loss_mask, torch.tensor([[20], [15]]), BLOCK, 511, 7.0)
+    assert torch.allclose(blocks.weights[0], torch.tensor(weights))
+
+
+def _forward_loss(drafter, target, input_ids, loss_mask, anchors):
+    config = drafter.config
+    blocks = build_blocks(input_ids, loss_mask, anchors, config.block_size, config.mask_token_id, 7.0)
+    with torch.no_grad():
+        hidden = target(input_ids, output_hidden_states=True).hidden_states
+    out = drafter(
+        noise_embeds=torch.nn.functional.embedding(blocks.noise_ids, target.get_input_embeddings().weight),
+        context_hidden_states=drafter.context_features(hidden),
+        position_ids=blocks.position_ids,
+        attention_mask=blocks.attention_mask,
+    )
+    return block_ce_and_head_loss(
+        out.last_hidden_state,
+        out.acceptance_prob,
+        target.get_output_embeddings().weight,
+        blocks,
+        config.block_size,
+    )
+
+
+def test_head_loss_leaves_drafter_gradients_unchanged(target_factory, drafter_factory):
+    target = target_factory("qwen3")
+    drafter = drafter_factory(target).train()
+    input_ids, loss_mask = toy_batch()
+    anchors = sample_anchors(loss_mask, 6, torch.Generator().manual_seed(3))
+    ce, head, _ = _forward_loss(drafter, target, input_ids, loss_mask, anchors)
+    ce.backward()
+    alone = {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None}
+    drafter.zero_grad()
+    ce, head, _ = _forward_loss(drafter, target, input_ids, loss_mask, anchors)
+    (ce + 10.0 * head).backward()
+    head_names = set(drafter.length_head_parameter_names())
+    for name, param in drafter.named_parameters():
+        if name in head_names:
+            assert param.grad is not None and param.grad.abs().sum() > 0
+        else:
+            assert torch.equal(param.grad, alone[name]), name
+
+
+def test_loss_decreases_on_a_fixed_batch(target_factory, drafter_factory):
+    target = target_factory("qwen3")
+    with torch.no_grad():  # a random tiny lm_head spans logits of +-0.2; real heads span far more
+        target.lm_head.weight.mul_(20.0)
+    drafter = drafter_factory(target).train()
+    input_ids, loss_mask = toy_batch()
+    anchors = sample_anchors(loss_mask, 6, torch.Generator().manual_seed(4))
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(25):
+        ce, head, metrics = _forward_loss(drafter, target, input_ids, loss_mask, anchors)
+        optimizer.zero_grad()
+        (ce + head).backward()
+        optimizer.step()
+        losses.append(float(ce.detach()))
+    assert losses[-1] < losses[0] * 0.5
+
+
+def _sequences(n=12, seq=48, prompt=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    # Repetitive sequences are learnable in a few steps.
+    rows = []
+    for _ in range(n):
+        period = int(torch.randint(2, 5, (1,), generator=g))
+        motif = torch.randint(0, 500, (period,), generator=g).tolist()
+        tokens = (motif * seq)[:seq]
+        rows.append({"input_ids": tokens, "prompt_length": prompt})
+    return datasets.Dataset.from_list(rows)
+
+
+@pytest.fixture
+def trainer_args(tmp_path):
+    def make(**overrides):
+        values = dict(
+            output_dir=str(tmp_path / "out"),
+            max_steps=6,
+            per_device_train_batch_size=4,
+            num_anchors=6,
+            logging_steps=2,
+            save_steps=3,
+            learning_rate=3e-3,
+            report_to="none",
+            use_cpu=True,
+            disable_tqdm=True,
+            eval_max_new_tokens=12,
+        )
+        values.update(overrides)
+        return DrafterTrainingConfig(**values)
+
+    return make
+
+
+def test_trainer_runs_logs_checkpoints_and_uses_two_learning_rates(
+    target_factory, drafter_factory, trainer_args
+):
+    target = target_factory("qwen3")
+    drafter = drafter_factory(target)
+    args = trainer_args(length_head_learning_rate=1e-4)
+    prompt = torch.tensor([[3, 4, 5, 3, 4, 5, 3]])
+    trainer = DrafterTrainer(
+        model=drafter, args=args, target=target, train_dataset=_sequences(), eval_prompts=[prompt]
+    )
+    trainer.train()
+    groups = {g["name"]: g for g in trainer.optimizer.param_groups}
+    head_ids = {id(p) for n, p in drafter.named_parameters() if n in drafter.length_head_parameter_names()}
+    assert {id(p) for p in groups["length_head"]["params"]} == head_ids
+    assert groups["length_head"]["initial_lr"] == 1e-4 and groups["drafter"]["initial_lr"] == 3e-3
+    logged = [entry for entry in trainer.state.log_history if "ce" in entry]
+    assert logged and {"ce", "accuracy", "head_mse", "accept_len"} <= set(logged[0])
+    assert logged[-1]["ce"] < logged[0]["ce"]
+    metrics = trainer.evaluate()
+    assert metrics["eval_tau_adaptive"] >= 1.0 and metrics["eval_tau_fixed"] >= 1.0
+    checkpoints = sorted(
+        (args.output_dir and __import__("pathlib").Path(args.output_dir)).glob("checkpoint-*")
+    )
+    assert [c.name for c in checkpoints] == ["checkpoint-3", "checkpoint-6"]
+    assert (checkpoints[-1] / "model.safetensors").is_file()
+
+
+def test_training_resumes_from_a_checkpoint(target_factory, drafter_factory, trainer_args):
+    target = target_factory("qwen3")
+    args = trainer_args()
+    DrafterTrainer(
+        model=drafter_factory(target), args=args, target=target, train_dataset=_sequences()
+    ).train()
+    resumed_args = trainer_args(max_steps=8)
+    trainer = DrafterTrainer(
+        model=drafter_factory(target), args=resumed_args, target=target, train_dataset=_sequences()
+    )
+    trainer.train(resume_from_checkpoint=f"{args.output_dir}/checkpoint-6")
+    assert trainer.state.global_step == 8
+
+
+def test_offline_feature_cache_gives_the_same_loss(target_factory, drafter_factory, trainer_args, tmp_path):
+    from adaflash_hf.trainers.train_drafter_trainer import SequenceCollator, TargetFeatures
+
+    target = target_factory("qwen3")
+    drafter = drafter_factory(target)
+    batch = SequenceCollator(0, 64)(list(_sequences(n=3)))
+    on_the_fly = TargetFeatures(target, drafter.config.target_layer_ids)(
+        batch["input_ids"], batch["attention_mask"], batch["sequence_key"]
+    )
+    cached = TargetFeatures(target, drafter.config.target_layer_ids, tmp_path / "features")
+    first = cached(batch["input_ids"], batch["attention_mask"], batch["sequence_key"])
+    assert len(list((tmp_path / "features").glob("*.safetensors"))) == 3
+    second = cached(batch["input_ids"], batch["attention_mask"], batch["sequence_key"])  # from disk
+    assert torch.allclose(first, on_the_fly, atol=1e-2) and torch.allclose(second, on_the_fly, atol=1e-2)

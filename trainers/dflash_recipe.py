@@ -1,0 +1,146 @@
+"""The DFlash training recipe (as in SpecForge): random anchors, block inputs, masks, labels and the losses.
+
+For a sequence of length S and anchors a_1..a_n, block b is ``[token[a_b], MASK x (k-1)]`` at positions
+``a_b .. a_b+k-1``; row j of the block is labelled with ``token[a_b + j]`` (same-position labels, j >= 1). A block sees
+the context strictly before its anchor (the target's hidden state at a_b is not known at inference) and all rows of its
+own block (bidirectional), never another block. CE is weighted by ``exp(-(j-1)/gamma)``. The length head learns the
+realised accepted fraction of each block, ``cumprod(argmax == label).sum() / (k-1)``, from detached states.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+IGNORE = -100
+
+
+@dataclass
+class BlockBatch:
+    """Inputs of one drafter training forward. Q = num_anchors * block_size rows."""
+
+    anchors: torch.Tensor  # [B, n] anchor positions, -1 for unused slots
+    noise_ids: torch.Tensor  # [B, Q] target token ids of [anchor, MASK...] per block
+    position_ids: torch.Tensor  # [B, S + Q] context positions 0..S-1, then each block's absolute positions
+    attention_mask: torch.Tensor  # [B, 1, Q, S + Q] bool, True = may attend
+    labels: torch.Tensor  # [B, Q] same-position labels, IGNORE where unsupervised
+    weights: torch.Tensor  # [B, Q] CE weight per row (0 where unsupervised)
+
+
+def sample_anchors(
+    loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """Up to ``num_anchors`` sorted anchor positions per row; -1 pads unused slots.
+
+    An anchor a needs at least one context position (a >= 1) and a supervised next token (``loss_mask[a + 1]``).
+    """
+    batch, seq = loss_mask.shape
+    candidates = torch.zeros_like(loss_mask, dtype=torch.bool)
+    candidates[:, 1 : seq - 1] = loss_mask[:, 2:].bool()
+    anchors = torch.full((batch, num_anchors), -1, dtype=torch.long)
+    for row in range(batch):
+        positions = candidates[row].nonzero().flatten().cpu()
+        if positions.numel() == 0:
+            continue
+        chosen = positions[torch.randperm(positions.numel(), generator=generator)[:num_anchors]]
+        anchors[row, : chosen.numel()] = chosen.sort().values
+    return anchors.to(loss_mask.device)
+
+
+def build_blocks(
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    anchors: torch.Tensor,
+    block_size: int,
+    mask_token_id: int,
+    decay_gamma: float,
+) -> BlockBatch:
+    batch, seq = input_ids.shape
+    num_blocks = anchors.shape[1]
+    device = input_ids.device
+    valid = anchors >= 0
+    offsets = torch.arange(block_size, device=device)
+    block_positions = anchors.clamp(min=0)[..., None] + offsets  # [B, n, k]
+    in_range = block_positions < seq
+    gathered = torch.gather(input_ids, 1, block_positions.clamp(max=seq - 1).flatten(1)).view(
+        batch, num_blocks, -1
+    )
+    supervised = torch.gather(loss_mask.bool(), 1, block_positions.clamp(max=seq - 1).flatten(1)).view_as(
+        gathered
+    )
+
+    noise_ids = torch.full_like(gathered, mask_token_id)
+    noise_ids[..., 0] = torch.where(valid, gathered[..., 0], torch.full_like(gathered[..., 0], mask_token_id))
+    labelled = valid[..., None] & in_range & supervised & (offsets > 0)
+    labels = torch.where(labelled, gathered, torch.full_like(gathered, IGNORE))
+    decay = torch.exp(-(offsets.clamp(min=1) - 1).float() / decay_gamma)
+    weights = labelled.float() * decay
+
+    context_positions = torch.arange(seq, device=device).expand(batch, seq)
+    position_ids = torch.cat([context_positions, block_positions.flatten(1)], dim=1)
+
+    rows = num_blocks * block_size
+    # Context keys: strictly before the row's anchor (invalid blocks see no context).
+    row_anchor = torch.where(valid, anchors, torch.zeros_like(anchors)).repeat_interleave(
+        block_size, dim=1
+    )  # [B, Q]
+    context_visible = torch.arange(seq, device=device)[None, None, :] < row_anchor[..., None]  # [B, Q, S]
+    # Block keys: the row's own block only.
+    block_of_row = torch.arange(rows, device=device) // block_size
+    own_block = block_of_row[:, None] == block_of_row[None, :]  # [Q, Q]
+    mask = torch.cat([context_visible, own_block.expand(batch, rows, rows)], dim=-1)[:, None]
+    return BlockBatch(
+        anchors=anchors,
+        noise_ids=noise_ids.flatten(1),
+        position_ids=position_ids,
+        attention_mask=mask,
+        labels=labels.flatten(1),
+        weights=weights.flatten(1),
+    )
+
+
+def block_ce_and_head_loss(
+    drafter_hidden: torch.Tensor,
+    acceptance_prob: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    blocks: BlockBatch,
+    block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    """Weighted same-position CE of the drafter and the length head's MSE against realised acceptance.
+
+    ``drafter_hidden`` [B, Q, H]; ``acceptance_prob`` [B, n] (from detached states). Logits are computed only for
+    supervised rows. Returns (ce, head_mse, metrics).
+    """
+    labels = blocks.labels
+    rows = labels != IGNORE
+    if not rows.any():
+        zero = drafter_hidden.sum() * 0.0
+        return zero, acceptance_prob.sum() * 0.0, {"ce": 0.0, "accuracy": 0.0, "head_mse": 0.0, "blocks": 0}
+    logits = drafter_hidden[rows] @ lm_head_weight.T  # [R, V]
+    ce_rows = F.cross_entropy(logits.float(), labels[rows], reduction="none")
+    weights = blocks.weights[rows]
+    ce = (ce_rows * weights).sum() / weights.sum()
+
+    correct = torch.zeros_like(labels, dtype=torch.bool)
+    correct[rows] = logits.detach().argmax(-1) == labels[rows]
+    per_block = correct.view(labels.shape[0], -1, block_size)[..., 1:]  # [B, n, k-1]
+    accepted = per_block.long().cumprod(dim=-1).sum(-1)
+    realised = accepted.float() / (block_size - 1)
+    valid_blocks = blocks.anchors >= 0
+    head_mse = F.mse_loss(acceptance_prob[valid_blocks].float(), realised[valid_blocks])
+    metrics = {
+        "ce": float(ce.detach()),
+        "accuracy": float(correct[rows].float().mean()),
+        "head_mse": float(head_mse.detach()),
+        "accept_len": float(accepted[valid_blocks].float().mean()),
+        "blocks": int(valid_blocks.sum()),
+    }
+    return ce, head_mse, metrics
+
+
+def position_weights(block_size: int, decay_gamma: float) -> list[float]:
+    """The CE weight of rows 0..k-1 (row 0, the anchor, is never supervised)."""
+    return [0.0] + [math.exp(-(j - 1) / decay_gamma) for j in range(1, block_size)]

@@ -1,0 +1,118 @@
+"""DrafterTrainingConfig: every setting of offline drafter training (``trainers/train_drafter.py``)."""
+
+from dataclasses import dataclass, field
+
+from transformers import TrainingArguments
+
+
+@dataclass
+class DrafterTrainingConfig(TrainingArguments):
+    """TrainingArguments plus the DFlash/SpecForge recipe and AdaFlash's length head.
+
+    Defaults differ from TrainingArguments where the recipe says so (lr 6e-4, warmup 4%, grad clip 1.0, cosine) and
+    where CPU training needs it (no bf16, no gradient checkpointing, no dataloader workers).
+    """
+
+    target_model: str = field(
+        default="smollm2-135m-instruct",
+        metadata={
+            "help": "Target causal LM: 'smollm2-135m-instruct' (offline GGUF), a Hub id or a local folder."
+        },
+    )
+    drafter_init: str | None = field(
+        default=None,
+        metadata={
+            "help": "Start from this drafter checkpoint (any supported layout) instead of a fresh drafter."
+        },
+    )
+    drafter_layers: int = field(default=2, metadata={"help": "Decoder layers of a fresh drafter."})
+    drafter_target_layers: int = field(
+        default=3,
+        metadata={"help": "How many target layers (evenly spaced, as DFlash) feed a fresh drafter."},
+    )
+    block_size: int = field(
+        default=16, metadata={"help": "Block size k: one anchor plus k-1 drafted tokens."}
+    )
+    mask_token_id: int | None = field(
+        default=None,
+        metadata={
+            "help": "Target vocabulary row used as MASK; None = a learned mask embedding (targets with no spare row)."
+        },
+    )
+    domains: list[str] = field(
+        default_factory=lambda: ["chat", "code", "math"],
+        metadata={"help": "Training domains of adaflash_hf.data."},
+    )
+    samples_per_domain: int | None = field(
+        default=400, metadata={"help": "Prompts per domain (None = the whole train split)."}
+    )
+    sequences_file: str | None = field(
+        default=None,
+        metadata={
+            "help": "JSONL of training sequences; built (and resumed) here if missing. Default: <output_dir>/sequences.jsonl."
+        },
+    )
+    regenerate_responses: bool = field(
+        default=True,
+        metadata={"help": "Train on the target's own greedy responses (True) or the dataset's (False)."},
+    )
+    max_new_tokens: int = field(default=192, metadata={"help": "Response length when regenerating."})
+    generation_batch_size: int = field(default=32, metadata={"help": "Batch size of response regeneration."})
+    max_length: int = field(default=512, metadata={"help": "Sequences are truncated to this many tokens."})
+    feature_cache_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "Offline mode: cache target hidden states here (computed once) instead of on the fly."
+        },
+    )
+    num_anchors: int = field(default=24, metadata={"help": "Random anchors (blocks) per sequence and step."})
+    loss_decay_gamma: float = field(
+        default=7.0, metadata={"help": "Position decay of the CE weight, exp(-(j-1)/gamma) (7 for k=16)."}
+    )
+    length_head_variant: str = field(
+        default="two_model", metadata={"help": "'two_model' (official) or 'paper'."}
+    )
+    length_head_loss_weight: float = field(default=1.0, metadata={"help": "Weight of the length head's MSE."})
+    length_head_learning_rate: float = field(
+        default=2e-4, metadata={"help": "Learning rate of the length head."}
+    )
+    eval_prompts_per_domain: int = field(
+        default=2, metadata={"help": "Held-out prompts per domain for the periodic tau evaluation."}
+    )
+    eval_max_new_tokens: int = field(
+        default=64, metadata={"help": "Tokens generated per held-out prompt in eval."}
+    )
+
+    learning_rate: float = field(
+        default=6e-4, metadata={"help": "Drafter learning rate (DFlash recipe: 6e-4)."}
+    )
+    warmup_ratio: float = field(default=0.04, metadata={"help": "Warm-up fraction of the steps."})
+    lr_scheduler_type: str = field(default="cosine", metadata={"help": "Learning-rate schedule."})
+    max_grad_norm: float = field(
+        default=1.0, metadata={"help": "Gradient clip, applied to drafter and length head separately."}
+    )
+    per_device_train_batch_size: int = field(default=4, metadata={"help": "Sequences per device and step."})
+    logging_steps: float = field(default=10, metadata={"help": "Log every N steps."})
+    save_strategy: str = field(default="steps", metadata={"help": "Checkpoint strategy."})
+    save_steps: float = field(default=100, metadata={"help": "Checkpoint every N steps."})
+    save_total_limit: int | None = field(default=3, metadata={"help": "Checkpoints kept."})
+    eval_strategy: str = field(default="no", metadata={"help": "'steps' to evaluate tau every eval_steps."})
+    report_to: str | list[str] = field(
+        default="none", metadata={"help": "Trackers (tensorboard, wandb, ...)."}
+    )
+    remove_unused_columns: bool = field(default=False, metadata={"help": "Keep the collator's columns."})
+    dataloader_num_workers: int = field(default=0, metadata={"help": "Dataloader workers."})
+    bf16: bool = field(default=False, metadata={"help": "bf16 mixed precision (GPU)."})
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.block_size < 2:
+            raise ValueError(f"block_size: expected >= 2, got {self.block_size}")
+        if self.num_anchors < 1:
+            raise ValueError(f"num_anchors: expected >= 1, got {self.num_anchors}")
+        if self.loss_decay_gamma <= 0:
+            raise ValueError(f"loss_decay_gamma: expected > 0, got {self.loss_decay_gamma}")
+        if self.length_head_variant not in ("two_model", "paper"):
+            raise ValueError(
+                f"length_head_variant: expected 'two_model' or 'paper', got {self.length_head_variant!r}"
+            )

@@ -1,0 +1,219 @@
+"""DrafterTrainer: offline DFlash/AdaFlash drafter training on a frozen target, as a transformers ``Trainer``.
+
+The model being trained is the ``AdaFlashDrafter``; the frozen target supplies hidden states (on the fly, or from a
+feature cache in offline mode), its raw embedding table for the block inputs and its lm_head for the logits. Overridden
+hooks: ``compute_loss`` (the recipe in ``dflash_recipe``), ``create_optimizer`` (drafter and length head in two AdamW
+groups), ``_clip_grad_norm`` (each group clipped on its own, so the head never shrinks the drafter's update),
+``evaluate`` (tau of real speculative generation on held-out prompts) and ``log`` (recipe metrics).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import GenerationConfig, Trainer
+from transformers.utils import logging
+
+from adaflash_hf.modeling import AdaFlashDrafter
+from adaflash_hf.trainers.dflash_recipe import block_ce_and_head_loss, build_blocks, sample_anchors
+
+logger = logging.get_logger(__name__)
+
+
+class SequenceCollator:
+    """Right-pads token sequences; ``loss_mask`` marks response tokens (the positions the drafter learns)."""
+
+    def __init__(self, pad_token_id: int, max_length: int):
+        self.pad_token_id = pad_token_id
+        self.max_length = max_length
+
+    def __call__(self, records: list[dict]) -> dict:
+        lengths = [min(len(r["input_ids"]), self.max_length) for r in records]
+        width = max(lengths)
+        input_ids = torch.full((len(records), width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros_like(input_ids)
+        loss_mask = torch.zeros_like(input_ids)
+        for i, (record, length) in enumerate(zip(records, lengths)):
+            input_ids[i, :length] = torch.tensor(record["input_ids"][:length])
+            attention_mask[i, :length] = 1
+            loss_mask[i, record["prompt_length"] : length] = 1
+        batch = {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
+        batch["sequence_key"] = [
+            _sequence_key(r["input_ids"][:length]) for r, length in zip(records, lengths)
+        ]
+        return batch
+
+
+def _sequence_key(tokens: list[int]) -> str:
+    return hashlib.sha1(str(tokens).encode()).hexdigest()[:20]
+
+
+class TargetFeatures:
+    """Target context features ``cat(hidden_states[id + 1])`` per sequence, on the fly or cached on disk."""
+
+    def __init__(self, target, target_layer_ids: list[int], cache_dir: str | Path | None = None):
+        self.target = target
+        self.layer_ids = list(target_layer_ids)
+        self.cache_dir = Path(cache_dir) if cache_dir else None
+        if self.cache_dir:
+            self.cache_dir.mkdir(parents=True, exist_ok=True)
+
+    @torch.no_grad()
+    def __call__(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, keys: list[str]
+    ) -> torch.Tensor:
+        cached = [self._load(key) for key in keys] if self.cache_dir else [None] * len(keys)
+        missing = [i for i, feature in enumerate(cached) if feature is None]
+        if missing:
+            rows = torch.tensor(missing, device=input_ids.device)
+            hidden = self.target(
+                input_ids=input_ids[rows],
+                attention_mask=attention_mask[rows],
+                output_hidden_states=[i + 1 for i in self.layer_ids],
+            ).hidden_states
+            fresh = torch.cat([hidden[i + 1] for i in self.layer_ids], dim=-1)
+            for slot, i in enumerate(missing):
+                cached[i] = fresh[slot]
+                if self.cache_dir:
+                    # Cached features are bf16; the first epoch uses the same rounded values as later ones.
+                    length = int(attention_mask[i].sum())
+                    cached[i] = fresh[slot, :length].to(torch.bfloat16).contiguous()
+                    save_file({"features": cached[i]}, self._path(keys[i]))
+        width = input_ids.shape[1]
+        out = torch.zeros(
+            len(keys), width, cached[0].shape[-1], dtype=self.target.dtype, device=input_ids.device
+        )
+        for i, feature in enumerate(cached):
+            out[i, : feature.shape[0]] = feature[:width].to(out.dtype)
+        return out
+
+    def _path(self, key: str) -> Path:
+        return self.cache_dir / f"{key}.safetensors"
+
+    def _load(self, key: str) -> torch.Tensor | None:
+        path = self._path(key)
+        return load_file(path)["features"] if path.is_file() else None
+
+
+class DrafterTrainer(Trainer):
+    """Trains an ``AdaFlashDrafter`` against a frozen ``target``. See the module docstring for the hooks."""
+
+    def __init__(self, model: AdaFlashDrafter, args, target, tokenizer=None, eval_prompts=None, **kwargs):
+        target.eval().requires_grad_(False)
+        pad = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
+        kwargs.setdefault("data_collator", SequenceCollator(pad, args.max_length))
+        super().__init__(model=model, args=args, processing_class=tokenizer, **kwargs)
+        self.target = target.to(self.accelerator.device)
+        self.features = TargetFeatures(self.target, model.config.target_layer_ids, args.feature_cache_dir)
+        self.eval_prompts = eval_prompts or []
+        self.anchor_generator = torch.Generator().manual_seed(args.seed + self.accelerator.process_index)
+        self._metrics: dict[str, list[float]] = defaultdict(list)
+
+    # ----------------------------------------------------------------------------------------------------- loss
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        drafter: AdaFlashDrafter = self.accelerator.unwrap_model(model)
+        config = drafter.config
+        input_ids, loss_mask = inputs["input_ids"], inputs["loss_mask"]
+        features = self.features(input_ids, inputs["attention_mask"], inputs["sequence_key"])
+        anchors = sample_anchors(loss_mask, self.args.num_anchors, self.anchor_generator)
+        blocks = build_blocks(
+            input_ids, loss_mask, anchors, config.block_size, config.mask_token_id, self.args.loss_decay_gamma
+        )
+        embedding = self.target.get_input_embeddings().weight
+        out = model(
+            noise_embeds=torch.nn.functional.embedding(blocks.noise_ids, embedding),
+            context_hidden_states=features,
+            position_ids=blocks.position_ids,
+            attention_mask=blocks.attention_mask,
+        )
+        acceptance = out.acceptance_prob
+        if acceptance.dim() == 1:
+            acceptance = acceptance[:, None]
+        ce, head_mse, metrics = block_ce_and_head_loss(
+            out.last_hidden_state,
+            acceptance,
+            self.target.get_output_embeddings().weight,
+            blocks,
+            config.block_size,
+        )
+        loss = ce + self.args.length_head_loss_weight * head_mse
+        for name, value in metrics.items():
+            self._metrics[name].append(value)
+        return (loss, out) if return_outputs else loss
+
+    # ------------------------------------------------------------------------------------------------ optimiser
+    def create_optimizer(self, model=None):
+        if self.optimizer is None:
+            drafter = self.accelerator.unwrap_model(self.model)
+            head_names = set(drafter.length_head_parameter_names())
+            groups = {"drafter": [], "head": []}
+            for name, param in drafter.named_parameters():
+                if param.requires_grad:
+                    groups["head" if name in head_names else "drafter"].append(param)
+            self.optimizer = torch.optim.AdamW(
+                [
+                    {"params": groups["drafter"], "lr": self.args.learning_rate, "name": "drafter"},
+                    {
+                        "params": groups["head"],
+                        "lr": self.args.length_head_learning_rate,
+                        "name": "length_head",
+                    },
+                ],
+                betas=(self.args.adam_beta1, self.args.adam_beta2),
+                eps=self.args.adam_epsilon,
+                weight_decay=self.args.weight_decay,
+            )
+        return self.optimizer
+
+    def _clip_grad_norm(self, model):
+        drafter = self.accelerator.unwrap_model(model)
+        head_names = set(drafter.length_head_parameter_names())
+        params = dict(drafter.named_parameters())
+        head = [p for n, p in params.items() if n in head_names and p.grad is not None]
+        body = [p for n, p in params.items() if n not in head_names and p.grad is not None]
+        if head:
+            head_norm = torch.nn.utils.clip_grad_norm_(head, self.args.max_grad_norm)
+            self._metrics["head_grad_norm"].append(float(head_norm))
+        return torch.nn.utils.clip_grad_norm_(body, self.args.max_grad_norm)
+
+    # ------------------------------------------------------------------------------------------------ eval, log
+    @torch.no_grad()
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
+        """tau of real speculative generation on the held-out prompts (adaptive and fixed length)."""
+        drafter: AdaFlashDrafter = self.accelerator.unwrap_model(self.model)
+        was_training = drafter.training
+        drafter.eval()
+        metrics: dict[str, float] = {}
+        for mode in ("adaptive", "fixed"):
+            committed = rounds = verified = 0
+            started = time.perf_counter()
+            for prompt_ids in self.eval_prompts:
+                config = GenerationConfig(
+                    max_new_tokens=self.args.eval_max_new_tokens, do_sample=False, adaflash_length_mode=mode
+                )
+                self.target.generate(
+                    prompt_ids.to(self.target.device), assistant_model=drafter, generation_config=config
+                )
+                stats = drafter.last_stats
+                committed += stats.committed_tokens
+                rounds += stats.drafting_rounds
+                verified += sum(stats.verify_lengths)
+            metrics[f"{metric_key_prefix}_tau_{mode}"] = committed / max(rounds, 1)
+            metrics[f"{metric_key_prefix}_verify_len_{mode}"] = verified / max(rounds, 1)
+            metrics[f"{metric_key_prefix}_seconds_{mode}"] = time.perf_counter() - started
+        drafter.train(was_training)
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics=metrics)
+        return metrics
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if self._metrics and "loss" in logs:
+            for name, values in self._metrics.items():
+                logs[name] = sum(values) / len(values)
+            self._metrics.clear()
+        super().log(logs, start_time)
