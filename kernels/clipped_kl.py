@@ -24,8 +24,9 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
-from adaflash_hf.kernels._utils import num_warps_for, select_impl, triton_available, vocab_block_size
 from torch import nn
+
+from adaflash_hf.kernels._utils import num_warps_for, select_impl, triton_available, vocab_block_size
 
 CLIP_MODES = ("entry", "row")
 _STATS = 6  # per-row stats: ce, kl_clipped (entry mode), kl_raw, n_clipped, n_valid_columns, top-1 correct
@@ -257,9 +258,9 @@ def _rows_torch(z, t, row_scale, inv_total, settings: _Settings, compute_grad: b
 
 
 def default_chunk_size(n_rows: int, vocab_size: int, device: torch.device) -> int:
-    """Rows per chunk from a memory budget for the chunk's N_c x V fp32 working set: ~10 buffers for the
-    torch fallback within 256 MiB on CPU, ~3 (logits, target, nothing else) within 1 GiB on CUDA."""
-    budget, buffers = (1 << 30, 3) if device.type == "cuda" else (256 << 20, 10)
+    """Rows per chunk from a memory budget for the chunk's N_c x V fp32 working set: ~12 buffers for the
+    torch fallback within 128 MiB on CPU, ~3 (logits, target, nothing else) within 1 GiB on CUDA."""
+    budget, buffers = (1 << 30, 3) if device.type == "cuda" else (128 << 20, 12)
     return max(1, min(n_rows, budget // (vocab_size * 4 * buffers)))
 
 
@@ -288,7 +289,9 @@ def _fused_forward(
         grad, stats[start:end] = rows_fn(z, t, row_scale[start:end], inv_total, settings, compute_grad)
         if need_h:
             grad_h[start:end] = grad.to(weight.dtype) @ weight
-        if need_w:
+        if need_w and grad_w.dtype == h.dtype:
+            grad_w.addmm_(grad.T.to(h.dtype), h_chunk)  # in place: no V x H temporary per chunk
+        elif need_w:
             grad_w += (grad.T.to(h.dtype) @ h_chunk).to(dtype)
     ce, kl_clip, kl_raw, n_clip, n_cols, correct = stats.unbind(1)
     if settings.row_clip:
@@ -314,17 +317,22 @@ class _FusedClippedDistillFunction(torch.autograd.Function):
             outputs, grad_h, grad_w = _fused_forward(
                 h, weight, target_logits, target_hidden, target_weight, row_weights, settings, need_h, need_w
             )
-        ctx.save_for_backward(grad_h, grad_w)
+        # Kept on ctx rather than saved tensors, and dropped in backward: the V x H weight gradient then has
+        # a single owner when returned, so autograd adopts it as weight.grad instead of cloning it.
+        ctx.grads = (grad_h, grad_w)
         ctx.mark_non_differentiable(*outputs[1:])
         return outputs
 
     @staticmethod
     def backward(ctx, grad_loss, *_metric_grads):
-        grad_h, grad_w = ctx.saved_tensors
-        if grad_h is not None:
-            grad_h = grad_h * grad_loss.to(grad_h.dtype)
-        if grad_w is not None:
-            grad_w = grad_w * grad_loss.to(grad_w.dtype)
+        if ctx.grads is None:
+            raise RuntimeError("the fused distillation loss computes its gradient once: backward ran twice")
+        grad_h, grad_w = ctx.grads
+        ctx.grads = None
+        # The loss is usually the graph's root (grad 1): skip a V x H copy then (a host sync, as in Liger).
+        if not bool(grad_loss == 1.0):
+            grad_h = None if grad_h is None else grad_h * grad_loss.to(grad_h.dtype)
+            grad_w = None if grad_w is None else grad_w * grad_loss.to(grad_w.dtype)
         return grad_h, grad_w, None, None, None, None, None
 
 

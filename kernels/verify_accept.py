@@ -20,6 +20,7 @@ vectorised torch fallback elsewhere, one entry point: ``verify_accept``.
 from typing import NamedTuple
 
 import torch
+
 from adaflash_hf.kernels._utils import num_warps_for, select_impl, triton_available, vocab_block_size
 
 

@@ -27,6 +27,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+
 from adaflash_hf.kernels._utils import next_power_of_2, select_impl, triton_available
 
 ATTENTION_NAME = "ada_packed_verify"

@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+
 from adaflash_hf.kernels.clipped_kl import (
     ClippedDistillLoss,
     clipped_distill_loss_reference,
@@ -258,3 +259,11 @@ def test_environment_variable_selects_the_implementation(monkeypatch):
         fused_clipped_distill_loss(h, weight, target)
     monkeypatch.setenv("ADAFLASH_KERNELS", "torch")
     assert torch.isfinite(fused_clipped_distill_loss(h, weight, target).loss)
+
+
+def test_second_backward_through_the_same_loss_raises():
+    h, weight, target, _ = _inputs(n=4)
+    out = fused_clipped_distill_loss(h.requires_grad_(), weight, target)
+    out.loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran twice"):
+        out.loss.backward()

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from adaflash_hf.kernels.clipped_kl import clipped_distill_loss_reference, fused_clipped_distill_loss
 from adaflash_hf.kernels.verify_accept import verify_accept
 from adaflash_hf.kernels.verify_attention import packed_verify_attention

@@ -3,6 +3,8 @@ attention against per-request attention, and a packed verify through a Hugging F
 
 import pytest
 import torch
+from transformers import DynamicCache
+
 from adaflash_hf.kernels.verify_accept import verify_accept
 from adaflash_hf.kernels.verify_attention import (
     ATTENTION_NAME,
@@ -11,7 +13,6 @@ from adaflash_hf.kernels.verify_attention import (
     segment_causal_mask,
 )
 from adaflash_hf.kernels.verify_packing import pack_verify_batch
-from transformers import DynamicCache
 
 
 def reference_accept(logits, drafts, temperatures, draft_probs, accept_uniforms, sample_uniforms):

@@ -1,0 +1,1 @@
+"""Benchmarks run by ``adaflash bench <name>``: each module has ``main(argv=None)``."""
