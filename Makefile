@@ -1,11 +1,11 @@
-# Two entry points for a fresh machine: `make test` (the suite) and, once shipped, `make demo`.
+# Two entry points for a fresh machine: `make demo` (the main job) and `make test` (the suite).
 # Each creates .venv if missing and installs the project with the CPU torch wheel pinned.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint
+.PHONY: install test lint demo
 
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -22,3 +22,6 @@ lint: $(STAMP)
 
 test: $(STAMP) lint
 	cd $(CURDIR) && OMP_NUM_THREADS=2 $(BIN)/pytest -q
+
+demo: $(STAMP)
+	OMP_NUM_THREADS=2 $(BIN)/python examples/demo.py

@@ -1,10 +1,18 @@
 """Offline drafter training: the DFlash recipe (anchors, masks, labels, weights), the loss, and DrafterTrainer."""
 
+import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import datasets
 import pytest
 import torch
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from transformers import PreTrainedTokenizerFast
 
 from adaflash_hf.trainers import DrafterTrainer, DrafterTrainingConfig
 from adaflash_hf.trainers.dflash_recipe import (
@@ -226,3 +234,32 @@ def test_offline_feature_cache_gives_the_same_loss(target_factory, drafter_facto
     assert len(list((tmp_path / "features").glob("*.safetensors"))) == 3
     second = cached(batch["input_ids"], batch["attention_mask"], batch["sequence_key"])  # from disk
     assert torch.allclose(first, on_the_fly, atol=1e-2) and torch.allclose(second, on_the_fly, atol=1e-2)
+
+
+def test_script_trains_under_accelerate_launch_with_two_processes(target_factory, drafter_factory, tmp_path):
+    """DDP on CPU: two processes, the real script, a tiny target folder and a prepared sequences file."""
+    target = target_factory("llama")
+    target.save_pretrained(tmp_path / "target")
+    vocab = {f"t{i}": i for i in range(target.config.vocab_size)}
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="t0")), pad_token="t0"
+    )
+    tokenizer.save_pretrained(tmp_path / "target")
+    with open(tmp_path / "sequences.jsonl", "w") as handle:
+        for i, row in enumerate(_sequences(n=8)):
+            handle.write(json.dumps({"id": str(i), "domain": "math", **row}) + "\n")
+    command = [
+        sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2",
+        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+        str(Path(__file__).resolve().parents[1] / "trainers" / "train_drafter.py"),
+        "--target_model", str(tmp_path / "target"), "--sequences_file", str(tmp_path / "sequences.jsonl"),
+        "--output_dir", str(tmp_path / "out"), "--max_steps", "3", "--per_device_train_batch_size", "2",
+        "--num_anchors", "4", "--drafter_layers", "1", "--mask_token_id", "3", "--eval_prompts_per_domain", "0",
+        "--save_steps", "3", "--logging_steps", "1", "--report_to", "none", "--disable_tqdm", "true",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+    state = json.loads((tmp_path / "out" / "checkpoint-3" / "trainer_state.json").read_text())
+    assert state["global_step"] == 3 and any("ce" in entry for entry in state["log_history"])

@@ -64,7 +64,8 @@ def main(args: DrafterTrainingConfig) -> AdaFlashDrafter:
     sequences_file = Path(args.sequences_file or Path(args.output_dir) / "sequences.jsonl")
     state = PartialState()
     with state.main_process_first():  # one process regenerates; the others read its file
-        if state.is_main_process:  # resumes a partial file; a complete one costs only the prompt encoding
+        # A given --sequences_file is used as is; the default one is built, or resumed where a run stopped.
+        if state.is_main_process and not (args.sequences_file and sequences_file.is_file()):
             build_sequences(
                 target,
                 tokenizer,
@@ -80,7 +81,7 @@ def main(args: DrafterTrainingConfig) -> AdaFlashDrafter:
     )
     eval_prompts = [
         chat_prompt_ids(tokenizer, row["prompt"])
-        for domain in args.domains
+        for domain in (args.domains if args.eval_prompts_per_domain > 0 else ())
         for row in load_domain(domain, "heldout", n=args.eval_prompts_per_domain, seed=args.seed)
     ]
     drafter = build_drafter(args, target)

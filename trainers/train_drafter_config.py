@@ -49,7 +49,8 @@ class DrafterTrainingConfig(TrainingArguments):
     sequences_file: str | None = field(
         default=None,
         metadata={
-            "help": "JSONL of training sequences; built (and resumed) here if missing. Default: <output_dir>/sequences.jsonl."
+            "help": "JSONL of training sequences, used as is when it exists. Default: <output_dir>/sequences.jsonl, "
+            "built here (and resumed after an interruption)."
         },
     )
     regenerate_responses: bool = field(
