@@ -1,0 +1,574 @@
+"""τ and speed-up of AdaFlash against the baselines, all through ``target.generate`` (greedy, batch size 1).
+
+    adaflash bench generate [--drafter DIR] [--domains chat code math] [--prompts-per-domain 4]
+                            [--max-new-tokens 256] [--repeats 3] [--threads 2] [--output-dir runs/bench_generate]
+    python -m adaflash_hf.bench.generate --quick --drafter DIR      # smoke run: 1 prompt, 16 tokens, 1 repeat
+
+Methods, run on the same held-out prompts (``adaflash_hf.data``, chat template) in one run:
+``plain`` generate; ``prompt_lookup`` (``prompt_lookup_num_tokens=10``); ``native_dflash`` (transformers'
+``speculation_type="dflash"`` with our weights, the AdaFlash hook switched off; it embeds ``mask_token_id`` with the
+target's embedding, so a drafter with a learned mask embedding drafts worse there); ``adaflash_fixed``
+(``block_size - 1`` drafts per round); ``adaflash_adaptive`` (the length head's k̂).
+
+Every timed call's output must equal plain greedy's token for token (``lossless``); calls are interleaved per prompt
+and repeat (plain, lookup, native, fixed, adaptive, then again) after one warm-up call per method, so machine noise
+hits all alike. A forward pre-hook on the target records each forward's query length and cache length; from them
+every method gets the same accounting: the forwards after the prefill are its rounds, a round verifies
+``query length - 1`` drafts and commits the growth of the cache up to the next forward. τ = tokens committed per
+round (plain: 1; prompt lookup also drafts inside its prefill, which this leaves out). For the AdaFlash methods the
+rounds must agree with ``drafter.last_stats`` (``stats_agree``). Speed-up = median plain seconds / median method
+seconds per prompt, geometric mean over a domain's prompts. Any lossless or stats_agree failure exits with status 1
+after the outputs are written.
+
+Outputs in ``--output-dir``: ``results.json`` (``settings``, ``ok``, ``summary``: one row per domain and method,
+``records``: one per domain, prompt and method), ``table.md`` and two plots: ``acceptance_per_position.png``
+(P(draft j accepted | verified) per domain) and ``acceptance_hist.png`` (per-round accepted / verified per domain).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging as std_logging
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import transformers
+from tqdm.auto import tqdm
+from transformers import GenerationConfig
+from transformers.utils import logging
+
+import adaflash_hf
+from adaflash_hf import AdaFlashDrafter
+
+logger = logging.get_logger(__name__)
+
+METHODS = ("plain", "prompt_lookup", "native_dflash", "adaflash_fixed", "adaflash_adaptive")
+ADAFLASH_METHODS = ("adaflash_fixed", "adaflash_adaptive")
+PROMPT_LOOKUP_TOKENS = 10
+WARMUP_TOKENS = 16
+DEFAULT_DRAFTER = Path(__file__).resolve().parents[2] / "examples" / "drafters" / "smollm2-135m-adaflash"
+QUICK = {"prompts_per_domain": 1, "max_new_tokens": 16, "repeats": 1}
+FULL = {"prompts_per_domain": 4, "max_new_tokens": 256, "repeats": 3}
+
+
+# ------------------------------------------------------------------------------------------------------ methods
+def _generate(target, input_ids, config: GenerationConfig, **kwargs) -> torch.Tensor:
+    return target.generate(input_ids, generation_config=config, **kwargs)
+
+
+def _plain(target, drafter, input_ids, config):
+    return _generate(target, input_ids, config)
+
+
+def _prompt_lookup(target, drafter, input_ids, config):
+    config.prompt_lookup_num_tokens = PROMPT_LOOKUP_TOKENS
+    return _generate(target, input_ids, config)
+
+
+def _native_dflash(target, drafter, input_ids, config):
+    # The AdaFlash hook claims AdaFlashDrafter assistants even under speculation_type="dflash": switch it off so
+    # transformers' own DFlashTokenCandidateGenerator runs.
+    was_enabled = adaflash_hf.is_enabled()
+    adaflash_hf.disable()
+    try:
+        config.speculation_type = "dflash"
+        return _generate(target, input_ids, config, assistant_model=drafter)
+    finally:
+        if was_enabled:
+            adaflash_hf.enable()
+
+
+def _adaflash_fixed(target, drafter, input_ids, config):
+    config.adaflash_length_mode = "fixed"
+    return _generate(target, input_ids, config, assistant_model=drafter)
+
+
+def _adaflash_adaptive(target, drafter, input_ids, config):
+    config.adaflash_length_mode = "adaptive"
+    return _generate(target, input_ids, config, assistant_model=drafter)
+
+
+# Looked up at call time, so a test can swap one entry.
+RUNNERS = {
+    "plain": _plain,
+    "prompt_lookup": _prompt_lookup,
+    "native_dflash": _native_dflash,
+    "adaflash_fixed": _adaflash_fixed,
+    "adaflash_adaptive": _adaflash_adaptive,
+}
+
+
+# --------------------------------------------------------------------------------------------- forward accounting
+class ForwardRecorder:
+    """Forward pre-hook on the target: (query length, cached length) of every forward since the last ``reset``."""
+
+    def __init__(self, target):
+        self.calls: list[tuple[int, int]] = []
+        self.handle = target.register_forward_pre_hook(self._record, with_kwargs=True)
+
+    def _record(self, module, args, kwargs):
+        tokens = kwargs.get("input_ids")
+        if tokens is None:
+            tokens = args[0] if args else kwargs["inputs_embeds"]
+        cache = kwargs.get("cache")
+        if cache is None:
+            cache = kwargs.get("past_key_values")
+        self.calls.append((tokens.shape[1], 0 if cache is None else cache.get_seq_length()))
+
+    def reset(self) -> None:
+        self.calls = []
+
+    def remove(self) -> None:
+        self.handle.remove()
+
+
+def decode_rounds(calls: list[tuple[int, int]], final_length: int) -> tuple[list[int], list[int]]:
+    """(verified drafts, accepted drafts) of every forward after the prefill.
+
+    Before each forward the target cache holds every committed token but the newest (the one the forward starts
+    from); a round therefore commits the cache growth up to the next forward, or up to ``final_length - 1`` for the
+    last one, and accepts one token less (the bonus token).
+    """
+    verified = [query - 1 for query, _ in calls[1:]]
+    starts = [cached for _, cached in calls[1:]] + [final_length - 1]
+    accepted = [end - start - 1 for start, end in zip(starts, starts[1:])]
+    return verified, accepted
+
+
+def stats_agree(stats, forwards: int, verified: list[int], accepted: list[int]) -> bool:
+    """Whether the forward accounting matches ``AdaFlashStats``. A last forward that only had room for the bonus token
+    (verifies 0, accepts 0) is a round here but not a drafting round there."""
+    rounds = list(zip(verified, accepted))
+    stats_rounds = list(zip(stats.verify_lengths, stats.accepted_lengths))
+    return stats.target_forwards == forwards and rounds in (stats_rounds, stats_rounds + [(0, 0)])
+
+
+def _first_mismatch(output: torch.Tensor, reference: torch.Tensor) -> int | None:
+    """Index of the first differing token (the shorter length when one is a prefix of the other), None when equal."""
+    out, ref = output[0].tolist(), reference[0].tolist()
+    if out == ref:
+        return None
+    return next((i for i, (a, b) in enumerate(zip(out, ref)) if a != b), min(len(out), len(ref)))
+
+
+# --------------------------------------------------------------------------------------------------------- run
+def run_benchmark(
+    target,
+    drafter: AdaFlashDrafter | None,
+    prompts: dict[str, list[tuple[str, torch.Tensor]]],
+    methods: tuple[str, ...] = METHODS,
+    max_new_tokens: int = 256,
+    repeats: int = 3,
+    gamma: float | None = None,
+    min_len: int | None = None,
+    progress: bool = True,
+) -> dict:
+    """Run every method on every prompt ``repeats`` times, interleaved; return the results dict (see module doc).
+
+    ``prompts`` maps a domain to ``(prompt id, input ids [1, L])`` pairs. ``drafter`` may be None when ``methods``
+    holds no drafter method. ``gamma`` / ``min_len`` override the drafter's length-head settings for the AdaFlash
+    methods.
+    """
+    if not set(methods) <= set(METHODS) or "plain" not in methods:
+        raise ValueError(f"methods: expected a subset of {METHODS} including 'plain', got {list(methods)}")
+    if drafter is None and set(methods) - {"plain", "prompt_lookup"}:
+        raise ValueError(f"drafter: expected an AdaFlashDrafter for methods {list(methods)}, got None")
+    if drafter is not None:
+        drafter.check_target(target)
+    if repeats < 1:
+        raise ValueError(f"repeats: expected >= 1, got {repeats}")
+    if max_new_tokens < 2:
+        raise ValueError(
+            f"max_new_tokens: expected >= 2 (τ needs a forward after the prefill), got {max_new_tokens}"
+        )
+    methods = tuple(m for m in METHODS if m in methods)  # plain first: it is the reference
+    eos = target.generation_config.eos_token_id
+    pad = target.generation_config.pad_token_id
+    pad = pad if pad is not None else (eos[0] if isinstance(eos, list) else eos)
+
+    def call(method: str, input_ids: torch.Tensor, tokens: int) -> tuple[torch.Tensor, float]:
+        config = GenerationConfig(max_new_tokens=tokens, do_sample=False, pad_token_id=pad)
+        if method in ADAFLASH_METHODS:
+            config.adaflash_gamma, config.adaflash_min_len = gamma, min_len
+        started = time.perf_counter()
+        with torch.inference_mode():
+            output = RUNNERS[method](target, drafter, input_ids, config)
+        return output, time.perf_counter() - started
+
+    recorder = ForwardRecorder(target)
+    records = []
+    try:
+        first_ids = next(ids for pairs in prompts.values() for _, ids in pairs)
+        for method in methods:
+            call(method, first_ids, min(WARMUP_TOKENS, max_new_tokens))
+        total = sum(len(pairs) for pairs in prompts.values()) * repeats * len(methods)
+        with tqdm(total=total, desc="bench generate", disable=not progress) as bar:
+            for domain, pairs in prompts.items():
+                for prompt_id, input_ids in pairs:
+                    records += _bench_prompt(
+                        call,
+                        recorder,
+                        drafter,
+                        methods,
+                        repeats,
+                        max_new_tokens,
+                        domain,
+                        prompt_id,
+                        input_ids,
+                        bar,
+                    )
+    finally:
+        recorder.remove()
+    summary = [
+        _summarise([r for r in records if r["domain"] == domain and r["method"] == method])
+        for domain in prompts
+        for method in methods
+    ]
+    return {
+        "settings": {
+            "methods": list(methods),
+            "domains": list(prompts),
+            "prompts_per_domain": {domain: len(pairs) for domain, pairs in prompts.items()},
+            "max_new_tokens": max_new_tokens,
+            "repeats": repeats,
+            "prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS,
+            "block_size": None if drafter is None else drafter.config.block_size,
+            "gamma": gamma if gamma is not None or drafter is None else drafter.config.length_head_gamma,
+            "min_len": min_len
+            if min_len is not None or drafter is None
+            else drafter.config.length_head_min_len,
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+        },
+        "ok": all(r["lossless"] and r["stats_agree"] is not False for r in records),
+        "summary": summary,
+        "records": records,
+    }
+
+
+def _bench_prompt(
+    call, recorder, drafter, methods, repeats, max_new_tokens, domain, prompt_id, input_ids, bar
+) -> list[dict]:
+    """One record per method for one prompt: ``repeats`` rounds of every method in turn, each checked against the
+    first plain output; forward accounting and stats from the first round."""
+    records = {
+        method: {
+            "domain": domain,
+            "prompt_id": prompt_id,
+            "method": method,
+            "seconds": [],
+            "first_mismatch": None,
+        }
+        for method in methods
+    }
+    prompt_length = input_ids.shape[1]
+    reference = None
+    for repeat in range(repeats):
+        for method in methods:
+            recorder.reset()
+            output, seconds = call(method, input_ids, max_new_tokens)
+            record = records[method]
+            record["seconds"].append(seconds)
+            if reference is None:  # plain runs first
+                reference = output
+            mismatch = _first_mismatch(output, reference)
+            if record["first_mismatch"] is None and mismatch is not None:
+                record["first_mismatch"] = mismatch - prompt_length
+            if repeat == 0:
+                _account(record, recorder.calls, prompt_length, output.shape[1], method, drafter)
+            bar.update()
+    plain_seconds = statistics.median(records["plain"]["seconds"])
+    for record in records.values():
+        record["median_seconds"] = statistics.median(record["seconds"])
+        record["tokens_per_s"] = record["new_tokens"] / record["median_seconds"]
+        record["speedup"] = plain_seconds / record["median_seconds"]
+        record["lossless"] = record["first_mismatch"] is None
+        if not record["lossless"]:
+            logger.error(
+                f"{domain}/{prompt_id}/{record['method']}: output differs from plain greedy at new token "
+                f"{record['first_mismatch']}"
+            )
+    return list(records.values())
+
+
+def _account(record: dict, calls, prompt_length: int, final_length: int, method: str, drafter) -> None:
+    """Fill a record's forward accounting (and, for AdaFlash, its stats) from the first repeat's call."""
+    verified, accepted = decode_rounds(calls, final_length)
+    record.update(
+        prompt_tokens=prompt_length,
+        new_tokens=final_length - prompt_length,
+        target_forwards=len(calls),
+        verify_lengths=verified,
+        accepted_lengths=accepted,
+        tau=sum(a + 1 for a in accepted) / len(accepted) if accepted else None,
+        tau_stats=None,
+        stats_agree=None,
+        stats=None,
+    )
+    if method in ADAFLASH_METHODS:
+        stats = drafter.last_stats
+        record.update(
+            tau_stats=stats.tau,
+            stats_agree=stats_agree(stats, len(calls), verified, accepted),
+            stats=stats.to_dict(),
+        )
+        if not record["stats_agree"]:
+            logger.error(
+                f"{record['domain']}/{record['prompt_id']}/{method}: forward accounting (forwards={len(calls)}, "
+                f"verified={verified}, accepted={accepted}) differs from drafter.last_stats ({stats.summary()})"
+            )
+
+
+def acceptance_per_position(verified: list[int], accepted: list[int]) -> list[float | None]:
+    """P(draft j accepted | draft j verified) for j = 1..max verified; None where never verified."""
+    width = max(verified, default=0)
+    out = []
+    for j in range(width):
+        attempts = sum(k > j for k in verified)
+        out.append(sum(a > j for a, k in zip(accepted, verified) if k > j) / attempts if attempts else None)
+    return out
+
+
+def _summarise(records: list[dict]) -> dict:
+    verified = [k for r in records for k in r["verify_lengths"]]
+    accepted = [a for r in records for a in r["accepted_lengths"]]
+    row = {
+        "domain": records[0]["domain"],
+        "method": records[0]["method"],
+        "prompts": len(records),
+        "new_tokens": sum(r["new_tokens"] for r in records),
+        "rounds": len(verified),
+        "tau": sum(a + 1 for a in accepted) / len(accepted) if accepted else None,
+        "tau_stats": None,
+        "tokens_per_s": sum(r["new_tokens"] for r in records) / sum(r["median_seconds"] for r in records),
+        "speedup": math.exp(statistics.fmean(math.log(r["speedup"]) for r in records)),
+        "mean_verify_length": statistics.fmean(verified) if verified else None,
+        "acceptance_rate": sum(accepted) / sum(verified) if sum(verified) else None,
+        "acceptance_per_position": acceptance_per_position(verified, accepted),
+        "lossless": all(r["lossless"] for r in records),
+        "stats_agree": None,
+    }
+    if records[0]["stats"] is not None:
+        rounds = sum(r["stats"]["drafting_rounds"] for r in records)
+        committed = sum(r["stats"]["committed_tokens"] for r in records)
+        row["tau_stats"] = committed / rounds if rounds else None
+        row["stats_agree"] = all(r["stats_agree"] for r in records)
+    return row
+
+
+# ------------------------------------------------------------------------------------------------------- outputs
+def _fmt(value, spec: str = ".2f", suffix: str = "") -> str:
+    return "–" if value is None else f"{value:{spec}}{suffix}"
+
+
+def markdown_table(results: dict) -> str:
+    """One row per (domain, method)."""
+    settings = results["settings"]
+    lines = [
+        f"Greedy, {settings['max_new_tokens']} new tokens, median of {settings['repeats']} repeats, "
+        f"{settings['threads']} threads; prompts per domain: {settings['prompts_per_domain']}.",
+        "",
+        "| domain | method | τ | τ (stats) | tokens/s | speed-up | mean verify len | acceptance | lossless |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for row in results["summary"]:
+        lines.append(
+            f"| {row['domain']} | {row['method']} | {_fmt(row['tau'])} | {_fmt(row['tau_stats'])} | "
+            f"{_fmt(row['tokens_per_s'], '.1f')} | {_fmt(row['speedup'], '.2f', 'x')} | "
+            f"{_fmt(row['mean_verify_length'])} | {_fmt(row['acceptance_rate'])} | "
+            f"{'yes' if row['lossless'] else 'NO'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _drafting_methods(results: dict) -> list[str]:
+    return [m for m in results["settings"]["methods"] if m != "plain"]
+
+
+def _color(method: str) -> str:
+    return f"C{METHODS.index(method)}"  # the same colour for a method in every panel
+
+
+def _finish(figure, axes, ylabel: str, path: Path) -> None:
+    axes[0].set_ylabel(ylabel)
+    labelled = {label: handle for ax in axes for handle, label in zip(*ax.get_legend_handles_labels())}
+    if labelled:  # a method may have no rounds with drafts at all (prompt lookup without a match)
+        figure.legend(labelled.values(), labelled.keys(), loc="outside right upper", fontsize="small")
+    figure.savefig(path, dpi=120)
+
+
+def plot_acceptance_per_position(results: dict, path: Path) -> None:
+    """Figure 3 analogue: P(draft j accepted | verified) per position, one panel per domain."""
+    from matplotlib.figure import Figure
+
+    domains = results["settings"]["domains"]
+    figure = Figure(figsize=(4.5 * len(domains), 3.6), layout="constrained")
+    axes = figure.subplots(1, len(domains), squeeze=False)[0]
+    for ax, domain in zip(axes, domains):
+        for row in results["summary"]:
+            curve = row["acceptance_per_position"]
+            if row["domain"] == domain and row["method"] != "plain" and curve:
+                points = [(j + 1, p) for j, p in enumerate(curve) if p is not None]
+                ax.plot(
+                    *zip(*points), marker="o", markersize=3, label=row["method"], color=_color(row["method"])
+                )
+        ax.set(title=domain, xlabel="draft position j", ylim=(0, 1.02))
+        ax.grid(alpha=0.3)
+    _finish(figure, axes, "P(accepted | verified)", path)
+
+
+def plot_acceptance_hist(results: dict, path: Path) -> None:
+    """Figure 1 analogue: histogram of the per-round acceptance ratio (accepted / verified), one panel per domain."""
+    from matplotlib.figure import Figure
+
+    domains = results["settings"]["domains"]
+    figure = Figure(figsize=(4.5 * len(domains), 3.6), layout="constrained")
+    axes = figure.subplots(1, len(domains), squeeze=False)[0]
+    bins = [i / 10 for i in range(11)]
+    for ax, domain in zip(axes, domains):
+        for method in _drafting_methods(results):
+            ratios = [
+                a / k
+                for r in results["records"]
+                if r["domain"] == domain and r["method"] == method
+                for k, a in zip(r["verify_lengths"], r["accepted_lengths"])
+                if k > 0
+            ]
+            if ratios:
+                weights = [1 / len(ratios)] * len(ratios)
+                ax.hist(
+                    ratios, bins=bins, weights=weights, histtype="step", label=method, color=_color(method)
+                )
+        ax.set(title=domain, xlabel="accepted / verified drafts per round", xlim=(0, 1))
+        ax.grid(alpha=0.3)
+    _finish(figure, axes, "fraction of rounds", path)
+
+
+def write_outputs(results: dict, output_dir: Path) -> None:
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    (output_dir / "table.md").write_text(markdown_table(results))
+    plot_acceptance_per_position(results, output_dir / "acceptance_per_position.png")
+    plot_acceptance_hist(results, output_dir / "acceptance_hist.png")
+
+
+# ---------------------------------------------------------------------------------------------------------- CLI
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="adaflash bench generate",
+        description="τ, tokens/s and speed-up of plain generate, prompt lookup, native DFlash, AdaFlash fixed and "
+        "AdaFlash adaptive on held-out chat/code/math prompts (greedy, lossless-checked).",
+    )
+    parser.add_argument(
+        "--target", default="smollm2-135m-instruct", help="target (adaflash_hf.assets.load_target)"
+    )
+    parser.add_argument(
+        "--drafter", type=Path, help=f"AdaFlash drafter folder (default: {DEFAULT_DRAFTER}, when it exists)"
+    )
+    parser.add_argument(
+        "--domains", nargs="+", default=["chat", "code", "math"], choices=["chat", "code", "math"]
+    )
+    parser.add_argument(
+        "--prompts-per-domain",
+        type=int,
+        help=f"held-out prompts per domain (default {FULL['prompts_per_domain']})",
+    )
+    parser.add_argument(
+        "--max-new-tokens", type=int, help=f"new tokens per call (default {FULL['max_new_tokens']})"
+    )
+    parser.add_argument(
+        "--repeats", type=int, help=f"timed calls per prompt and method (default {FULL['repeats']})"
+    )
+    parser.add_argument(
+        "--threads", type=int, default=2, help="torch threads and OMP_NUM_THREADS (default 2)"
+    )
+    parser.add_argument(
+        "--methods", nargs="+", default=list(METHODS), choices=METHODS, help="subset; needs plain"
+    )
+    parser.add_argument(
+        "--gamma", type=float, help="adaflash_gamma for the AdaFlash methods (default: drafter's)"
+    )
+    parser.add_argument(
+        "--min-len", type=int, help="adaflash_min_len for the AdaFlash methods (default: drafter's)"
+    )
+    parser.add_argument(
+        "--output-dir", type=Path, default=Path("runs/bench_generate"), help="where outputs go"
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"smoke run: defaults become {', '.join(f'{k}={v}' for k, v in QUICK.items())}",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    defaults = QUICK if args.quick else FULL
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    needs_drafter = bool(set(args.methods) - {"plain", "prompt_lookup"})
+    if needs_drafter and args.drafter is None:
+        if not DEFAULT_DRAFTER.is_dir():
+            parser.error(
+                f"--drafter: expected a drafter folder (the default {DEFAULT_DRAFTER} does not exist), got none"
+            )
+        args.drafter = DEFAULT_DRAFTER
+    std_logging.basicConfig(level=std_logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    torch.set_num_threads(args.threads)
+
+    from adaflash_hf.assets import chat_prompt_ids, load_target
+    from adaflash_hf.data import load_domain
+
+    target, tokenizer = load_target(args.target)
+    drafter = None
+    if needs_drafter:
+        dtype = next(target.parameters()).dtype
+        drafter = AdaFlashDrafter.from_pretrained(args.drafter).to(dtype).eval()
+    prompts = {
+        domain: [
+            (row["id"], chat_prompt_ids(tokenizer, row["prompt"]))
+            for row in load_domain(domain, "heldout", args.prompts_per_domain)
+        ]
+        for domain in args.domains
+    }
+    results = run_benchmark(
+        target,
+        drafter,
+        prompts,
+        methods=tuple(args.methods),
+        max_new_tokens=args.max_new_tokens,
+        repeats=args.repeats,
+        gamma=args.gamma,
+        min_len=args.min_len,
+    )
+    results["settings"].update(
+        target=args.target,
+        drafter=None if drafter is None else str(args.drafter),
+        command=" ".join(["adaflash bench generate", *(sys.argv[1:] if argv is None else argv)]),
+    )
+    write_outputs(results, args.output_dir)
+    print(markdown_table(results))
+    logger.info(f"wrote results.json, table.md and plots to {args.output_dir}")
+    if not results["ok"]:
+        print(
+            "adaflash bench generate: error: ok: expected true, got false (a method's output differs from plain "
+            f"greedy, or its forward accounting from drafter.last_stats): see {args.output_dir / 'results.json'}",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

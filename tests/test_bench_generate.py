@@ -1,0 +1,175 @@
+"""`adaflash bench generate`: every method lossless, τ accounted the same way for all, outputs written, failures loud."""
+
+import json
+
+import pytest
+import torch
+
+from adaflash_hf.bench import generate as bench
+
+PROMPTS = {
+    "chat": [("chat-0", torch.tensor([[5, 17, 99, 3, 250, 8, 41, 77, 12]]))],
+    "code": [("code-0", torch.tensor([[7, 7, 21, 300, 21, 300, 21, 300, 9, 4]]))],
+}
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(target_factory, drafter_factory):
+    target = target_factory("llama")
+    return target, drafter_factory(target)
+
+
+@pytest.fixture(scope="module")
+def results(tiny_pair):
+    target, drafter = tiny_pair
+    return bench.run_benchmark(target, drafter, PROMPTS, max_new_tokens=NEW_TOKENS, repeats=2, progress=False)
+
+
+def _corrupt_last_token(target, drafter, input_ids, config):
+    output = bench.RUNNERS["plain"](target, drafter, input_ids, config).clone()
+    output[0, -1] = (output[0, -1] + 1) % target.config.vocab_size
+    return output
+
+
+def test_summary_has_one_row_per_domain_and_method(results):
+    rows = [(row["domain"], row["method"]) for row in results["summary"]]
+    assert rows == [(domain, method) for domain in PROMPTS for method in bench.METHODS]
+    assert set(results) == {"settings", "ok", "summary", "records"}
+    assert {
+        "tau",
+        "tokens_per_s",
+        "speedup",
+        "mean_verify_length",
+        "acceptance_per_position",
+        "lossless",
+    } <= set(results["summary"][0])
+
+
+def test_every_method_is_lossless_with_a_random_drafter(results):
+    assert results["ok"]
+    assert all(record["lossless"] for record in results["records"])
+    assert all(record["new_tokens"] == NEW_TOKENS for record in results["records"])
+
+
+def test_plain_has_speedup_one_and_tau_one(results):
+    for row in results["summary"]:
+        if row["method"] == "plain":
+            assert row["speedup"] == 1.0
+            assert row["tau"] == 1.0
+            assert row["mean_verify_length"] == 0.0
+
+
+def test_each_call_is_timed_once_per_repeat(results):
+    assert all(len(record["seconds"]) == 2 for record in results["records"])
+    assert all(record["tokens_per_s"] > 0 for record in results["records"])
+
+
+def test_adaflash_fixed_verifies_full_blocks_capped_by_the_budget(results, tiny_pair):
+    block = tiny_pair[1].config.block_size
+    for record in results["records"]:
+        if record["method"] == "adaflash_fixed":
+            committed = 1  # by the prefill
+            for verified, accepted in zip(record["verify_lengths"], record["accepted_lengths"]):
+                assert verified == min(block - 1, NEW_TOKENS - committed - 1)
+                committed += accepted + 1
+
+
+def test_decode_rounds_reads_commits_from_cache_growth():
+    # prompt of 12 (prefill), then rounds verifying 7, 7, 2 drafts; final length 40
+    calls = [(12, 0), (8, 12), (8, 20), (3, 24)]
+    verified, accepted = bench.decode_rounds(calls, final_length=40)
+    assert verified == [7, 7, 2]
+    assert accepted == [7, 3, 14]
+
+
+def test_forward_tau_equals_adaflash_stats_tau_with_an_oracle(target_factory, oracle_factory):
+    target = target_factory("qwen3")
+    ids = PROMPTS["chat"][0][1]
+    reference = target.generate(ids, max_new_tokens=60, do_sample=False)
+    oracle = oracle_factory(target, reference, seed=3)
+    methods = ("plain", "adaflash_fixed", "adaflash_adaptive")
+    results = bench.run_benchmark(
+        target,
+        oracle,
+        {"chat": PROMPTS["chat"]},
+        methods=methods,
+        max_new_tokens=46,
+        repeats=1,
+        progress=False,
+    )
+    assert results["ok"]
+    for record in results["records"]:
+        if record["method"] != "plain":
+            assert record["stats_agree"]
+            # premise: no last forward that only had room for the bonus token (stats do not count that one)
+            assert len(record["verify_lengths"]) == record["stats"]["drafting_rounds"]
+            assert record["tau"] > 1.5
+            assert record["tau"] == pytest.approx(record["tau_stats"])
+
+
+def test_a_method_with_wrong_tokens_is_reported_not_lossless(tiny_pair, monkeypatch):
+    target, drafter = tiny_pair
+    monkeypatch.setitem(bench.RUNNERS, "prompt_lookup", _corrupt_last_token)
+    results = bench.run_benchmark(
+        target,
+        drafter,
+        PROMPTS,
+        methods=("plain", "prompt_lookup"),
+        max_new_tokens=8,
+        repeats=1,
+        progress=False,
+    )
+    assert not results["ok"]
+    lossless = {row["method"]: row["lossless"] for row in results["summary"]}
+    assert lossless == {"plain": True, "prompt_lookup": False}
+    assert {r["first_mismatch"] for r in results["records"] if r["method"] == "prompt_lookup"} == {7}
+    assert "| chat | prompt_lookup |" in bench.markdown_table(results)
+
+
+def test_methods_must_include_plain(tiny_pair):
+    target, drafter = tiny_pair
+    with pytest.raises(ValueError, match="methods: expected a subset .* including 'plain'"):
+        bench.run_benchmark(target, drafter, PROMPTS, methods=("adaflash_fixed",), progress=False)
+
+
+@pytest.fixture
+def offline_main(tiny_pair, tmp_path, monkeypatch):
+    """main() on the tiny target: load_target, the chat template and the data sets replaced, the drafter saved."""
+    target, drafter = tiny_pair
+    drafter.save_pretrained(tmp_path / "drafter")
+    monkeypatch.setattr("adaflash_hf.assets.load_target", lambda name: (target, None))
+    monkeypatch.setattr("adaflash_hf.assets.chat_prompt_ids", lambda tokenizer, prompt: PROMPTS["chat"][0][1])
+    monkeypatch.setattr(
+        "adaflash_hf.data.load_domain",
+        lambda domain, split, n: [{"id": f"{domain}-{i}", "prompt": "p"} for i in range(n)],
+    )
+
+    def run(*extra):
+        out = tmp_path / "out"
+        argv = ["--quick", "--drafter", str(tmp_path / "drafter"), "--output-dir", str(out), "--threads", "1"]
+        return bench.main([*argv, "--domains", "chat", "math", *extra]), out
+
+    return run
+
+
+def test_main_writes_json_table_and_plots(offline_main):
+    status, out = offline_main()
+    assert status == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["ok"] and results["settings"]["max_new_tokens"] == bench.QUICK["max_new_tokens"]
+    table_rows = [
+        line
+        for line in (out / "table.md").read_text().splitlines()
+        if line.startswith("| chat") or line.startswith("| math")
+    ]
+    assert len(table_rows) == 2 * len(bench.METHODS)
+    for name in ("acceptance_per_position.png", "acceptance_hist.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_main_exits_nonzero_when_an_output_differs(offline_main, monkeypatch):
+    monkeypatch.setitem(bench.RUNNERS, "prompt_lookup", _corrupt_last_token)
+    status, out = offline_main("--methods", "plain", "prompt_lookup")
+    assert status == 1
+    assert not json.loads((out / "results.json").read_text())["ok"]
