@@ -1,0 +1,13 @@
+"""The batched serving engine: continuous batching, per-request adaptive draft lengths, one packed verify.
+
+- ``engine``: ``AdaFlashEngine`` (add_request / step / stream / abort / generate) and ``StepStats``;
+- ``requests``: ``SamplingParams``, per-request state, ``RequestOutput`` deltas;
+- ``cache``: the per-request KV slot pool, the packed target attention and the drafter's batched cache;
+- ``admission``: EMA admission control, token and KV budgets, load-aware γ.
+"""
+
+from adaflash_hf.serving.admission import AdmissionConfig
+from adaflash_hf.serving.engine import MODES, AdaFlashEngine, StepStats
+from adaflash_hf.serving.requests import RequestOutput, SamplingParams
+
+__all__ = ["MODES", "AdaFlashEngine", "AdmissionConfig", "RequestOutput", "SamplingParams", "StepStats"]

@@ -1,0 +1,260 @@
+"""Per-request KV state for the engine: a slot pool per layer, the packed target attention, the drafter cache.
+
+Layout. Each running request owns one slot; per layer the pool holds ``keys/values [slots, capacity, kv_heads,
+head_dim]`` and a request's K/V at absolute position p lives at ``[slot, p]``. A request's length is engine
+state, not pool state: rollback of rejected drafts is just not advancing the length, and the next write
+overwrites those positions. Positions at or past a request's length are never attended (masks compare key
+positions with query positions), and a slot is zeroed when it is handed to a new request so that stale values
+(possibly non-finite, from a broken drafter) cannot leak through ``0 * NaN`` in masked attention.
+
+Target forward. All requests' new tokens (a whole prompt for a prefill, ``[anchor, drafts]`` for a verify) go
+through the Hugging Face target as ONE packed row ``[1, T]`` with per-token absolute positions. The target runs
+with the ``"ada_ragged"`` attention (registered with ``transformers.AttentionInterface``) and ``use_cache=False``:
+the attention function receives the new keys/values of the layer, scatters them into the pool, and attends
+each request's queries to that request's own slot (prefix + causal within its new tokens). On CPU the verify
+requests are one padded SDPA call ([requests, max k̂+1] queries against [requests, max length] keys, work
+proportional to each request's own length), and each prefill is its own call; a dense varlen mask over the
+concatenated keys of all requests would cost O(requests²).
+
+Drafter. ``DrafterSlotCache`` is the ``Cache`` given to the drafter's batched forward ([requests, block]
+queries): it writes each request's new context K/V at its positions and its block K/V right after them (block
+rows are scratch: the next round's context overwrites them), and returns the padded per-request keys that the
+4-D mask of ``DrafterBatch`` describes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache
+
+ATTENTION_NAME = "ada_ragged"
+
+
+def _round_up_pow2(n: int, minimum: int = 64) -> int:
+    size = minimum
+    while size < n:
+        size *= 2
+    return size
+
+
+class SlotKVStore:
+    """K/V pool ``[slots, capacity, kv_heads, head_dim]`` per layer, allocated lazily and grown by doubling."""
+
+    def __init__(self, num_layers: int):
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.slots = 1
+        self.capacity = 64
+
+    def reserve(self, slots: int, capacity: int) -> None:
+        """Make room for ``slots`` requests of up to ``capacity`` positions (applied at each layer's next write)."""
+        self.slots = max(self.slots, _round_up_pow2(slots, 1))
+        self.capacity = max(self.capacity, _round_up_pow2(capacity))
+
+    def clear_slot(self, slot: int) -> None:
+        for tensor in (*self.keys, *self.values):
+            if tensor is not None and slot < tensor.shape[0]:
+                tensor[slot].zero_()
+
+    def _layer(self, layer: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = self.keys[layer], self.values[layer]
+        if keys is None or keys.shape[0] < self.slots or keys.shape[1] < self.capacity:
+            shape = (self.slots, self.capacity, like.shape[-2], like.shape[-1])
+            new_keys, new_values = like.new_zeros(shape), like.new_zeros(shape)
+            if keys is not None:
+                new_keys[: keys.shape[0], : keys.shape[1]] = keys
+                new_values[: values.shape[0], : values.shape[1]] = values
+            self.keys[layer], self.values[layer] = keys, values = new_keys, new_values
+        return keys, values
+
+    def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor, slot_index, position_index) -> None:
+        """Scatter ``keys/values [M, kv_heads, head_dim]`` to ``(slot_index[m], position_index[m])``."""
+        pool_keys, pool_values = self._layer(layer, keys)
+        pool_keys[slot_index, position_index] = keys.to(pool_keys.dtype)
+        pool_values[slot_index, position_index] = values.to(pool_values.dtype)
+
+    def read(self, layer: int, slots: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys/values of ``slots`` up to ``length`` positions: ``[len(slots), kv_heads, length, head_dim]``."""
+        keys, values = self.keys[layer], self.values[layer]
+        return keys[slots, :length].transpose(1, 2), values[slots, :length].transpose(1, 2)
+
+
+def _padded_causal_mask(query_positions: torch.Tensor, valid: torch.Tensor, length: int) -> torch.Tensor:
+    """[G, 1, Q, length] bool: a query sees its own slot's keys at positions <= its own. Padding queries see
+    key 0 only, so no row is empty (SDPA would return NaN), and their outputs are dropped."""
+    positions = torch.where(valid, query_positions, 0)
+    keys = torch.arange(length, device=positions.device)
+    return (keys[None, None, :] <= positions[:, :, None])[:, None]
+
+
+@dataclass
+class AttentionGroup:
+    """Requests attended in one SDPA call: queries gathered from the packed row by ``query_index [G, Q]``."""
+
+    slots: torch.Tensor  # [G]
+    query_index: torch.Tensor  # [G, Q] rows of the packed sequence (padding repeats row 0)
+    query_valid: torch.Tensor  # [G, Q] bool
+    key_length: int
+    mask: torch.Tensor  # [G, 1, Q, key_length] bool
+
+    @classmethod
+    def build(cls, slots: list[int], starts: list[int], offsets: list[int], lengths: list[int], device):
+        width = max(lengths)
+        steps = torch.arange(width, device=device)
+        length_t = torch.tensor(lengths, device=device)
+        valid = steps[None, :] < length_t[:, None]
+        index = torch.where(valid, torch.tensor(offsets, device=device)[:, None] + steps[None, :], 0)
+        positions = torch.tensor(starts, device=device)[:, None] + steps[None, :]
+        key_length = max(s + n for s, n in zip(starts, lengths))
+        return cls(
+            slots=torch.tensor(slots, device=device),
+            query_index=index,
+            query_valid=valid,
+            key_length=key_length,
+            mask=_padded_causal_mask(positions, valid, key_length),
+        )
+
+
+@dataclass
+class RaggedBatch:
+    """Geometry of one packed target forward, handed to the attention function as the ``ragged`` kwarg.
+
+    Request i contributes ``lengths[i]`` tokens at positions ``starts[i] ..``, packed at ``offsets[i]``.
+    Requests with at most ``group_width`` new tokens (verifies) share one padded attention call; longer ones
+    (prefills) get one call each.
+    """
+
+    store: SlotKVStore
+    token_slots: torch.Tensor  # [T]
+    token_positions: torch.Tensor  # [T]
+    groups: list[AttentionGroup]
+
+    @classmethod
+    def build(cls, store, slots, starts, lengths, group_width: int, device) -> RaggedBatch:
+        offsets = [0]
+        for n in lengths[:-1]:
+            offsets.append(offsets[-1] + n)
+        lengths_t = torch.tensor(lengths, device=device)
+        token_slots = torch.repeat_interleave(torch.tensor(slots, device=device), lengths_t)
+        within = torch.arange(int(lengths_t.sum()), device=device) - torch.repeat_interleave(
+            torch.tensor(offsets, device=device), lengths_t
+        )
+        token_positions = torch.repeat_interleave(torch.tensor(starts, device=device), lengths_t) + within
+        short = [i for i, n in enumerate(lengths) if n <= group_width]
+        members = [short] if short else []
+        members += [[i] for i, n in enumerate(lengths) if n > group_width]
+        groups = [
+            AttentionGroup.build(
+                [slots[i] for i in m],
+                [starts[i] for i in m],
+                [offsets[i] for i in m],
+                [lengths[i] for i in m],
+                device,
+            )
+            for m in members
+        ]
+        return cls(store, token_slots, token_positions, groups)
+
+
+def ragged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """``AttentionInterface`` function: query/key/value ``[1, heads, T, head_dim]`` of the packed row."""
+    ragged: RaggedBatch | None = kwargs.get("ragged")
+    if ragged is None or query.shape[0] != 1:
+        raise ValueError(
+            f"{ATTENTION_NAME} attention: expected a packed row (batch 1) and the engine's `ragged` forward kwarg, "
+            f"got batch {query.shape[0]} and ragged={ragged!r}"
+        )
+    layer = module.layer_idx
+    ragged.store.write(
+        layer, key[0].transpose(0, 1), value[0].transpose(0, 1), ragged.token_slots, ragged.token_positions
+    )
+    packed_query = query[0].transpose(0, 1)  # [T, heads, head_dim]
+    out = torch.empty_like(packed_query)
+    for group in ragged.groups:
+        keys, values = ragged.store.read(layer, group.slots, group.key_length)
+        attended = F.scaled_dot_product_attention(
+            packed_query[group.query_index].transpose(1, 2),
+            keys.to(query.dtype),
+            values.to(query.dtype),
+            attn_mask=group.mask,
+            scale=scaling,
+            enable_gqa=query.shape[1] != keys.shape[1],
+        ).transpose(1, 2)
+        out[group.query_index[group.query_valid]] = attended[group.query_valid]
+    return out[None], None
+
+
+def register_ragged_attention() -> str:
+    """Register the engine's attention with transformers (idempotent); returns its name."""
+    AttentionInterface.register(ATTENTION_NAME, ragged_attention_forward)
+    return ATTENTION_NAME
+
+
+@dataclass
+class DrafterBatch:
+    """Geometry of one batched drafter forward over R requests: new context right-padded to ``width`` rows,
+    then the block. Request r's context goes to positions ``context_starts[r] ..`` and its block to
+    ``block_starts[r] ..`` (= its anchor position)."""
+
+    slots: torch.Tensor  # [R]
+    source_index: torch.Tensor  # [M] rows of the flattened [R * (width + block)] new keys that are written
+    slot_index: torch.Tensor  # [M]
+    position_index: torch.Tensor  # [M]
+    key_length: int
+    mask: torch.Tensor  # [R, 1, block, key_length] bool
+    position_ids: torch.Tensor  # [R, width + block]
+
+    @classmethod
+    def build(cls, slots, context_starts, context_lengths, block: int, device) -> DrafterBatch:
+        rows = len(slots)
+        width = max(context_lengths)
+        starts = torch.tensor(context_starts, device=device)
+        lengths = torch.tensor(context_lengths, device=device)
+        block_starts = starts + lengths
+        steps = torch.arange(width + block, device=device)
+        is_context = steps[None, :] < width
+        positions = torch.where(
+            is_context, starts[:, None] + steps[None, :], block_starts[:, None] + steps[None, :] - width
+        )
+        written = (steps[None, :] < lengths[:, None]) | ~is_context
+        slot_t = torch.tensor(slots, device=device)
+        key_length = int(block_starts.max()) + block
+        keys = torch.arange(key_length, device=device)
+        mask = (keys[None, :] < (block_starts + block)[:, None])[:, None, None, :].expand(
+            rows, 1, block, key_length
+        )
+        flat = written.reshape(-1)
+        return cls(
+            slots=slot_t,
+            source_index=torch.arange(flat.numel(), device=device)[flat],
+            slot_index=slot_t[:, None].expand(rows, width + block).reshape(-1)[flat],
+            position_index=positions.reshape(-1)[flat],
+            key_length=key_length,
+            mask=mask,
+            position_ids=positions,
+        )
+
+
+class DrafterSlotCache(Cache):
+    """The drafter's ``Cache`` for one batched forward: writes into the drafter pool, returns padded keys."""
+
+    def __init__(self, store: SlotKVStore, batch: DrafterBatch):
+        super().__init__(layers=[])
+        self.store = store
+        self.batch = batch
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        b = self.batch
+        heads, dim = key_states.shape[1], key_states.shape[3]
+        new_keys = key_states.transpose(1, 2).reshape(-1, heads, dim)[b.source_index]
+        new_values = value_states.transpose(1, 2).reshape(-1, heads, dim)[b.source_index]
+        self.store.write(layer_idx, new_keys, new_values, b.slot_index, b.position_index)
+        return self.store.read(layer_idx, b.slots, b.key_length)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        # Positions and the mask are always given explicitly; the drafter reads this only for its defaults.
+        return 0

@@ -1,0 +1,429 @@
+"""AdaFlashEngine: continuous batching with per-request adaptive draft lengths, on one Hugging Face target.
+
+    engine = AdaFlashEngine(target, drafter, mode="adaflash")
+    rid = engine.add_request(prompt_ids, SamplingParams(max_new_tokens=64))
+    for out in engine.stream():          # or: while engine.has_unfinished(): engine.step()
+        print(out.request_id, out.new_tokens)
+
+One ``step()``: admit waiting requests (``admission``); ONE batched drafter forward over every running request
+(its new committed context + its block); the length head gives each request its own k̂_i (``"adaflash"``), or
+k̂ = block_size - 1 (``"dflash"``), or no drafter at all (``"plain"``); the drafts are trimmed to the step's token
+budget; ONE packed target forward over Σ(k̂_i + 1) verify tokens plus the prompts of newly admitted requests
+(``cache``); ONE acceptance launch (``verify_accept``) for greedy and sampling requests together; per-request
+commit and rollback. The three modes share every other line, so they are each other's baselines.
+
+Lossless: greedy requests commit exactly the target's argmax chain; sampling requests use speculative sampling
+with one-hot proposals (the drafter's argmax) and uniforms from their own generator, so each request's output
+is distributed as the target's and does not depend on the rest of the batch. A drafter block with a non-finite
+state gives that request k̂ = 0 for the step (plain decoding), logged and counted in the step stats.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers.utils import logging
+
+from adaflash_hf.kernels.verify_accept import verify_accept
+from adaflash_hf.serving.admission import AdmissionConfig, AdmissionController
+from adaflash_hf.serving.cache import (
+    DrafterBatch,
+    DrafterSlotCache,
+    RaggedBatch,
+    SlotKVStore,
+    register_ragged_attention,
+)
+from adaflash_hf.serving.requests import FINISHED, RUNNING, WAITING, Request, RequestOutput, SamplingParams
+
+logger = logging.get_logger(__name__)
+
+MODES = ("plain", "dflash", "adaflash")
+
+
+@dataclass
+class StepStats:
+    step: int
+    running: int  # requests in the target forward (prefills + verifies)
+    waiting: int  # still queued after admission
+    admitted: int
+    prefill_tokens: int
+    draft_tokens: int  # Σ k̂_i over verifying requests
+    verify_tokens: int  # Σ (k̂_i + 1)
+    accepted: int  # accepted drafts
+    committed: int  # tokens committed by verifies (accepted + 1 each, cut at EOS / length)
+    verifies: int
+    gamma: float
+    ema_running: float
+    drafter_fallbacks: int  # requests whose drafter block was non-finite: k̂ = 0
+    drafter_seconds: float
+    target_seconds: float
+    seconds: float
+
+    @property
+    def tau(self) -> float:
+        """Committed tokens per verifying request in this step (accepted + 1)."""
+        return self.committed / self.verifies if self.verifies else 0.0
+
+    @property
+    def mean_verify_length(self) -> float:
+        return self.draft_tokens / self.verifies if self.verifies else 0.0
+
+
+def _filter_logits(rows: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature, then top-k and top-p (joint support, on the tempered distribution) as -inf masks."""
+    rows = rows / params.temperature
+    if params.top_k and params.top_k < rows.shape[-1]:
+        kth = rows.topk(params.top_k, dim=-1).values[..., -1:]
+        rows = rows.masked_fill(rows < kth, float("-inf"))
+    if params.top_p < 1.0:
+        ordered, order = rows.sort(dim=-1, descending=True)
+        cumulative = ordered.softmax(-1).cumsum(-1)
+        # Keep a token while the mass before it is < top_p: the top token always survives.
+        drop = (cumulative - ordered.softmax(-1)) >= params.top_p
+        rows = rows.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return rows
+
+
+class AdaFlashEngine:
+    """Batched speculative decoding engine. See the module docstring."""
+
+    def __init__(
+        self,
+        target,
+        drafter=None,
+        mode: str = "adaflash",
+        admission: AdmissionConfig | None = None,
+        gamma: float | None = None,
+        min_len: int | None = None,
+        seed: int = 0,
+    ):
+        if mode not in MODES:
+            raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+        if mode != "plain" and drafter is None:
+            raise ValueError(f"drafter: expected an AdaFlashDrafter for mode={mode!r}, got None")
+        text_config = target.config.get_text_config()
+        if getattr(text_config, "sliding_window", None) and getattr(text_config, "use_sliding_window", True):
+            raise ValueError(
+                f"target sliding_window: expected None (the engine's KV pool is full attention), got "
+                f"{text_config.sliding_window}"
+            )
+        self.drafter = drafter if mode != "plain" else None
+        if self.drafter is not None:
+            drafter.check_target(target)
+        self.target = target
+        self.mode = mode
+        self.block_size = drafter.config.block_size if drafter is not None else 16
+        self.admission = AdmissionController(admission or AdmissionConfig(), self.block_size)
+        self.gamma = gamma if gamma is not None else (drafter.config.length_head_gamma if drafter else 1.0)
+        self.min_len = (
+            min_len if min_len is not None else (drafter.config.length_head_min_len if drafter else 0)
+        )
+        if self.drafter is not None:
+            # Validates gamma and min_len now, before any request or forward.
+            drafter.predict_draft_length(torch.zeros(1), self.gamma, self.min_len)
+        self.vocab_size = target.get_output_embeddings().weight.shape[0]
+        self.max_positions = getattr(text_config, "max_position_embeddings", None) or 1 << 62
+        eos = target.generation_config.eos_token_id
+        self.default_eos = () if eos is None else ((eos,) if isinstance(eos, int) else tuple(eos))
+        self.attention = register_ragged_attention()
+        self.target_store = SlotKVStore(text_config.num_hidden_layers)
+        self.drafter_store = (
+            SlotKVStore(drafter.config.num_hidden_layers) if self.drafter is not None else None
+        )
+        self.seeds = torch.Generator().manual_seed(seed)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.stats: list[StepStats] = []
+        self.free_slots: list[int] = []
+        self.next_slot = 0
+        self.ids = itertools.count()
+
+    # ------------------------------------------------------------------------------------------- requests
+    def add_request(
+        self, prompt_ids, params: SamplingParams | None = None, request_id: str | None = None
+    ) -> str:
+        """Queue a request; everything about it is validated here, before any forward pass."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params: expected SamplingParams, got {type(params).__name__}")
+        params.validate(self.vocab_size)
+        prompt = torch.as_tensor(prompt_ids).reshape(-1).tolist()
+        if not prompt:
+            raise ValueError("prompt_ids: expected at least one token, got an empty prompt")
+        if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in prompt):
+            raise ValueError(f"prompt_ids: expected token ids in 0..{self.vocab_size - 1}, got {prompt}")
+        if len(prompt) + params.max_new_tokens > self.max_positions:
+            raise ValueError(
+                f"prompt length + max_new_tokens: expected <= the target's max_position_embeddings="
+                f"{self.max_positions}, got {len(prompt)} + {params.max_new_tokens}"
+            )
+        request_id = f"req-{next(self.ids)}" if request_id is None else request_id
+        if request_id in self.requests:
+            raise ValueError(f"request_id: expected a new id, got {request_id!r} (already used)")
+        seed = (
+            params.seed
+            if params.seed is not None
+            else int(torch.randint(0, 2**62, (1,), generator=self.seeds))
+        )
+        request = Request(
+            request_id=request_id,
+            prompt=prompt,
+            params=params,
+            eos_ids=frozenset(params.eos_ids() or self.default_eos),
+            generator=torch.Generator().manual_seed(seed),
+        )
+        self.admission.check_request(request)
+        self.requests[request_id] = request
+        self.waiting.append(request)
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now (between steps); returns False if it had already finished."""
+        request = self.requests[request_id]
+        if request.status == FINISHED:
+            return False
+        if request.status == WAITING:
+            self.waiting.remove(request)
+        else:
+            self.running.remove(request)
+        request.finish_reason = "abort"
+        self._release(request)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def stream(self) -> Iterator[RequestOutput]:
+        """Step until every request is done, yielding each step's per-request deltas."""
+        while self.has_unfinished():
+            yield from self.step()
+
+    def generate(self, prompts: Sequence, params: SamplingParams | Sequence[SamplingParams] | None = None):
+        """Run ``prompts`` to completion; returns each request's generated token ids, in order."""
+        params_list = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        ids = [self.add_request(p, s) for p, s in zip(prompts, params_list)]
+        for _ in self.stream():
+            pass
+        return [self.requests[i].output for i in ids]
+
+    def _release(self, request: Request) -> None:
+        request.status = FINISHED
+        request.pending_context = None
+        if request.slot is not None:
+            self.free_slots.append(request.slot)
+            request.slot = None
+
+    def _assign_slot(self, request: Request) -> None:
+        if self.free_slots:
+            request.slot = self.free_slots.pop()
+        else:
+            request.slot, self.next_slot = self.next_slot, self.next_slot + 1
+        for store in (self.target_store, self.drafter_store):
+            if store is not None:
+                store.reserve(self.next_slot, request.kv_reservation + self.block_size)
+                store.clear_slot(request.slot)
+
+    # ----------------------------------------------------------------------------------------------- step
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        started = time.perf_counter()
+        admitted = self.admission.admit(self.waiting, self.running)
+        for request in admitted:
+            self.waiting.popleft()
+            request.status = RUNNING
+            self._assign_slot(request)
+        decoding = list(self.running)
+        if not decoding and not admitted:
+            return []
+        self.running.extend(admitted)
+        prefill_tokens = sum(len(r.prompt) for r in admitted)
+
+        gamma = self.gamma * self.admission.gamma_scale()
+        lengths, block_states, fallbacks = self._draft(decoding, gamma)
+        drafter_seconds = time.perf_counter() - started
+        lengths = self.admission.fit_lengths(lengths, self.admission.config.token_budget - prefill_tokens)
+        drafts = self._propose(block_states, lengths)
+
+        target_started = time.perf_counter()
+        accepted, next_tokens, features = self._verify(admitted, decoding, drafts)
+        target_seconds = time.perf_counter() - target_started
+
+        outputs, committed = self._commit(admitted, decoding, drafts, accepted, next_tokens, features)
+        self.running = [r for r in self.running if r.status == RUNNING]
+        self.admission.update(len(decoding) + len(admitted), sum(lengths) + len(lengths), len(lengths))
+        self.stats.append(
+            StepStats(
+                step=len(self.stats),
+                running=len(decoding) + len(admitted),
+                waiting=len(self.waiting),
+                admitted=len(admitted),
+                prefill_tokens=prefill_tokens,
+                draft_tokens=sum(lengths),
+                verify_tokens=sum(lengths) + len(lengths),
+                accepted=sum(accepted[len(admitted) :]),
+                committed=committed,
+                verifies=len(decoding),
+                gamma=gamma,
+                ema_running=self.admission.ema_running,
+                drafter_fallbacks=fallbacks,
+                drafter_seconds=drafter_seconds,
+                target_seconds=target_seconds,
+                seconds=time.perf_counter() - started,
+            )
+        )
+        return outputs
+
+    def _draft(self, decoding: list[Request], gamma: float):
+        """One batched drafter forward: per-request draft lengths, the block states, and the fallback count."""
+        if self.drafter is None or not decoding:
+            return [0] * len(decoding), None, 0
+        drafter = self.drafter
+        device = next(drafter.parameters()).device
+        contexts = [r.pending_context for r in decoding]
+        batch = DrafterBatch.build(
+            [r.slot for r in decoding],
+            [r.drafter_len for r in decoding],
+            [c.shape[0] for c in contexts],
+            self.block_size,
+            device,
+        )
+        width = max(c.shape[0] for c in contexts)
+        context = contexts[0].new_zeros(len(decoding), width, contexts[0].shape[-1])
+        for row, features in enumerate(contexts):
+            context[row, : features.shape[0]] = features
+        anchors = torch.tensor([r.anchor for r in decoding], device=device)
+        noise = drafter.block_embeds(self.target.get_input_embeddings().weight, anchors).to(device)
+        out = drafter(
+            noise_embeds=noise,
+            context_hidden_states=context.to(device=device, dtype=noise.dtype),
+            attention_mask=batch.mask,
+            position_ids=batch.position_ids,
+            cache=DrafterSlotCache(self.drafter_store, batch),
+        )
+        for request, features in zip(decoding, contexts):
+            request.drafter_len += features.shape[0]
+            request.pending_context = None
+        states = out.last_hidden_state
+        finite = torch.isfinite(states).flatten(1).all(1) & torch.isfinite(out.acceptance_prob.float())
+        if self.mode == "dflash":
+            lengths = [self.block_size - 1] * len(decoding)
+        else:
+            lengths = drafter.predict_draft_length(out.acceptance_prob, gamma, self.min_len).tolist()
+        ok = finite.tolist()
+        for request, good in zip(decoding, ok):
+            if not good:
+                logger.warning(
+                    f"{request.request_id}: non-finite drafter block, verifying no drafts this step"
+                )
+        # The bonus token needs one slot of the request's budget, so at most remaining - 1 drafts can be kept.
+        lengths = [min(n, r.remaining - 1) if good else 0 for n, r, good in zip(lengths, decoding, ok)]
+        return lengths, states, ok.count(False)
+
+    def _propose(self, block_states, lengths: list[int]) -> list[list[int]]:
+        """Argmax proposals of block rows 1..k̂_i, through the target's lm_head on the verified rows only."""
+        if block_states is None or not sum(lengths):
+            return [[] for _ in lengths]
+        rows = torch.cat([block_states[i, 1 : 1 + n] for i, n in enumerate(lengths)])
+        lm_head = self.target.get_output_embeddings()
+        tokens = lm_head(rows.to(lm_head.weight.device)).argmax(-1).tolist()
+        drafts, offset = [], 0
+        for n in lengths:
+            drafts.append(tokens[offset : offset + n])
+            offset += n
+        return drafts
+
+    def _verify(self, admitted: list[Request], decoding: list[Request], drafts: list[list[int]]):
+        """The packed target forward and the acceptance launch. Order: prefills, then verifies."""
+        device = self.target.get_input_embeddings().weight.device
+        pieces = [r.prompt for r in admitted] + [[r.anchor, *d] for r, d in zip(decoding, drafts)]
+        starts = [0] * len(admitted) + [r.target_len for r in decoding]
+        lengths = [len(p) for p in pieces]
+        requests = admitted + decoding
+        batch = RaggedBatch.build(
+            self.target_store, [r.slot for r in requests], starts, lengths, self.block_size, device
+        )
+        # Logits rows: a prefill's last token; every row of a verify (k̂ drafts + the bonus row).
+        keep, offset = [], 0
+        for i, n in enumerate(lengths):
+            keep.extend([offset + n - 1] if i < len(admitted) else range(offset, offset + n))
+            offset += n
+        kwargs = {}
+        if self.drafter is not None:
+            kwargs["output_hidden_states"] = [i + 1 for i in self.drafter.config.target_layer_ids]
+        config = self.target.config
+        original = config._attn_implementation
+        config._attn_implementation = self.attention
+        try:
+            out = self.target(
+                torch.tensor([list(itertools.chain.from_iterable(pieces))], device=device),
+                position_ids=batch.token_positions[None],
+                use_cache=False,
+                ragged=batch,
+                logits_to_keep=torch.tensor(keep, device=device),
+                **kwargs,
+            )
+        finally:
+            config._attn_implementation = original
+        features = None
+        if self.drafter is not None:
+            features = torch.cat(
+                [out.hidden_states[i + 1][0] for i in self.drafter.config.target_layer_ids], -1
+            )
+
+        logits = out.logits[0].float()
+        row_counts = [1] * len(admitted) + [len(d) + 1 for d in drafts]
+        cu = torch.tensor([0, *itertools.accumulate(row_counts)], device=device)
+        temperatures, accept_u, sample_u = [], [], []
+        for request, rows, start in zip(requests, row_counts, cu.tolist()):
+            params = request.params
+            if params.temperature > 0:
+                logits[start : start + rows] = _filter_logits(logits[start : start + rows], params)
+                accept_u.append(torch.rand(rows - 1, generator=request.generator))
+                sample_u.append(torch.rand(1, generator=request.generator))
+            else:
+                accept_u.append(torch.zeros(rows - 1))
+                sample_u.append(torch.zeros(1))
+            # Filtered rows are already tempered: the acceptance rule then samples at temperature 1.
+            temperatures.append(1.0 if params.temperature > 0 else 0.0)
+        result = verify_accept(
+            logits,
+            torch.tensor(list(itertools.chain.from_iterable(drafts)), dtype=torch.long, device=device),
+            cu,
+            torch.tensor(temperatures, device=device),
+            accept_uniforms=torch.cat(accept_u).to(device),
+            sample_uniforms=torch.cat(sample_u).to(device),
+        )
+        return result.accepted.tolist(), result.next_tokens.tolist(), (features, lengths)
+
+    def _commit(self, admitted, decoding, drafts, accepted, next_tokens, features):
+        """Commit accepted drafts + the next token per request, roll back the rest, queue drafter context."""
+        hidden, lengths = features
+        outputs, committed, offset = [], 0, 0
+        prefills = len(admitted)
+        for i, request in enumerate(admitted + decoding):
+            n_accepted = accepted[i]
+            proposed = drafts[i - prefills] if i >= prefills else []
+            kept = request.commit([*proposed[:n_accepted], next_tokens[i]])
+            # Inputs whose K/V stay cached: the whole prompt, or the anchor and the accepted drafts.
+            cached = lengths[i] if i < prefills else n_accepted + 1
+            request.target_len += cached
+            if hidden is not None:
+                request.pending_context = hidden[offset : offset + cached]
+            if i >= prefills:
+                committed += len(kept)
+                request.drafted += len(proposed)
+                request.accepted += n_accepted
+                request.verify_rounds += 1
+            offset += lengths[i]
+            if request.finish_reason is not None:
+                self._release(request)
+            outputs.append(
+                RequestOutput(request.request_id, kept, request.status == FINISHED, request.finish_reason)
+            )
+        return outputs, committed

@@ -1,0 +1,112 @@
+"""Requests of the serving engine: sampling parameters (validated before any forward), per-request state and
+the per-step output deltas that are streamed back.
+
+A request's committed sequence is ``prompt + output``. Invariants once prefilled: the target KV holds every
+committed token but the newest (the anchor, fed with its drafts in the next verify), so ``target_len`` is the
+anchor's position; the drafter KV holds ``drafter_len`` positions and ``pending_context`` the target features of
+the positions it lacks, so ``drafter_len + len(pending_context) == target_len``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request decoding settings. ``temperature == 0`` is greedy; ``top_k == 0`` and ``top_p == 1`` disable
+    those filters. ``seed`` fixes the request's own random stream (None: drawn from the engine's seed), so its
+    samples do not depend on what else is in the batch. ``eos_token_id`` None uses the target's."""
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
+
+    def validate(self, vocab_size: int) -> None:
+        def bad(name, expected, actual):
+            return ValueError(f"sampling params {name}: expected {expected}, got {actual!r}")
+
+        if not (isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1):
+            raise bad("max_new_tokens", "an int >= 1", self.max_new_tokens)
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)):
+            raise bad("temperature", "a finite number >= 0", self.temperature)
+        if self.temperature < 0:
+            raise bad("temperature", "a finite number >= 0", self.temperature)
+        if not (isinstance(self.top_k, int) and self.top_k >= 0):
+            raise bad("top_k", "an int >= 0 (0 disables)", self.top_k)
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise bad("top_p", "a number in (0, 1]", self.top_p)
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise bad("seed", "an int or None", self.seed)
+        for token in self.eos_ids():
+            if not (isinstance(token, int) and 0 <= token < vocab_size):
+                raise bad("eos_token_id", f"token ids in 0..{vocab_size - 1}", self.eos_token_id)
+
+    def eos_ids(self) -> tuple[int, ...]:
+        if self.eos_token_id is None:
+            return ()
+        return (self.eos_token_id,) if isinstance(self.eos_token_id, int) else tuple(self.eos_token_id)
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    eos_ids: frozenset[int]
+    generator: torch.Generator
+    status: str = WAITING
+    output: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    slot: int | None = None
+    target_len: int = 0
+    drafter_len: int = 0
+    pending_context: torch.Tensor | None = None
+    drafted: int = 0  # verified drafts over the request's life, and how many of them were accepted
+    accepted: int = 0
+    verify_rounds: int = 0
+
+    @property
+    def anchor(self) -> int:
+        return self.output[-1]
+
+    @property
+    def remaining(self) -> int:
+        return self.params.max_new_tokens - len(self.output)
+
+    @property
+    def kv_reservation(self) -> int:
+        """Target KV positions this request can ever hold: verified drafts never go past its token budget."""
+        return len(self.prompt) + self.params.max_new_tokens
+
+    def commit(self, tokens: list[int]) -> list[int]:
+        """Append committed tokens up to EOS or the length budget; returns the ones actually kept."""
+        kept = []
+        for token in tokens:
+            kept.append(token)
+            if token in self.eos_ids:
+                self.finish_reason = "stop"
+                break
+            if len(self.output) + len(kept) >= self.params.max_new_tokens:
+                self.finish_reason = "length"
+                break
+        self.output.extend(kept)
+        return kept
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one step produced for one request: the newly committed tokens, and whether it is done."""
+
+    request_id: str
+    new_tokens: list[int]
+    finished: bool
+    finish_reason: str | None = None

@@ -1,0 +1,186 @@
+"""The batched engine is lossless: every request's greedy output equals its own ``target.generate``, in every
+mode, whatever else is in the batch and whenever it joined or left; seeded sampling requests do not depend on
+the batch; EOS, streaming and per-step stats behave."""
+
+import random
+
+import pytest
+import torch
+
+from adaflash_hf import AdaFlashDrafter
+from adaflash_hf.serving import MODES, AdaFlashEngine, AdmissionConfig, SamplingParams
+
+
+class BatchedOracle(AdaFlashDrafter):
+    """A real drafter whose block rows are overwritten, per batch row, so the target's lm_head proposes the
+    request's greedy reference for a random 0..15 rows, then a wrong token: partial acceptance and rollback."""
+
+    def arm(self, engine, references, lm_weight, seed=0):
+        self.engine, self.references, self.lm_weight = engine, references, lm_weight
+        self.rng = torch.Generator().manual_seed(seed)
+        return self
+
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        block, vocab = self.config.block_size, self.lm_weight.shape[0]
+        by_slot = {r.slot: r for r in self.engine.running}
+        states = out.last_hidden_state.clone()
+        for b, slot in enumerate(kwargs["cache"].batch.slots.tolist()):
+            reference = self.references[by_slot[slot].request_id]
+            anchor = int(kwargs["position_ids"][b, -block])
+            right = int(torch.randint(0, block, (1,), generator=self.rng))
+            for row in range(1, block):
+                position = anchor + row
+                token = int(reference[position]) if position < len(reference) else 0
+                token = token if row <= right else (token + 1) % vocab
+                states[b, row] = self.lm_weight[token] * 4.0
+        out.last_hidden_state = states
+        return out
+
+
+def make_batched_oracle(target, drafter):
+    oracle = BatchedOracle(drafter.config).eval()
+    oracle.load_state_dict(drafter.state_dict())
+    weight = target.get_output_embeddings().weight.detach()
+    assert torch.equal((weight @ weight.T).argmax(-1), torch.arange(weight.shape[0]))
+    return oracle, weight
+
+
+def random_prompts(n, seed, max_len=40):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, max_len + 1, (n,), generator=g).tolist()
+    return [torch.randint(0, 500, (k,), generator=g) for k in lengths]
+
+
+def greedy_reference(target, prompt, max_new_tokens):
+    return target.generate(prompt[None], max_new_tokens=max_new_tokens, do_sample=False)[
+        0, len(prompt) :
+    ].tolist()
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama"])
+def setup(request, target_factory, drafter_factory):
+    target = target_factory(request.param)
+    return target, drafter_factory(target)
+
+
+def run_with_churn(engine, prompts, params, seed, aborts=2, on_add=None):
+    """Requests arrive at random steps, ``aborts`` of them are aborted at a random later step."""
+    rng = random.Random(seed)
+    arrivals = {i: rng.randint(0, 8) for i in range(len(prompts))}
+    abort_at = {i: arrivals[i] + rng.randint(0, 4) for i in rng.sample(range(len(prompts)), aborts)}
+    ids, step = {}, 0
+    while len(ids) < len(prompts) or engine.has_unfinished():
+        for i in [i for i, s in arrivals.items() if s == step]:
+            ids[i] = engine.add_request(prompts[i], params[i])
+            if on_add is not None:
+                on_add(ids[i], i)
+        for i in [i for i, s in abort_at.items() if s == step and i in ids]:
+            engine.abort(ids[i])
+        engine.step()
+        step += 1
+    return {i: engine.requests[rid] for i, rid in ids.items()}, set(abort_at)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_each_mode_equals_generate(setup, mode):
+    target, drafter = setup
+    prompts = random_prompts(5, seed=1)
+    expected = [greedy_reference(target, p, 12) for p in prompts]
+    engine = AdaFlashEngine(target, drafter, mode=mode)
+    assert engine.generate(prompts, SamplingParams(max_new_tokens=12)) == expected
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("mode", ["dflash", "adaflash"])
+def test_batched_equals_serial_under_churn_with_an_oracle_drafter(setup, mode, seed):
+    target, drafter = setup
+    prompts = random_prompts(8, seed=seed)
+    rng = random.Random(seed)
+    params = [SamplingParams(max_new_tokens=rng.randint(1, 24)) for _ in prompts]
+    expected = [greedy_reference(target, p, s.max_new_tokens) for p, s in zip(prompts, params)]
+    oracle, weight = make_batched_oracle(target, drafter)
+    engine = AdaFlashEngine(target, oracle, mode=mode, admission=AdmissionConfig(max_running=5))
+    references = {}
+    oracle.arm(engine, references, weight, seed=seed)
+    add = lambda rid, i: references.__setitem__(rid, prompts[i].tolist() + expected[i])  # noqa: E731
+    results, aborted = run_with_churn(engine, prompts, params, seed, on_add=add)
+    for i, request in results.items():
+        if i in aborted and request.finish_reason == "abort":
+            assert request.output == expected[i][: len(request.output)]
+        else:
+            assert request.output == expected[i], f"request {i}"
+    assert sum(s.accepted for s in engine.stats) > 0, "the oracle must get drafts accepted"
+    assert max(s.running for s in engine.stats) > 1
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_batched_equals_serial_under_churn_with_a_random_drafter(setup, mode):
+    target, drafter = setup
+    prompts = random_prompts(10, seed=7)
+    params = [SamplingParams(max_new_tokens=n) for n in (3, 17, 9, 1, 20, 5, 11, 16, 2, 8)]
+    expected = [greedy_reference(target, p, s.max_new_tokens) for p, s in zip(prompts, params)]
+    engine = AdaFlashEngine(target, drafter, mode=mode, admission=AdmissionConfig(max_running=6))
+    results, aborted = run_with_churn(engine, prompts, params, seed=7, aborts=3)
+    for i, request in results.items():
+        if request.finish_reason == "abort":
+            assert i in aborted and request.output == expected[i][: len(request.output)]
+        else:
+            assert request.output == expected[i]
+
+
+def test_seeded_sampling_request_does_not_depend_on_the_batch(setup):
+    target, drafter = setup
+    prompt = random_prompts(1, seed=3)[0]
+    params = SamplingParams(max_new_tokens=16, temperature=0.8, top_k=50, top_p=0.9, seed=123)
+    alone = AdaFlashEngine(target, drafter, mode="adaflash").generate([prompt], params)[0]
+    others = random_prompts(6, seed=4)
+    engine = AdaFlashEngine(target, drafter, mode="adaflash")
+    mixed = [SamplingParams(max_new_tokens=10, temperature=1.2, seed=s) for s in range(3)]
+    mixed += [SamplingParams(max_new_tokens=10)] * 3
+    for p, s in zip(others[:3], mixed[:3]):
+        engine.add_request(p, s)
+    engine.step()
+    rid = engine.add_request(prompt, params)
+    for p, s in zip(others[3:], mixed[3:]):
+        engine.add_request(p, s)
+    for _ in engine.stream():
+        pass
+    assert engine.requests[rid].output == alone
+    assert len(set(alone)) > 1
+
+
+def test_eos_stops_a_request_inside_a_block(setup):
+    target, drafter = setup
+    prompt = random_prompts(1, seed=5)[0]
+    reference = greedy_reference(target, prompt, 24)
+    eos = reference[9]
+    stop = reference.index(eos) + 1
+    oracle, weight = make_batched_oracle(target, drafter)
+    engine = AdaFlashEngine(target, oracle, mode="dflash")
+    oracle.arm(engine, {"r": prompt.tolist() + reference}, weight)
+    engine.add_request(prompt, SamplingParams(max_new_tokens=24, eos_token_id=eos), request_id="r")
+    streamed = [t for out in engine.stream() for t in out.new_tokens]
+    assert engine.requests["r"].output == streamed == reference[:stop]
+    assert engine.requests["r"].finish_reason == "stop"
+
+
+def test_stream_deltas_and_step_stats(setup):
+    target, drafter = setup
+    prompts = random_prompts(3, seed=6)
+    engine = AdaFlashEngine(target, drafter, mode="adaflash")
+    ids = [engine.add_request(p, SamplingParams(max_new_tokens=7)) for p in prompts]
+    pieces = {i: [] for i in ids}
+    finished = set()
+    for out in engine.stream():
+        assert out.request_id not in finished
+        pieces[out.request_id] += out.new_tokens
+        if out.finished:
+            finished.add(out.request_id)
+    assert finished == set(ids)
+    assert all(pieces[i] == engine.requests[i].output and len(pieces[i]) == 7 for i in ids)
+    first, second = engine.stats[0], engine.stats[1]
+    assert (first.admitted, first.prefill_tokens, first.verifies) == (3, sum(len(p) for p in prompts), 0)
+    assert second.verifies == 3 and second.verify_tokens == second.draft_tokens + 3
+    assert second.tau == second.committed / 3 and second.committed >= 3
+    assert all(s.drafter_fallbacks == 0 for s in engine.stats)
