@@ -188,6 +188,9 @@ def run_benchmark(
             f"max_new_tokens: expected >= 2 (τ needs a forward after the prefill), got {max_new_tokens}"
         )
     methods = tuple(m for m in METHODS if m in methods)  # plain first: it is the reference
+    if drafter is not None:
+        gamma = drafter.config.length_head_gamma if gamma is None else gamma
+        min_len = drafter.config.length_head_min_len if min_len is None else min_len
     eos = target.generation_config.eos_token_id
     pad = target.generation_config.pad_token_id
     pad = pad if pad is not None else (eos[0] if isinstance(eos, list) else eos)
@@ -239,10 +242,8 @@ def run_benchmark(
             "repeats": repeats,
             "prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS,
             "block_size": None if drafter is None else drafter.config.block_size,
-            "gamma": gamma if gamma is not None or drafter is None else drafter.config.length_head_gamma,
-            "min_len": min_len
-            if min_len is not None or drafter is None
-            else drafter.config.length_head_min_len,
+            "gamma": gamma,
+            "min_len": min_len,
             "threads": torch.get_num_threads(),
             "torch": torch.__version__,
             "transformers": transformers.__version__,
@@ -256,8 +257,8 @@ def run_benchmark(
 def _bench_prompt(
     call, recorder, drafter, methods, repeats, max_new_tokens, domain, prompt_id, input_ids, bar
 ) -> list[dict]:
-    """One record per method for one prompt: ``repeats`` rounds of every method in turn, each checked against the
-    first plain output; forward accounting and stats from the first round."""
+    """One record per method for one prompt: ``repeats`` passes over the methods in turn, each output checked against
+    the first plain one; forward accounting and stats from the first pass."""
     records = {
         method: {
             "domain": domain,
