@@ -194,6 +194,23 @@ def register_ragged_attention() -> str:
     return ATTENTION_NAME
 
 
+def packed_target_forward(target, input_ids: torch.Tensor, batch: RaggedBatch, **kwargs):
+    """Run ``target`` on the packed row ``input_ids [1, T]`` with the ragged attention.
+
+    The attention implementation is switched only for this call, so the same target keeps working with
+    ``generate`` and any other caller between engine steps.
+    """
+    config = target.config
+    original = config._attn_implementation
+    config._attn_implementation = register_ragged_attention()
+    try:
+        return target(
+            input_ids, position_ids=batch.token_positions[None], use_cache=False, ragged=batch, **kwargs
+        )
+    finally:
+        config._attn_implementation = original
+
+
 @dataclass
 class DrafterBatch:
     """Geometry of one batched drafter forward over R requests: new context right-padded to ``width`` rows,

@@ -36,7 +36,7 @@ from adaflash_hf.serving.cache import (
     DrafterSlotCache,
     RaggedBatch,
     SlotKVStore,
-    register_ragged_attention,
+    packed_target_forward,
 )
 from adaflash_hf.serving.requests import FINISHED, RUNNING, WAITING, Request, RequestOutput, SamplingParams
 
@@ -51,6 +51,7 @@ class StepStats:
     running: int  # requests in the target forward (prefills + verifies)
     waiting: int  # still queued after admission
     admitted: int
+    kv_reserved: int  # target KV positions reserved by the requests in this step
     prefill_tokens: int
     draft_tokens: int  # Σ k̂_i over verifying requests
     verify_tokens: int  # Σ (k̂_i + 1)
@@ -130,7 +131,6 @@ class AdaFlashEngine:
         self.max_positions = getattr(text_config, "max_position_embeddings", None) or 1 << 62
         eos = target.generation_config.eos_token_id
         self.default_eos = () if eos is None else ((eos,) if isinstance(eos, int) else tuple(eos))
-        self.attention = register_ragged_attention()
         self.target_store = SlotKVStore(text_config.num_hidden_layers)
         self.drafter_store = (
             SlotKVStore(drafter.config.num_hidden_layers) if self.drafter is not None else None
@@ -156,8 +156,11 @@ class AdaFlashEngine:
         prompt = torch.as_tensor(prompt_ids).reshape(-1).tolist()
         if not prompt:
             raise ValueError("prompt_ids: expected at least one token, got an empty prompt")
-        if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in prompt):
-            raise ValueError(f"prompt_ids: expected token ids in 0..{self.vocab_size - 1}, got {prompt}")
+        invalid = [t for t in prompt if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if invalid:
+            raise ValueError(
+                f"prompt_ids: expected token ids in 0..{self.vocab_size - 1}, got out-of-range ids {invalid[:8]}"
+            )
         if len(prompt) + params.max_new_tokens > self.max_positions:
             raise ValueError(
                 f"prompt length + max_new_tokens: expected <= the target's max_position_embeddings="
@@ -263,6 +266,7 @@ class AdaFlashEngine:
                 running=len(decoding) + len(admitted),
                 waiting=len(self.waiting),
                 admitted=len(admitted),
+                kv_reserved=sum(r.kv_reservation for r in decoding + admitted),
                 prefill_tokens=prefill_tokens,
                 draft_tokens=sum(lengths),
                 verify_tokens=sum(lengths) + len(lengths),
@@ -356,20 +360,13 @@ class AdaFlashEngine:
         kwargs = {}
         if self.drafter is not None:
             kwargs["output_hidden_states"] = [i + 1 for i in self.drafter.config.target_layer_ids]
-        config = self.target.config
-        original = config._attn_implementation
-        config._attn_implementation = self.attention
-        try:
-            out = self.target(
-                torch.tensor([list(itertools.chain.from_iterable(pieces))], device=device),
-                position_ids=batch.token_positions[None],
-                use_cache=False,
-                ragged=batch,
-                logits_to_keep=torch.tensor(keep, device=device),
-                **kwargs,
-            )
-        finally:
-            config._attn_implementation = original
+        out = packed_target_forward(
+            self.target,
+            torch.tensor([list(itertools.chain.from_iterable(pieces))], device=device),
+            batch,
+            logits_to_keep=torch.tensor(keep, device=device),
+            **kwargs,
+        )
         features = None
         if self.drafter is not None:
             features = torch.cat(
