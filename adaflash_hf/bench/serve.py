@@ -1,0 +1,352 @@
+"""Throughput of the batched engine under concurrency: plain batched decoding vs fixed-length DFlash vs AdaFlash.
+
+    adaflash bench serve [--drafter DIR|random] [--concurrency 1 2 4 8 16 32] [--requests-per-level 32]
+                         [--max-new-tokens 128] [--modes plain dflash adaflash] [--repeats 1] [--threads 2]
+                         [--output-dir runs/bench_serve]
+    python -m adaflash_hf.bench.serve --quick          # smoke run: concurrency 1 2, 2 requests, 16 tokens
+
+Requests are held-out prompts (``adaflash_hf.data``: chat, code, math in turn, chat template, at most
+``--max-prompt-tokens``), greedy. At concurrency c the engine runs with ``max_running = c`` and
+max(requests-per-level, c) requests queued at once (closed loop: a finished request's slot goes to the next
+one), and a token budget that never binds (c·block_size + the longest prompt), so the modes differ only in
+their draft lengths. All modes run in one process, interleaved per repeat (plain, dflash, adaflash, then
+again), after one warm-up request per mode. ``--drafter random`` builds an untrained drafter: timing smoke
+tests only (nothing gets accepted).
+
+Per concurrency and mode: throughput = generated tokens / wall seconds (median over repeats); speed-up = that
+over plain's at the same concurrency; τ = tokens committed per verify (accepted + 1); mean verify length =
+drafts verified per verify; acceptance rate = accepted / verified drafts. ``lossless`` checks every request's
+tokens against plain's. Goals (issue 6): AdaFlash ≥ 1.0x plain at every concurrency, and ≥ 1.2x fixed-length
+DFlash at concurrency ≥ 8. Outputs in ``--output-dir``: ``results.json``, ``table.md`` and
+``speedup_vs_concurrency.png``. Exit status 1 when a mode is not lossless.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import logging as std_logging
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import transformers
+from transformers.utils import logging
+
+from adaflash_hf import AdaFlashConfig, AdaFlashDrafter
+from adaflash_hf.serving import MODES, AdaFlashEngine, AdmissionConfig, SamplingParams
+
+logger = logging.get_logger(__name__)
+
+DEFAULT_DRAFTER = Path(__file__).resolve().parents[2] / "examples" / "drafters" / "smollm2-135m-adaflash"
+DOMAINS = ("chat", "code", "math")
+QUICK = {"concurrency": [1, 2], "requests_per_level": 2, "max_new_tokens": 16, "repeats": 1}
+FULL = {"concurrency": [1, 2, 4, 8, 16, 32], "requests_per_level": 32, "max_new_tokens": 128, "repeats": 1}
+WARMUP_TOKENS = 8
+
+
+def run_level(target, drafter, mode: str, prompts: list[torch.Tensor], concurrency: int, max_new_tokens: int):
+    """Serve ``prompts`` at ``concurrency``; returns the timing, the summed step stats and the outputs."""
+    block = drafter.config.block_size if drafter is not None else 16
+    admission = AdmissionConfig(
+        max_running=concurrency, token_budget=concurrency * block + max(len(p) for p in prompts)
+    )
+    engine = AdaFlashEngine(target, drafter if mode != "plain" else None, mode=mode, admission=admission)
+    params = SamplingParams(max_new_tokens=max_new_tokens)
+    ids = [engine.add_request(p, params) for p in prompts]
+    started = time.perf_counter()
+    for _ in engine.stream():
+        pass
+    seconds = time.perf_counter() - started
+    stats = engine.stats
+    outputs = [engine.requests[i].output for i in ids]
+    return {
+        "seconds": seconds,
+        "generated": sum(len(o) for o in outputs),
+        "steps": len(stats),
+        "verifies": sum(s.verifies for s in stats),
+        "committed": sum(s.committed for s in stats),
+        "draft_tokens": sum(s.draft_tokens for s in stats),
+        "accepted": sum(s.accepted for s in stats),
+        "mean_running": statistics.fmean(s.running for s in stats),
+        "drafter_seconds": sum(s.drafter_seconds for s in stats),
+        "target_seconds": sum(s.target_seconds for s in stats),
+    }, outputs
+
+
+def _summarise(
+    concurrency: int, mode: str, runs: list[dict], plain_tps: float, lossless: bool, requests: int
+) -> dict:
+    tps = statistics.median(r["generated"] / r["seconds"] for r in runs)
+    first = runs[0]  # greedy: every repeat takes the same steps, only the times differ
+    return {
+        "concurrency": concurrency,
+        "mode": mode,
+        "requests": requests,
+        "tokens_per_s": tps,
+        "speedup_vs_plain": tps / plain_tps,
+        "tau": first["committed"] / first["verifies"] if first["verifies"] else 0.0,
+        "mean_verify_length": first["draft_tokens"] / first["verifies"] if first["verifies"] else 0.0,
+        "acceptance_rate": first["accepted"] / first["draft_tokens"] if first["draft_tokens"] else 0.0,
+        "steps": first["steps"],
+        "mean_running": first["mean_running"],
+        "drafter_share": statistics.median(r["drafter_seconds"] / r["seconds"] for r in runs),
+        "seconds": [r["seconds"] for r in runs],
+        "lossless": lossless,
+    }
+
+
+def run_benchmark(
+    target,
+    drafter: AdaFlashDrafter | None,
+    prompts: list[torch.Tensor],
+    concurrency: list[int],
+    modes: tuple[str, ...] = MODES,
+    requests_per_level: int = 32,
+    max_new_tokens: int = 128,
+    repeats: int = 1,
+) -> dict:
+    """Every mode at every concurrency, interleaved per repeat; the results dict of the module docstring."""
+    if "plain" not in modes or not set(modes) <= set(MODES):
+        raise ValueError(f"modes: expected a subset of {MODES} including 'plain', got {list(modes)}")
+    if drafter is None and set(modes) != {"plain"}:
+        raise ValueError(f"drafter: expected an AdaFlashDrafter for modes {list(modes)}, got None")
+    if repeats < 1 or requests_per_level < 1 or max_new_tokens < 2:
+        raise ValueError(
+            f"repeats, requests_per_level, max_new_tokens: expected >= 1, >= 1, >= 2, got {repeats}, "
+            f"{requests_per_level}, {max_new_tokens}"
+        )
+    needed = max(max(concurrency), requests_per_level)
+    if len(prompts) < needed:
+        raise ValueError(
+            f"prompts: expected at least {needed} (requests at the highest level), got {len(prompts)}"
+        )
+    modes = tuple(m for m in MODES if m in modes)  # plain first: it is the reference
+    for mode in modes:
+        run_level(target, drafter, mode, prompts[:1], 1, WARMUP_TOKENS)
+    summary = []
+    for level in concurrency:
+        level_prompts = prompts[: max(requests_per_level, level)]
+        runs = {mode: [] for mode in modes}
+        outputs = {}
+        for _ in range(repeats):
+            for mode in modes:
+                run, outputs[mode] = run_level(target, drafter, mode, level_prompts, level, max_new_tokens)
+                runs[mode].append(run)
+                logger.info(f"c={level} {mode}: {run['generated'] / run['seconds']:.1f} tok/s")
+        plain_tps = statistics.median(r["generated"] / r["seconds"] for r in runs["plain"])
+        for mode in modes:
+            lossless = outputs[mode] == outputs["plain"]
+            summary.append(_summarise(level, mode, runs[mode], plain_tps, lossless, len(level_prompts)))
+    return {
+        "settings": {
+            "modes": list(modes),
+            "concurrency": list(concurrency),
+            "requests_per_level": requests_per_level,
+            "max_new_tokens": max_new_tokens,
+            "repeats": repeats,
+            "block_size": None if drafter is None else drafter.config.block_size,
+            "gamma": None if drafter is None else drafter.config.length_head_gamma,
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+        },
+        "ok": all(row["lossless"] for row in summary),
+        "goals": _goals(summary),
+        "summary": summary,
+    }
+
+
+def _goals(summary: list[dict]) -> dict:
+    rows = {(r["concurrency"], r["mode"]): r for r in summary}
+    levels = sorted({r["concurrency"] for r in summary})
+    goals = {}
+    if all((c, "adaflash") in rows for c in levels):
+        goals["adaflash_at_least_plain_everywhere"] = all(
+            rows[c, "adaflash"]["speedup_vs_plain"] >= 1.0 for c in levels
+        )
+    high = [c for c in levels if c >= 8 and (c, "adaflash") in rows and (c, "dflash") in rows]
+    if high:
+        goals["adaflash_1.2x_dflash_at_8_plus"] = all(
+            rows[c, "adaflash"]["tokens_per_s"] >= 1.2 * rows[c, "dflash"]["tokens_per_s"] for c in high
+        )
+    return goals
+
+
+def markdown_table(results: dict) -> str:
+    lines = [
+        "| concurrency | mode | tokens/s | speed-up vs plain | τ | mean verify length | acceptance | lossless |",
+        "|---:|---|---:|---:|---:|---:|---:|:---:|",
+    ]
+    for r in results["summary"]:
+        lines.append(
+            f"| {r['concurrency']} | {r['mode']} | {r['tokens_per_s']:.1f} | {r['speedup_vs_plain']:.2f}x | "
+            f"{r['tau']:.2f} | {r['mean_verify_length']:.2f} | {r['acceptance_rate']:.2f} | "
+            f"{'yes' if r['lossless'] else 'NO'} |"
+        )
+    goals = ", ".join(f"{name}: {'met' if met else 'NOT met'}" for name, met in results["goals"].items())
+    settings = results["settings"]
+    lines += [
+        "",
+        f"Greedy, {settings['max_new_tokens']} new tokens per request, max(requests_per_level="
+        f"{settings['requests_per_level']}, concurrency) requests per level, {settings['repeats']} repeat(s), "
+        f"{settings['threads']} thread(s). Goals: {goals or 'n/a'}.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def plot_speedup(results: dict, path: Path) -> None:
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(6, 4))
+    axes = figure.subplots()
+    for mode in results["settings"]["modes"]:
+        rows = [r for r in results["summary"] if r["mode"] == mode]
+        axes.plot(
+            [r["concurrency"] for r in rows], [r["speedup_vs_plain"] for r in rows], marker="o", label=mode
+        )
+    axes.set_xscale("log", base=2)
+    axes.set_xlabel("concurrency (running requests)")
+    axes.set_ylabel("throughput speed-up vs plain batched decoding")
+    axes.axhline(1.0, color="gray", linewidth=0.8)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def write_outputs(results: dict, output_dir: Path) -> None:
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    (output_dir / "table.md").write_text(markdown_table(results))
+    plot_speedup(results, output_dir / "speedup_vs_concurrency.png")
+
+
+def heldout_prompts(tokenizer, count: int, max_prompt_tokens: int) -> list[torch.Tensor]:
+    """``count`` held-out prompts, chat/code/math in turn, each at most ``max_prompt_tokens`` long."""
+    from adaflash_hf.assets import chat_prompt_ids
+    from adaflash_hf.data import load_domain
+
+    per_domain = {}
+    for domain in DOMAINS:
+        rows = load_domain(domain, "heldout")
+        ids = (chat_prompt_ids(tokenizer, row["prompt"])[0] for row in rows)
+        per_domain[domain] = list(itertools.islice((p for p in ids if len(p) <= max_prompt_tokens), count))
+    prompts = [
+        per_domain[DOMAINS[i % 3]][i // 3] for i in range(count) if i // 3 < len(per_domain[DOMAINS[i % 3]])
+    ]
+    if len(prompts) < count:
+        raise ValueError(
+            f"max_prompt_tokens: only {len(prompts)} held-out prompts fit in {max_prompt_tokens}"
+        )
+    return prompts
+
+
+# ---------------------------------------------------------------------------------------------------------- CLI
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="adaflash bench serve",
+        description="Throughput of the batched engine (plain / fixed-length DFlash / AdaFlash) under concurrency.",
+    )
+    parser.add_argument(
+        "--target", default="smollm2-135m-instruct", help="target (adaflash_hf.assets.load_target)"
+    )
+    parser.add_argument(
+        "--drafter",
+        help=f"AdaFlash drafter folder (default: {DEFAULT_DRAFTER}, when it exists), or 'random' (untrained)",
+    )
+    parser.add_argument("--concurrency", type=int, nargs="+", help=f"levels (default {FULL['concurrency']})")
+    parser.add_argument(
+        "--requests-per-level",
+        type=int,
+        help=f"requests per level, at least the concurrency (default {FULL['requests_per_level']})",
+    )
+    parser.add_argument("--max-new-tokens", type=int, help=f"per request (default {FULL['max_new_tokens']})")
+    parser.add_argument(
+        "--max-prompt-tokens", type=int, default=384, help="skip longer prompts (default 384)"
+    )
+    parser.add_argument(
+        "--repeats", type=int, help=f"timed runs per level and mode (default {FULL['repeats']})"
+    )
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES, help="subset; needs plain")
+    parser.add_argument(
+        "--threads", type=int, default=2, help="torch threads and OMP_NUM_THREADS (default 2)"
+    )
+    parser.add_argument("--output-dir", type=Path, default=Path("runs/bench_serve"), help="where outputs go")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"smoke run: defaults become {', '.join(f'{k}={v}' for k, v in QUICK.items())}",
+    )
+    return parser
+
+
+def _load_drafter(args, parser, target) -> AdaFlashDrafter | None:
+    if args.modes == ["plain"]:
+        return None
+    dtype = next(target.parameters()).dtype
+    if args.drafter == "random":
+        torch.manual_seed(0)
+        config = AdaFlashConfig.for_target(target.config, num_hidden_layers=2)
+        return AdaFlashDrafter(config).to(dtype).eval()
+    if args.drafter is None:
+        if not DEFAULT_DRAFTER.is_dir():
+            parser.error(
+                f"--drafter: expected a drafter folder (the default {DEFAULT_DRAFTER} does not exist)"
+            )
+        args.drafter = str(DEFAULT_DRAFTER)
+    return AdaFlashDrafter.from_pretrained(args.drafter).to(dtype).eval()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    for name, value in (QUICK if args.quick else FULL).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if "plain" not in args.modes:
+        parser.error(f"--modes: expected a list including plain (the reference), got {args.modes}")
+    std_logging.basicConfig(level=std_logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    torch.set_num_threads(args.threads)
+
+    from adaflash_hf.assets import load_target
+
+    target, tokenizer = load_target(args.target)
+    drafter = _load_drafter(args, parser, target)
+    prompts = heldout_prompts(
+        tokenizer, max(max(args.concurrency), args.requests_per_level), args.max_prompt_tokens
+    )
+    results = run_benchmark(
+        target,
+        drafter,
+        prompts,
+        args.concurrency,
+        modes=tuple(args.modes),
+        requests_per_level=args.requests_per_level,
+        max_new_tokens=args.max_new_tokens,
+        repeats=args.repeats,
+    )
+    results["settings"].update(
+        target=args.target,
+        drafter=args.drafter,
+        command=" ".join(["adaflash bench serve", *(sys.argv[1:] if argv is None else argv)]),
+    )
+    write_outputs(results, args.output_dir)
+    print(markdown_table(results))
+    logger.info(f"wrote results.json, table.md and speedup_vs_concurrency.png to {args.output_dir}")
+    if not results["ok"]:
+        print(
+            "adaflash bench serve: error: lossless: expected every mode's tokens to equal plain's, got a "
+            f"difference: see {args.output_dir / 'results.json'}",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
