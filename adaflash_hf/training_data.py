@@ -7,6 +7,7 @@ to a JSONL file as they come (so an interrupted run resumes where it stopped), a
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Iterable
 from pathlib import Path
@@ -61,12 +62,18 @@ def build_sequences(
         if len(prompt_ids) > max_prompt_tokens:
             continue
         todo.append((row, prompt_ids))
-    todo.sort(key=lambda item: len(item[1]))  # similar lengths per batch: less padding
+    # Batches of similar lengths (less padding), taken from each domain in turn so an interrupted run covers all.
+    by_domain: dict[str, list] = {}
+    for item in sorted(todo, key=lambda item: len(item[1])):
+        by_domain.setdefault(item[0]["domain"], []).append(item)
+    chunks = [
+        [items[i : i + batch_size] for i in range(0, len(items), batch_size)] for items in by_domain.values()
+    ]
+    batches = [batch for group in itertools.zip_longest(*chunks) for batch in group if batch]
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     device = next(target.parameters()).device
     with out_path.open("a") as handle:
-        for start in tqdm(range(0, len(todo), batch_size), desc="regenerating responses", unit="batch"):
-            batch = todo[start : start + batch_size]
+        for batch in tqdm(batches, desc="regenerating responses", unit="batch"):
             if regenerate:
                 width = max(len(ids) for _, ids in batch)
                 input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)

@@ -263,3 +263,37 @@ def test_script_trains_under_accelerate_launch_with_two_processes(target_factory
     assert (tmp_path / "out" / "model.safetensors").is_file()
     state = json.loads((tmp_path / "out" / "checkpoint-3" / "trainer_state.json").read_text())
     assert state["global_step"] == 3 and any("ce" in entry for entry in state["log_history"])
+
+
+def _tiny_tokenizer(vocab_size):
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+
+    backend = Tokenizer(WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    backend.pre_tokenizer = WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="t0", eos_token="t1")
+    tokenizer.chat_template = "{% for m in messages %}t2 {{ m['content'] }} t3 {% endfor %}"
+    return tokenizer
+
+
+def test_regenerated_sequences_are_the_targets_greedy_responses_and_resume(target_factory, tmp_path):
+    from adaflash_hf.training_data import build_sequences, read_sequences
+
+    target = target_factory("llama")
+    tokenizer = _tiny_tokenizer(target.config.vocab_size)
+    rows = [
+        {
+            "id": f"{domain}-{i}",
+            "domain": domain,
+            "prompt": " ".join(f"t{4 + (i * 7 + j) % 400}" for j in range(3 + i)),
+        }
+        for domain in ("chat", "code")
+        for i in range(3)
+    ]
+    out = tmp_path / "seqs.jsonl"
+    build_sequences(target, tokenizer, rows[:2], out, max_new_tokens=6, batch_size=4)
+    records = build_sequences(target, tokenizer, rows, out, max_new_tokens=6, batch_size=2)
+    assert sorted(r["id"] for r in records) == sorted(r["id"] for r in rows)  # resumed, nothing twice
+    for record in read_sequences(out):
+        prompt = torch.tensor([record["input_ids"][: record["prompt_length"]]])
+        expected = target.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        assert record["input_ids"] == expected[0].tolist()  # left padding in the batch changed nothing

@@ -16,6 +16,7 @@ import itertools
 from pathlib import Path
 
 import datasets
+import torch
 from accelerate import PartialState
 from transformers.utils import logging
 from trl import TrlParser
@@ -47,6 +48,11 @@ def build_drafter(args: DrafterTrainingConfig, target) -> AdaFlashDrafter:
         config.target_layer_ids = build_target_layer_ids(text.num_hidden_layers, args.drafter_target_layers)
         config.name_or_path = ""
         drafter = AdaFlashDrafter(config).to(target.dtype)
+        with torch.no_grad():
+            # The drafter's states go through the target's lm_head. A unit final-norm scale makes the first logits
+            # spread by the head's row norm (about 3 for SmolLM2: CE ~ 20); 1/row-norm starts them near unit scale.
+            row_norm = target.get_output_embeddings().weight.norm(dim=-1).mean()
+            drafter.norm.weight.fill_(float(1.0 / row_norm))
     drafter.check_target(target)
     return drafter
 
