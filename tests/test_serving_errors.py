@@ -54,6 +54,8 @@ def test_duplicate_request_id_and_wrong_params_type(setup):
     engine.add_request([1, 2], SamplingParams(max_new_tokens=4), request_id="a")
     with pytest.raises(ValueError, match="request_id: expected a new id, got 'a'"):
         engine.add_request([3], SamplingParams(max_new_tokens=4), request_id="a")
+    with pytest.raises(ValueError, match="request_id: expected one added to this engine, got 'b'"):
+        engine.abort("b")
     with pytest.raises(TypeError, match="params: expected SamplingParams, got dict"):
         engine.add_request([3], {"max_new_tokens": 3})
 

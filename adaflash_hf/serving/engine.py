@@ -188,7 +188,9 @@ class AdaFlashEngine:
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now (between steps); returns False if it had already finished."""
-        request = self.requests[request_id]
+        request = self.requests.get(request_id)
+        if request is None:
+            raise ValueError(f"request_id: expected one added to this engine, got {request_id!r}")
         if request.status == FINISHED:
             return False
         if request.status == WAITING:
