@@ -11,6 +11,7 @@ from transformers.utils import logging
 from adaflash_hf.generation import AdaFlashCandidateGenerator, disable, enable, is_enabled
 from adaflash_hf.modeling import AdaFlashConfig, AdaFlashDrafter, AdaFlashDrafterOutput
 from adaflash_hf.registration import register
+from adaflash_hf.serving import AdaFlashEngine, SamplingParams
 from adaflash_hf.stats import AdaFlashStats, RoundRecord
 
 register()
@@ -26,8 +27,10 @@ __all__ = [
     "AdaFlashConfig",
     "AdaFlashDrafter",
     "AdaFlashDrafterOutput",
+    "AdaFlashEngine",
     "AdaFlashStats",
     "RoundRecord",
+    "SamplingParams",
     "__version__",
     "disable",
     "enable",
