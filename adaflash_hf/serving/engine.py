@@ -16,6 +16,11 @@ Lossless: greedy requests commit exactly the target's argmax chain; sampling req
 with one-hot proposals (the drafter's argmax) and uniforms from their own generator, so each request's output
 is distributed as the target's and does not depend on the rest of the batch. A drafter block with a non-finite
 state gives that request k̂ = 0 for the step (plain decoding), logged and counted in the step stats.
+
+Online learning: ``engine.round_recorder`` (a callable, default None) receives ``(request, RoundRecord)`` after each
+verify round, once the request's state is updated (``request.finish_reason`` is set on its last round). The record
+carries the anchor position, k̂, the accepted count and ``drafter.weights_version``; ``drafted_tokens`` holds only
+the k̂ verified drafts and ``predicted_acceptance`` is NaN (the engine keeps neither the block nor â).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from adaflash_hf.serving.cache import (
     packed_target_forward,
 )
 from adaflash_hf.serving.requests import FINISHED, RUNNING, WAITING, Request, RequestOutput, SamplingParams
+from adaflash_hf.stats import RoundRecord
 
 logger = logging.get_logger(__name__)
 
@@ -140,6 +146,7 @@ class AdaFlashEngine:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.stats: list[StepStats] = []
+        self.round_recorder = None
         self.free_slots: list[int] = []
         self.next_slot = 0
         self.ids = itertools.count()
@@ -405,9 +412,11 @@ class AdaFlashEngine:
         hidden, lengths = features
         outputs, committed, offset = [], 0, 0
         prefills = len(admitted)
+        version = int(getattr(self.drafter, "weights_version", 0))
         for i, request in enumerate(admitted + decoding):
             n_accepted = accepted[i]
             proposed = drafts[i - prefills] if i >= prefills else []
+            anchor_position, anchor_token = request.target_len, request.output[-1] if request.output else None
             kept = request.commit([*proposed[:n_accepted], next_tokens[i]])
             # Inputs whose K/V stay cached: the whole prompt, or the anchor and the accepted drafts.
             cached = lengths[i] if i < prefills else n_accepted + 1
@@ -422,6 +431,17 @@ class AdaFlashEngine:
             offset += lengths[i]
             if request.finish_reason is not None:
                 self._release(request)
+            if i >= prefills and self.round_recorder is not None:
+                record = RoundRecord(
+                    context_length=anchor_position,
+                    anchor_token=anchor_token,
+                    drafted_tokens=list(proposed),
+                    draft_length=len(proposed),
+                    predicted_acceptance=float("nan"),
+                    accepted=n_accepted,
+                    drafter_version=version,
+                )
+                self.round_recorder(request, record)
             outputs.append(
                 RequestOutput(request.request_id, kept, request.status == FINISHED, request.finish_reason)
             )

@@ -1,0 +1,16 @@
+"""Online learning around the serving side: trajectories and the replay buffer (``buffer``), versioned weights,
+hot reload and atomic checkpoints (``weights``), and the asynchronous serve/train loop (``loop``)."""
+
+from adaflash_hf.online.buffer import EngineRecorder, ReplayBuffer, Trajectory, record_generate
+from adaflash_hf.online.weights import HotReloader, PayloadError, latest_checkpoint, publish_weights
+
+__all__ = [
+    "EngineRecorder",
+    "HotReloader",
+    "PayloadError",
+    "ReplayBuffer",
+    "Trajectory",
+    "latest_checkpoint",
+    "publish_weights",
+    "record_generate",
+]

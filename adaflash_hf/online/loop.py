@@ -1,0 +1,334 @@
+"""The asynchronous online loop: a traffic source, the serving engine in its own thread, and the OPD trainer.
+
+    rows = run_online(trainer, engine, TrafficSource(phases), weights_dir=..., checkpoint_dir=..., max_rounds=10)
+
+Serving thread (``ServingWorker``): keeps ``concurrency`` requests in the engine, steps it, polls the hot reloader
+between steps, and records every finished request's trajectory into the replay buffer. It never waits for training.
+Trainer (the calling thread): waits for a full buffer, trains on it (``num_train_epochs`` passes), publishes the new
+drafter version atomically and writes an atomic checkpoint. One such cycle is a round; after each round a metrics row
+(τ per domain, acceptance, verify length, tokens/s, the round's mean losses, buffer and reload counters) goes to the
+CSV and to the ``report_to`` trackers with the round as the step.
+
+The traffic source streams held-out prompts phase by phase (e.g. chat, then code, then math) and starts over after the
+last phase, so the drafter meets domain shifts.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+
+from tqdm.auto import tqdm
+from transformers.utils import logging
+
+from adaflash_hf.online.buffer import EngineRecorder, ReplayBuffer, Trajectory
+from adaflash_hf.online.weights import HotReloader, atomic_write, latest_checkpoint, publish_weights
+from adaflash_hf.serving import AdaFlashEngine, SamplingParams
+
+logger = logging.get_logger(__name__)
+
+LOSS_KEYS = (
+    "loss",
+    "ce",
+    "rkl_clipped",
+    "rkl_raw",
+    "clip_ratio",
+    "accuracy",
+    "head_mse",
+    "accept_len",
+    "staleness",
+)
+
+
+class TrafficSource:
+    """Prompts in a domain schedule: every prompt of phase 1, then of phase 2, ..., then again from phase 1."""
+
+    def __init__(self, phases: list[tuple[str, list[list[int]]]]):
+        if not phases or any(not prompts for _, prompts in phases):
+            raise ValueError(
+                f"phases: expected at least one phase and a prompt in each, got {[(d, len(p)) for d, p in phases]}"
+            )
+        self.phases = phases
+        self.phase = 0
+        self.index = 0
+        self.served = 0
+
+    @classmethod
+    def from_domains(
+        cls,
+        tokenizer,
+        domains: list[str],
+        prompts_per_domain: int,
+        seed: int = 0,
+        max_prompt_tokens: int = 512,
+    ) -> TrafficSource:
+        """Held-out prompts of ``adaflash_hf.data`` domains, chat-templated, longer ones cut to the last tokens."""
+        from adaflash_hf.assets import chat_prompt_ids
+        from adaflash_hf.data import load_domain
+
+        phases = []
+        for domain in domains:
+            rows = load_domain(domain, "heldout", n=prompts_per_domain, seed=seed)
+            phases.append(
+                (
+                    domain,
+                    [chat_prompt_ids(tokenizer, r["prompt"])[0, -max_prompt_tokens:].tolist() for r in rows],
+                )
+            )
+        return cls(phases)
+
+    @property
+    def domain(self) -> str:
+        return self.phases[self.phase][0]
+
+    def __iter__(self) -> Iterator[tuple[str, list[int]]]:
+        return self
+
+    def __next__(self) -> tuple[str, list[int]]:
+        domain, prompts = self.phases[self.phase]
+        prompt = prompts[self.index]
+        self.index += 1
+        self.served += 1
+        if self.index == len(prompts):
+            self.phase, self.index = (self.phase + 1) % len(self.phases), 0
+        return domain, prompt
+
+
+class ServingMetrics:
+    """Serving counters since the last ``snapshot``: per-domain rounds from finished trajectories, tokens from steps."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._reset()
+
+    def _reset(self) -> None:
+        self.domains: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        self.tokens = self.steps = 0
+        self.started = time.perf_counter()
+
+    def add_trajectory(self, trajectory: Trajectory) -> None:
+        with self._lock:
+            counts = self.domains[trajectory.domain]
+            counts["trajectories"] += 1
+            counts["rounds"] += len(trajectory.accepted)
+            counts["accepted"] += sum(trajectory.accepted)
+            counts["drafted"] += sum(trajectory.draft_lengths)
+
+    def add_step(self, stats) -> None:
+        with self._lock:
+            self.steps += 1
+            self.tokens += stats.committed + stats.admitted  # a prefill commits the first token
+
+    def snapshot(self) -> dict[str, float]:
+        with self._lock:
+            seconds = time.perf_counter() - self.started
+            total = defaultdict(int)
+            row: dict[str, float] = {}
+            for domain, counts in sorted(self.domains.items()):
+                for key, value in counts.items():
+                    total[key] += value
+                row[f"tau/{domain}"] = _tau(counts)
+            row.update(
+                tau=_tau(total),
+                acceptance=total["accepted"] / total["drafted"] if total["drafted"] else 0.0,
+                verify_len=total["drafted"] / total["rounds"] if total["rounds"] else 0.0,
+                tokens_per_s=self.tokens / seconds if seconds > 0 else 0.0,
+                trajectories=total["trajectories"],
+                serving_steps=self.steps,
+            )
+            self._reset()
+            return row
+
+
+def _tau(counts) -> float:
+    return (counts["accepted"] + counts["rounds"]) / counts["rounds"] if counts["rounds"] else 0.0
+
+
+class ServingWorker(threading.Thread):
+    """The serving loop (see the module docstring). ``stop()`` ends it after the current step; ``error`` holds an
+    exception that ended it early, and ``done`` is set however it ends."""
+
+    def __init__(
+        self,
+        engine: AdaFlashEngine,
+        traffic: TrafficSource,
+        buffer: ReplayBuffer,
+        reloader: HotReloader,
+        concurrency: int,
+        params: SamplingParams,
+    ):
+        super().__init__(name="adaflash-serving", daemon=True)
+        if concurrency < 1:
+            raise ValueError(f"concurrency: expected >= 1, got {concurrency}")
+        self.engine, self.traffic, self.reloader = engine, traffic, reloader
+        self.concurrency, self.params = concurrency, params
+        self.recorder = EngineRecorder(buffer)
+        engine.round_recorder = self.recorder
+        self.metrics = ServingMetrics()
+        buffer.listeners.append(self.metrics.add_trajectory)
+        self._stop_requested = threading.Event()
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+    def stop(self) -> None:
+        self._stop_requested.set()
+
+    def run(self) -> None:
+        engine = self.engine
+        try:
+            while not self._stop_requested.is_set():
+                self.reloader.poll()  # between steps: no request ever sees weights change inside a step
+                while len(engine.running) + len(engine.waiting) < self.concurrency:
+                    domain, prompt = next(self.traffic)
+                    request_id = engine.add_request(prompt, self.params)
+                    self.recorder.domains[request_id] = domain
+                seen = len(engine.stats)
+                engine.step()
+                for stats in engine.stats[seen:]:
+                    self.metrics.add_step(stats)
+        except BaseException as error:  # surfaced by run_online in the main thread
+            logger.error(f"serving loop failed: {error!r}")
+            self.error = error
+        finally:
+            self.done.set()
+
+
+class MetricsLogger:
+    """One row per round to a CSV (rewritten atomically, so columns may grow) and to accelerate trackers."""
+
+    def __init__(
+        self,
+        csv_path: str | Path,
+        report_to: list[str] | None = None,
+        run_name: str = "opd",
+        logging_dir=None,
+    ):
+        from accelerate.tracking import LOGGER_TYPE_TO_CLASS
+
+        self.csv_path = Path(csv_path)
+        self.csv_path.parent.mkdir(parents=True, exist_ok=True)
+        self.rows: list[dict] = []
+        self.trackers = []
+        for name in report_to or []:
+            if name not in LOGGER_TYPE_TO_CLASS:
+                raise ValueError(
+                    f"report_to: expected trackers among {sorted(LOGGER_TYPE_TO_CLASS)}, got {name!r}"
+                )
+            tracker_class = LOGGER_TYPE_TO_CLASS[name]
+            if tracker_class.requires_logging_directory:
+                tracker = tracker_class(run_name, logging_dir or self.csv_path.parent / "runs")
+            else:
+                tracker = tracker_class(run_name)
+            tracker.start()
+            self.trackers.append(tracker)
+
+    def log(self, row: dict, step: int) -> None:
+        self.rows.append(row)
+        columns = list(dict.fromkeys(key for r in self.rows for key in r))
+
+        def write(tmp: Path) -> None:
+            with open(tmp, "w", newline="") as handle:
+                writer = csv.DictWriter(handle, fieldnames=columns)
+                writer.writeheader()
+                writer.writerows(self.rows)
+
+        atomic_write(self.csv_path, write)
+        numbers = {k: v for k, v in row.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+        for tracker in self.trackers:
+            tracker.log(numbers, step=step)
+
+    def finish(self) -> None:
+        for tracker in self.trackers:
+            tracker.finish()
+
+
+def _round_losses(log_history: list[dict]) -> dict[str, float]:
+    steps = [entry for entry in log_history if "loss" in entry]
+    out = {}
+    for key in LOSS_KEYS:
+        values = [e[key] for e in steps if isinstance(e.get(key), (int, float)) and math.isfinite(e[key])]
+        if values:
+            out[key] = sum(values) / len(values)
+    out["optimizer_steps"] = len(steps)
+    return out
+
+
+def run_online(
+    trainer,
+    engine: AdaFlashEngine,
+    traffic: TrafficSource,
+    *,
+    weights_dir: str | Path,
+    checkpoint_dir: str | Path,
+    metrics: MetricsLogger,
+    max_rounds: int,
+    concurrency: int = 8,
+    params: SamplingParams | None = None,
+    checkpoint_every: int = 1,
+    resume: bool = True,
+) -> list[dict]:
+    """Serve, learn and hot-reload for ``max_rounds`` training rounds (see the module docstring); returns the rows.
+
+    With ``resume`` the newest complete checkpoint in ``checkpoint_dir`` restores the drafter, optimizer, version and
+    round counter, and its weights are republished so serving starts on them.
+    """
+    from adaflash_hf.trainers.opd_trainer import TrajectoryDataset
+
+    args = trainer.args
+    buffer = ReplayBuffer(args.train_threshold, args.max_staleness)
+    reloader = HotReloader(engine.drafter, weights_dir)
+    start = 0
+    checkpoint = latest_checkpoint(checkpoint_dir) if resume else None
+    if checkpoint is not None:
+        start = int(trainer.load_opd_checkpoint(checkpoint).get("round", 0))
+        publish_weights(weights_dir, trainer.publishable_state(), trainer.weights_version)
+    worker = ServingWorker(engine, traffic, buffer, reloader, concurrency, params or SamplingParams())
+    worker.start()
+    rows = []
+    try:
+        for round_index in tqdm(range(start, max_rounds), desc="OPD rounds", disable=args.disable_tqdm):
+            batch = buffer.take(trainer.weights_version, stop=worker.done)
+            if batch is None:
+                break
+            trainer.train_dataset = TrajectoryDataset(batch)
+            started = time.perf_counter()
+            trainer.train()
+            train_seconds = time.perf_counter() - started
+            row = {"round": round_index + 1}
+            if trainer.diverged:
+                logger.error(f"round {round_index + 1}: training diverged; nothing published, stopping")
+                metrics.log({**row, "diverged": 1, **worker.metrics.snapshot()}, step=round_index + 1)
+                break
+            version = trainer.publish_weights(weights_dir)
+            if checkpoint_every and (round_index + 1) % checkpoint_every == 0:
+                trainer.save_opd_checkpoint(checkpoint_dir, {"round": round_index + 1})
+            row.update(
+                version=version,
+                served_version=reloader.version,
+                **worker.metrics.snapshot(),
+                **_round_losses(trainer.state.log_history),
+                train_seconds=train_seconds,
+                skipped_steps=trainer.skipped_steps,
+                **{f"buffer/{k}": v for k, v in buffer.stats().items()},
+                reload_swaps=reloader.swaps,
+                reload_rejected=sum(reloader.rejected.values()),
+                domain=traffic.domain,
+            )
+            metrics.log(row, step=round_index + 1)
+            rows.append(row)
+            logger.info(
+                f"round {row['round']}: version {version}, tau {row['tau']:.2f}, "
+                f"loss {row.get('loss', float('nan')):.4f}, {row['tokens_per_s']:.1f} tok/s"
+            )
+    finally:
+        worker.stop()
+        worker.join()
+        metrics.finish()
+    if worker.error is not None:
+        raise RuntimeError("the serving loop failed") from worker.error
+    return rows

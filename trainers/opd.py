@@ -1,0 +1,184 @@
+"""AdaFlash online on-policy distillation: serve live traffic, learn from it, hot-reload the drafter, on one machine.
+
+    accelerate launch trainers/opd.py --config examples/configs/opd_smollm2.yaml
+    accelerate launch trainers/opd.py --config examples/configs/opd_smollm2.yaml --max_rounds 2 --use_peft true
+    adaflash opd --config examples/configs/opd_smollm2.yaml                      # the same, via the CLI
+
+Steps: load the target (offline SmolLM2 by default, or any Hub id / folder) and the drafter (``--drafter_init``, or a
+fresh one), give the trainer its own frozen copy of the target, build a traffic source of held-out prompts in the
+``--domains`` order, then run ``adaflash_hf.online.loop.run_online``: the engine serves in a thread, every
+``train_threshold`` finished requests train the drafter (``OPDTrainer``), which is published to
+``<output_dir>/weights`` and hot-reloaded by the server. Per-round metrics go to ``<output_dir>/metrics.csv`` and the
+``report_to`` trackers; atomic checkpoints to ``<output_dir>/checkpoints`` (a rerun resumes from the newest). With
+``--use_peft`` the drafter gets LoRA adapters (the length head stays fully trained) and only the adapters and the head
+are published. The final drafter is saved to ``<output_dir>/drafter``.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from accelerate import PartialState
+from transformers.utils import logging
+from trl import ModelConfig, TrlParser
+
+from adaflash_hf.assets import load_target
+from adaflash_hf.modeling.modeling_adaflash import LENGTH_HEAD_ATTRIBUTE
+from adaflash_hf.online.loop import MetricsLogger, TrafficSource, run_online
+from adaflash_hf.online.weights import _load_state, publishable_state
+from adaflash_hf.serving import MODES, AdaFlashEngine, AdmissionConfig, SamplingParams
+from adaflash_hf.trainers.opd_config import OPDConfig
+from adaflash_hf.trainers.opd_trainer import OPDTrainer
+from adaflash_hf.trainers.train_drafter import build_drafter
+
+logger = logging.get_logger(__name__)
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@dataclass
+class OPDScriptArguments:
+    """The online system around the trainer: target, drafter, traffic and serving."""
+
+    target_model: str = field(
+        default="smollm2-135m-instruct",
+        metadata={
+            "help": "Target causal LM: 'smollm2-135m-instruct' (offline GGUF), a Hub id or a local folder."
+        },
+    )
+    drafter_init: str | None = field(
+        default=None,
+        metadata={"help": "Drafter checkpoint to start from (any supported layout); None = fresh."},
+    )
+    drafter_layers: int = field(default=2, metadata={"help": "Decoder layers of a fresh drafter."})
+    drafter_target_layers: int = field(default=3, metadata={"help": "Target layers feeding a fresh drafter."})
+    block_size: int = field(default=16, metadata={"help": "Block size k of a fresh drafter."})
+    mask_token_id: int | None = field(
+        default=None, metadata={"help": "MASK row of a fresh drafter; None = a learned mask embedding."}
+    )
+    length_head_variant: str = field(
+        default="two_model", metadata={"help": "'two_model' (official) or 'paper'."}
+    )
+    domains: list[str] = field(
+        default_factory=lambda: ["chat", "code", "math"],
+        metadata={"help": "Traffic schedule: held-out prompts of each domain in turn, then again."},
+    )
+    prompts_per_domain: int = field(default=64, metadata={"help": "Held-out prompts per domain phase."})
+    max_prompt_tokens: int = field(default=512, metadata={"help": "Longer prompts keep their last tokens."})
+    concurrency: int = field(default=8, metadata={"help": "Requests kept in flight by the traffic source."})
+    max_new_tokens: int = field(default=256, metadata={"help": "Tokens generated per request."})
+    serving_temperature: float = field(default=0.0, metadata={"help": "Serving temperature (0 = greedy)."})
+    serving_mode: str = field(default="adaflash", metadata={"help": f"Engine mode, one of {MODES}."})
+    gamma: float | None = field(
+        default=None, metadata={"help": "Length-head γ (None: the drafter config's)."}
+    )
+    max_rounds: int = field(default=10, metadata={"help": "Training rounds (buffer fills) before stopping."})
+    checkpoint_every: int = field(
+        default=1, metadata={"help": "Atomic checkpoint every N rounds (0 = never)."}
+    )
+    resume: bool = field(
+        default=True, metadata={"help": "Resume from the newest complete checkpoint, if any."}
+    )
+
+
+def lora_config(model_args: ModelConfig, drafter):
+    """LoRA on the drafter's projections (no task type: a drafter is not a causal LM); the head is saved in full."""
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=model_args.lora_r,
+        lora_alpha=model_args.lora_alpha,
+        lora_dropout=model_args.lora_dropout,
+        target_modules=model_args.lora_target_modules or LORA_TARGETS,
+        modules_to_save=[LENGTH_HEAD_ATTRIBUTE[drafter.config.length_head_variant]],
+    )
+
+
+def main(script_args: OPDScriptArguments, training_args: OPDConfig, model_args: ModelConfig) -> list[dict]:
+    state = PartialState()
+    if state.num_processes != 1:
+        raise ValueError(
+            f"num_processes: expected 1 (the server, the trainer and their target copies share one device), "
+            f"got {state.num_processes}"
+        )
+    if script_args.serving_mode == "plain":
+        raise ValueError(
+            "serving_mode: expected 'adaflash' or 'dflash' (plain decoding drafts nothing), got 'plain'"
+        )
+    output_dir = Path(training_args.output_dir)
+    target, tokenizer = load_target(script_args.target_model)
+    target = target.to(state.device)
+    drafter = build_drafter(script_args, target)
+    serving_drafter = copy.deepcopy(drafter).eval()
+    peft_config = None
+    if model_args.use_peft:
+        from peft import get_peft_model
+
+        peft_config = lora_config(model_args, drafter)
+        serving_drafter = get_peft_model(serving_drafter, peft_config)
+
+    # Trackers get one row per round (step = round); inside a round train() restarts its step count, so the trainer
+    # itself reports to none and its losses reach the trackers as round means.
+    trackers = [name for name in training_args.report_to if name != "none"]
+    training_args.report_to = []
+    trainer = OPDTrainer(
+        model=drafter,
+        target=copy.deepcopy(
+            target
+        ),  # the trainer's own frozen copy: serving never shares a module with training
+        args=training_args,
+        processing_class=tokenizer,
+        peft_config=peft_config,
+    )
+    if peft_config is not None:
+        _load_state(
+            serving_drafter, publishable_state(trainer.model)
+        )  # same random adapter init on both sides
+    engine = AdaFlashEngine(
+        target,
+        serving_drafter,
+        mode=script_args.serving_mode,
+        admission=AdmissionConfig(),
+        gamma=script_args.gamma,
+    )
+    traffic = TrafficSource.from_domains(
+        tokenizer,
+        script_args.domains,
+        script_args.prompts_per_domain,
+        seed=training_args.seed,
+        max_prompt_tokens=script_args.max_prompt_tokens,
+    )
+    params = SamplingParams(
+        max_new_tokens=script_args.max_new_tokens, temperature=script_args.serving_temperature
+    )
+    metrics = MetricsLogger(output_dir / "metrics.csv", trackers, run_name=output_dir.name)
+    rows = run_online(
+        trainer,
+        engine,
+        traffic,
+        weights_dir=output_dir / "weights",
+        checkpoint_dir=output_dir / "checkpoints",
+        metrics=metrics,
+        max_rounds=script_args.max_rounds,
+        concurrency=script_args.concurrency,
+        params=params,
+        checkpoint_every=script_args.checkpoint_every,
+        resume=script_args.resume,
+    )
+    trainer.accelerator.unwrap_model(trainer.model).save_pretrained(output_dir / "drafter")
+    return rows
+
+
+def make_parser(subparsers=None) -> TrlParser:
+    dataclass_types = (OPDScriptArguments, OPDConfig, ModelConfig)
+    if subparsers is not None:
+        return subparsers.add_parser(
+            "opd", help="Online on-policy distillation.", dataclass_types=dataclass_types
+        )
+    return TrlParser(dataclass_types)
+
+
+if __name__ == "__main__":
+    main(*make_parser().parse_args_and_config())

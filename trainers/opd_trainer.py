@@ -1,0 +1,392 @@
+"""OPDTrainer: AdaFlash online on-policy distillation of the drafter, as a ``trl.DistillationTrainer``.
+
+The trained model is the ``AdaFlashDrafter`` (optionally a PEFT LoRA on it); the frozen target is TRL's
+``teacher_model``. Training data are served trajectories (``adaflash_hf.online.buffer``), not prompts: TRL's own
+on-policy generation is switched off and the trainer only recomputes the target's distributions over each trajectory.
+Per trajectory the blocks are the drafter's own serving blocks (the recorded anchors, ``dflash_recipe.build_blocks``:
+``[anchor, MASK...]`` seeing context strictly before the anchor); block row j is trained towards the target's
+next-token distribution at position ``anchor + j - 1`` with the fused loss of ``kernels/clipped_kl.py``:
+``alpha·CE(q, argmax p) + (1-alpha)·Σ_y min(q log(q/p), delta)`` (``clip_mode`` "entry", or "row" as the official
+code), optionally position-decayed. The length head learns the realised acceptance ratio (the drafter's argmax
+matching the target's top-1, cumulatively) by MSE on detached states.
+
+Hooks overridden (everything else, incl. teacher preparation, the vocabulary check, metric averaging in ``log``,
+``prediction_step`` and model cards, is DistillationTrainer's):
+
+- ``get_train_dataloader`` / ``_get_train_sampler`` / ``_prepare_inputs``: back to plain ``Trainer`` behaviour,
+  because DistillationTrainer batches prompts per accumulation window and generates completions in
+  ``_prepare_inputs``; here the buffer already holds on-policy samples;
+- ``_set_signature_columns_if_needed``: the trajectory batch's keys;
+- ``compute_loss``: the AdaFlash loss above (``loss_is_scaled_for_ga = False``: it is a per-micro-batch weighted
+  mean, so ``Trainer`` divides by the accumulation steps);
+- ``create_optimizer``: AdamW with two groups, drafter (``learning_rate``) and length head
+  (``length_head_learning_rate``);
+- ``_clip_grad_norm``: each group clipped on its own, so the head's gradient never shrinks the drafter's update;
+  a non-finite loss (flagged in ``training_step``) or gradient drops every gradient before ``optimizer.step()``,
+  which then changes neither parameters nor AdamW state; ``max_nonfinite_steps`` such steps in a row stop training
+  and set ``diverged``.
+
+Online-loop helpers: ``publish_weights`` (versioned, atomic) and ``save_opd_checkpoint`` / ``load_opd_checkpoint``
+(atomic, resumable: drafter tensors, optimizer state, version and loop state).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch.utils.data import Dataset
+from transformers import GenerationConfig, Trainer
+from transformers.utils import logging
+from trl import DistillationTrainer
+
+from adaflash_hf.kernels.clipped_kl import fused_clipped_distill_loss
+from adaflash_hf.modeling.modeling_adaflash import LENGTH_HEAD_ATTRIBUTE
+from adaflash_hf.online.buffer import Trajectory
+from adaflash_hf.online.weights import (
+    _load_state,
+    base_drafter,
+    publish_weights,
+    publishable_state,
+    save_checkpoint,
+    verify_checkpoint,
+)
+from adaflash_hf.trainers.dflash_recipe import IGNORE, build_blocks
+
+logger = logging.get_logger(__name__)
+
+BATCH_KEYS = ["input_ids", "attention_mask", "loss_mask", "anchors", "versions"]
+
+
+class TrajectoryDataset(Dataset):
+    """A buffer's trajectories as a map-style dataset (items are ``Trajectory`` objects)."""
+
+    def __init__(self, trajectories: list[Trajectory]):
+        self.trajectories = list(trajectories)
+
+    def __len__(self) -> int:
+        return len(self.trajectories)
+
+    def __getitem__(self, index: int) -> Trajectory:
+        return self.trajectories[index]
+
+
+class TrajectoryCollator:
+    """Right-padded ``prompt + committed`` ids, the committed-token mask and each trajectory's anchors (-1 padded).
+
+    Sequences are cut at ``max_length``; an anchor is kept only if a committed token follows it inside the cut, and at
+    most ``max_anchors`` anchors per trajectory are kept (a random subset, sorted).
+    """
+
+    def __init__(self, pad_token_id: int, max_length: int, max_anchors: int, seed: int = 0):
+        self.pad_token_id = pad_token_id
+        self.max_length = max_length
+        self.max_anchors = max_anchors
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, samples: list[Trajectory]) -> dict[str, torch.Tensor]:
+        sequences = [s.input_ids[: self.max_length] for s in samples]
+        anchors = []
+        for sample, sequence in zip(samples, sequences):
+            usable = torch.tensor([a for a in sample.anchors if a + 1 < len(sequence)], dtype=torch.long)
+            if usable.numel() > self.max_anchors:
+                chosen = torch.randperm(usable.numel(), generator=self.generator)[: self.max_anchors]
+                usable = usable[chosen].sort().values
+            anchors.append(usable)
+        width = max(len(s) for s in sequences)
+        input_ids = torch.full((len(samples), width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros_like(input_ids)
+        loss_mask = torch.zeros_like(input_ids)
+        anchor_ids = torch.full((len(samples), max(max(a.numel() for a in anchors), 1)), -1, dtype=torch.long)
+        for row, (sample, sequence, chosen) in enumerate(zip(samples, sequences, anchors)):
+            input_ids[row, : len(sequence)] = torch.tensor(sequence)
+            attention_mask[row, : len(sequence)] = 1
+            loss_mask[row, len(sample.prompt) : len(sequence)] = 1
+            anchor_ids[row, : chosen.numel()] = chosen
+        versions = torch.tensor([s.drafter_version for s in samples], dtype=torch.long)
+        return {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "loss_mask": loss_mask,
+            "anchors": anchor_ids,
+            "versions": versions,
+        }
+
+
+class OPDTrainer(DistillationTrainer):
+    """Online on-policy distillation of an ``AdaFlashDrafter``. See the module docstring for the hooks."""
+
+    _tag_names = ["trl", "opd", "adaflash", "speculative-decoding"]
+    _name = "OPD"
+    _paper = {
+        "title": "AdaFlash: adaptive-length block-diffusion speculative decoding with online distillation",
+        "id": "2607.19223",
+        "citation": "@article{adaflash2026, title={AdaFlash}, journal={arXiv preprint arXiv:2607.19223}, year={2026}}",
+    }
+    loss_is_scaled_for_ga = False
+
+    def __init__(
+        self,
+        model,
+        target,
+        args,
+        train_dataset: Dataset | None = None,
+        processing_class=None,
+        callbacks=None,
+        peft_config=None,
+    ):
+        target.eval().requires_grad_(False)
+        if getattr(model, "generation_config", None) is None:
+            # DistillationTrainer writes pad/eos ids into the student's generation config; a drafter has none.
+            model.generation_config = GenerationConfig()
+        super().__init__(
+            model=model,
+            teacher_model=target,
+            args=args,
+            train_dataset=train_dataset,
+            processing_class=processing_class,
+            callbacks=callbacks,
+            peft_config=peft_config,
+        )
+        pad = self._tokenizer.pad_token_id if self._tokenizer.pad_token_id is not None else 0
+        self.data_collator = TrajectoryCollator(pad, args.max_length, args.max_anchors_per_sample, args.seed)
+        self.weights_version = 0
+        self.skipped_steps = 0
+        self.nonfinite_streak = 0
+        self.diverged = False
+        self._nonfinite_in_step = False
+
+    # ------------------------------------------------------------------------------------------ data (no generation)
+    def get_train_dataloader(self):
+        return Trainer.get_train_dataloader(self)
+
+    def _get_train_sampler(self, dataset=None):
+        return Trainer._get_train_sampler(self, dataset)
+
+    def _prepare_inputs(self, inputs):
+        return Trainer._prepare_inputs(self, inputs)
+
+    def _set_signature_columns_if_needed(self):
+        if self._signature_columns is None:
+            self._signature_columns = list(BATCH_KEYS)
+
+    # --------------------------------------------------------------------------------------------------------- loss
+    @property
+    def drafter(self):
+        """The bare ``AdaFlashDrafter`` (under any accelerate and PEFT wrapper)."""
+        return base_drafter(self.accelerator.unwrap_model(self.model))
+
+    @torch.no_grad()
+    def _target_pass(self, input_ids, attention_mask, positions):
+        """Context features at every position and the target's logits at ``positions`` (a sorted 1-D index)."""
+        layer_ids = self.drafter.config.target_layer_ids
+        out = self.teacher_model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            output_hidden_states=[i + 1 for i in layer_ids],
+            logits_to_keep=positions,
+        )
+        features = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)
+        return features, out.logits
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        drafter = self.drafter
+        config = drafter.config
+        block = config.block_size
+        input_ids, loss_mask, anchors = inputs["input_ids"], inputs["loss_mask"], inputs["anchors"]
+        batch, seq = input_ids.shape
+        gamma = self.args.loss_decay_gamma
+        blocks = build_blocks(input_ids, loss_mask, anchors, block, config.mask_token_id, gamma or 1.0)
+        rows = blocks.labels != IGNORE  # [B, Q]
+        # Row j of the block at anchor a predicts position a + j: the target's distribution for it is its logits at
+        # a + j - 1 (the same rows the serving verify scored).
+        source = blocks.position_ids[:, seq:] - 1  # [B, Q]
+        positions = source[rows].unique()
+        features, kept_logits = self._target_pass(input_ids, inputs["attention_mask"], positions)
+        batch_index = torch.arange(batch, device=input_ids.device)[:, None].expand_as(source)
+        target_logits = kept_logits[batch_index[rows], torch.searchsorted(positions, source[rows])]  # [R, V]
+
+        embedding = self.teacher_model.get_input_embeddings().weight
+        out = model(
+            noise_embeds=F.embedding(blocks.noise_ids, embedding),
+            context_hidden_states=features.to(embedding.dtype),
+            position_ids=blocks.position_ids,
+            attention_mask=blocks.attention_mask,
+        )
+        hidden = out.last_hidden_state[rows]  # [R, H]
+        weights = blocks.weights[rows] if gamma else torch.ones_like(blocks.weights[rows])
+        lm_head = self.teacher_model.get_output_embeddings().weight
+        distill = fused_clipped_distill_loss(
+            hidden,
+            lm_head,
+            target_logits,
+            alpha=self.args.alpha,
+            delta=self.args.delta,
+            row_weights=weights,
+            clip_mode=self.args.clip_mode,
+        )
+
+        realised, valid_blocks = self._realised_acceptance(
+            hidden.detach(), lm_head, target_logits, rows, blocks
+        )
+        acceptance = out.acceptance_prob
+        if acceptance.dim() == 1:
+            acceptance = acceptance[:, None]
+        head_mse = F.mse_loss(acceptance[valid_blocks].float(), realised[valid_blocks])
+        loss = distill.loss + self.args.length_head_loss_weight * head_mse
+
+        metrics = self._metrics["train" if self.model.training else "eval"]
+        for name in ("ce", "rkl_clipped", "rkl_raw", "clip_ratio", "accuracy"):
+            metrics[name].append(float(getattr(distill, name)))
+        metrics["head_mse"].append(float(head_mse.detach()))
+        metrics["accept_len"].append(float(realised[valid_blocks].mean()) * (block - 1))
+        metrics["blocks"].append(float(valid_blocks.sum()))
+        metrics["staleness"].append(float((self.weights_version - inputs["versions"]).float().mean()))
+        return (loss, out) if return_outputs else loss
+
+    @torch.no_grad()
+    def _realised_acceptance(self, hidden, lm_head, target_logits, rows, blocks):
+        """Per block: accepted fraction of the k-1 drafts if verified greedily now (cumulative top-1 agreement)."""
+        block = self.drafter.config.block_size
+        agree = torch.cat(
+            [
+                (h @ lm_head.T).argmax(-1) == t.argmax(-1)
+                for h, t in zip(hidden.split(1024), target_logits.split(1024))
+            ]
+        )
+        correct = torch.zeros_like(rows)
+        correct[rows] = agree
+        per_block = correct.view(rows.shape[0], -1, block)[..., 1:]
+        accepted = per_block.long().cumprod(dim=-1).sum(-1)
+        return accepted.float() / (block - 1), blocks.anchors >= 0
+
+    # ------------------------------------------------------------------------------------- optimiser and the guard
+    def _groups(self, model=None) -> dict[str, list[torch.nn.Parameter]]:
+        unwrapped = self.accelerator.unwrap_model(model if model is not None else self.model)
+        head_prefix = LENGTH_HEAD_ATTRIBUTE[base_drafter(unwrapped).config.length_head_variant] + "."
+        groups = {"drafter": [], "length_head": []}
+        for name, param in unwrapped.named_parameters():
+            if param.requires_grad:
+                # Under PEFT the head's names gain a "base_model.model." prefix and a modules_to_save level.
+                is_head = name.startswith(head_prefix) or f".{head_prefix}" in name
+                groups["length_head" if is_head else "drafter"].append(param)
+        return groups
+
+    def create_optimizer(self, model=None):
+        if self.optimizer is None:
+            groups = self._groups(model)
+            self.optimizer = torch.optim.AdamW(
+                [
+                    {"params": groups["drafter"], "lr": self.args.learning_rate, "name": "drafter"},
+                    {
+                        "params": groups["length_head"],
+                        "lr": self.args.length_head_learning_rate,
+                        "name": "length_head",
+                    },
+                ],
+                betas=(self.args.adam_beta1, self.args.adam_beta2),
+                eps=self.args.adam_epsilon,
+                weight_decay=self.args.weight_decay,
+            )
+        return self.optimizer
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        if not bool(torch.isfinite(loss)):
+            self._nonfinite_in_step = True
+        return loss
+
+    def _clip_grad_norm(self, model):
+        groups = self._groups(model)
+        norms = {}
+        for name, params in groups.items():
+            with_grad = [p for p in params if p.grad is not None]
+            norms[name] = (
+                torch.nn.utils.clip_grad_norm_(with_grad, self.args.max_grad_norm)
+                if with_grad
+                else torch.tensor(0.0)
+            )
+        finite = torch.tensor(
+            float(not self._nonfinite_in_step and all(bool(torch.isfinite(n)) for n in norms.values())),
+            device=self.accelerator.device,
+        )
+        # Every process must take the same decision, or ranks that step would wait forever for ranks that skip.
+        finite = bool(self.accelerator.reduce(finite, reduction="mean") == 1.0)
+        self._nonfinite_in_step = False
+        metrics = self._metrics["train"]
+        if finite:
+            self.nonfinite_streak = 0
+            metrics["head_grad_norm"].append(float(norms["length_head"]))
+            return norms["drafter"]
+        # No gradients: AdamW skips parameters without one, so neither weights nor moments change.
+        for params in groups.values():
+            for param in params:
+                param.grad = None
+        self.skipped_steps += 1
+        self.nonfinite_streak += 1
+        metrics["skipped_steps"].append(float(self.skipped_steps))
+        logger.warning(
+            f"non-finite loss or gradient: optimizer step skipped ({self.nonfinite_streak} in a row, "
+            f"limit {self.args.max_nonfinite_steps})"
+        )
+        if self.nonfinite_streak >= self.args.max_nonfinite_steps:
+            self.diverged = True
+            self.control.should_training_stop = True
+            logger.error(
+                f"training stopped: {self.nonfinite_streak} consecutive non-finite steps "
+                f"(max_nonfinite_steps={self.args.max_nonfinite_steps})"
+            )
+        return norms["drafter"]
+
+    # ------------------------------------------------------------------------------ publishing and checkpoints
+    def publishable_state(self) -> dict[str, torch.Tensor]:
+        return publishable_state(self.accelerator.unwrap_model(self.model))
+
+    def publish_weights(self, directory: str | Path, keep: int = 3) -> int:
+        """Publish the drafter (and head) as the next version, atomically; returns the version."""
+        self.weights_version += 1
+        if self.accelerator.is_main_process:
+            publish_weights(directory, self.publishable_state(), self.weights_version, keep=keep)
+        self.accelerator.wait_for_everyone()
+        return self.weights_version
+
+    def save_opd_checkpoint(self, root: str | Path, loop_state: dict | None = None) -> Path | None:
+        """An atomic checkpoint ``root/checkpoint-v{version}``: drafter tensors, optimizer state, version, loop state."""
+        if not self.accelerator.is_main_process:
+            return None
+        tensors = {n: t.detach().to("cpu").contiguous() for n, t in self.publishable_state().items()}
+        optimizer = self.optimizer.state_dict() if self.optimizer is not None else None
+
+        def write(directory: Path) -> None:
+            save_file(tensors, str(directory / "drafter.safetensors"))
+            if optimizer is not None:
+                torch.save(optimizer, directory / "optimizer.pt")
+
+        state = {
+            "version": self.weights_version,
+            "skipped_steps": self.skipped_steps,
+            "loop": loop_state or {},
+        }
+        return save_checkpoint(root, f"checkpoint-v{self.weights_version:06d}", write, state)
+
+    def load_opd_checkpoint(self, path: str | Path) -> dict:
+        """Restore a checkpoint written by ``save_opd_checkpoint``; returns its loop state. Refuses incomplete ones."""
+        path = Path(path)
+        state = verify_checkpoint(path)
+        if state is None:
+            raise ValueError(
+                f"checkpoint {path}: expected a complete checkpoint (manifest and matching sha256), got none"
+            )
+        _load_state(self.accelerator.unwrap_model(self.model), load_file(str(path / "drafter.safetensors")))
+        if (path / "optimizer.pt").is_file():
+            self.create_optimizer()
+            self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+        self.weights_version = int(state["version"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        logger.info(
+            f"resumed OPD checkpoint {path}: version {self.weights_version}, loop {json.dumps(state['loop'])}"
+        )
+        return state["loop"]
