@@ -1,0 +1,146 @@
+"""The asynchronous online loop: domain schedule, serving that keeps going while the trainer trains, per-round
+metrics, resume from a checkpoint, and the launch script end to end under ``accelerate launch`` on CPU."""
+
+import copy
+import csv
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import WhitespaceSplit
+from transformers import PreTrainedTokenizerFast, TrainerCallback
+
+from adaflash_hf.online.loop import MetricsLogger, TrafficSource, run_online
+from adaflash_hf.serving import AdaFlashEngine, SamplingParams
+from adaflash_hf.trainers.opd_config import OPDConfig
+from adaflash_hf.trainers.opd_trainer import OPDTrainer
+
+
+def tiny_tokenizer(vocab_size=512):
+    backend = Tokenizer(WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    backend.pre_tokenizer = WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="t0", eos_token="t1")
+    tokenizer.chat_template = "{% for m in messages %}t2 {{ m['content'] }} t3 {% endfor %}"
+    return tokenizer
+
+
+def synthetic_traffic(n=6):
+    g = torch.Generator().manual_seed(0)
+    return TrafficSource(
+        [
+            (domain, [torch.randint(4, 500, (8,), generator=g).tolist() for _ in range(n)])
+            for domain in ("chat", "code")
+        ]
+    )
+
+
+def test_traffic_follows_the_domain_schedule_and_starts_over():
+    traffic = TrafficSource([("chat", [[1], [2]]), ("code", [[3]]), ("math", [[4], [5]])])
+    served = [next(traffic) for _ in range(7)]
+    assert [d for d, _ in served] == ["chat", "chat", "code", "math", "math", "chat", "chat"]
+    assert [p for _, p in served][:5] == [[1], [2], [3], [4], [5]]
+
+
+def test_held_out_prompts_come_chat_templated_per_domain():
+    traffic = TrafficSource.from_domains(tiny_tokenizer(), ["math", "code"], 2, max_prompt_tokens=16)
+    assert [d for d, _ in traffic.phases] == ["math", "code"]
+    assert all(len(p) == 2 and all(0 < len(x) <= 16 for x in p) for _, p in traffic.phases)
+
+
+class SlowTraining(TrainerCallback):
+    """Slows every optimizer step and counts the engine steps served while a train() call runs."""
+
+    def __init__(self, engine):
+        self.engine, self.served_during_training = engine, []
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.begin = len(self.engine.stats)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        time.sleep(0.1)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.served_during_training.append(len(self.engine.stats) - self.begin)
+
+
+def _online(target, drafter, tmp_path, max_rounds):
+    args = OPDConfig(
+        output_dir=str(tmp_path / "opd"), use_cpu=True, disable_tqdm=True, train_threshold=3, max_staleness=8
+    )
+    trainer = OPDTrainer(
+        copy.deepcopy(drafter), copy.deepcopy(target), args, processing_class=tiny_tokenizer()
+    )
+    engine = AdaFlashEngine(target, copy.deepcopy(drafter), mode="adaflash")
+    slow = SlowTraining(engine)
+    trainer.add_callback(slow)
+    rows = run_online(
+        trainer,
+        engine,
+        synthetic_traffic(),
+        weights_dir=tmp_path / "weights",
+        checkpoint_dir=tmp_path / "checkpoints",
+        metrics=MetricsLogger(tmp_path / "metrics.csv"),
+        max_rounds=max_rounds,
+        concurrency=3,
+        params=SamplingParams(max_new_tokens=12),
+    )
+    return rows, trainer, engine, slow
+
+
+def test_online_loop_trains_publishes_and_serving_never_waits(target_factory, drafter_factory, tmp_path):
+    target = target_factory("llama")
+    drafter = drafter_factory(target)
+    rows, trainer, engine, slow = _online(target, drafter, tmp_path, max_rounds=2)
+    assert [r["round"] for r in rows] == [1, 2] and [r["version"] for r in rows] == [1, 2]
+    assert all(n > 0 for n in slow.served_during_training)  # engine steps ran during every train() call
+    for key in (
+        "tau",
+        "tau/chat",
+        "acceptance",
+        "verify_len",
+        "tokens_per_s",
+        "loss",
+        "ce",
+        "rkl_raw",
+        "head_mse",
+    ):
+        assert key in rows[0] or key in rows[1], key
+    assert rows[1]["served_version"] >= 1 and rows[1]["buffer/taken"] == 6
+    with open(tmp_path / "metrics.csv") as handle:
+        assert [row["round"] for row in csv.DictReader(handle)] == ["1", "2"]
+    assert json.loads((tmp_path / "weights" / "latest.json").read_text())["version"] == 2
+
+    resumed, trainer, engine, _ = _online(target, drafter, tmp_path, max_rounds=3)
+    assert [r["round"] for r in resumed] == [3] and resumed[0]["version"] == 3
+    # The optimizer was restored: 4 AdamW steps per round (3 samples, accumulation 2, 2 epochs), 3 rounds.
+    steps = {int(s["step"]) for s in trainer.optimizer.state_dict()["state"].values()}
+    assert max(steps) == 12
+
+
+def test_launch_script_runs_two_rounds_end_to_end_under_accelerate(target_factory, tmp_path):
+    target = target_factory("llama")
+    target.save_pretrained(tmp_path / "target")
+    tiny_tokenizer().save_pretrained(tmp_path / "target")
+    root = Path(__file__).resolve().parents[1]
+    command = [
+        sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "1", "--num_machines", "1",
+        "--mixed_precision", "no", "--dynamo_backend", "no", str(root / "trainers" / "opd.py"),
+        "--config", str(root / "examples" / "configs" / "opd_tiny.yaml"),
+        "--target_model", str(tmp_path / "target"), "--output_dir", str(tmp_path / "out"), "--max_rounds", "2",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    with open(tmp_path / "out" / "metrics.csv") as handle:
+        rows = list(csv.DictReader(handle))
+    assert [r["round"] for r in rows] == ["1", "2"] and [r["version"] for r in rows] == ["1", "2"]
+    assert {"tau/math", "tau/code", "tokens_per_s", "loss", "ce", "rkl_clipped", "clip_ratio"} <= set(rows[0])
+    assert json.loads((tmp_path / "out" / "weights" / "latest.json").read_text())["version"] == 2
+    assert (tmp_path / "out" / "checkpoints" / "checkpoint-v000002" / "checkpoint.json").is_file()
+    assert (tmp_path / "out" / "drafter" / "model.safetensors").is_file()
