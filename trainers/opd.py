@@ -27,7 +27,7 @@ from trl import ModelConfig, TrlParser
 from adaflash_hf.assets import load_target
 from adaflash_hf.modeling.modeling_adaflash import LENGTH_HEAD_ATTRIBUTE
 from adaflash_hf.online.loop import MetricsLogger, TrafficSource, run_online
-from adaflash_hf.online.weights import _load_state, publishable_state
+from adaflash_hf.online.weights import load_state, publishable_state
 from adaflash_hf.serving import MODES, AdaFlashEngine, AdmissionConfig, SamplingParams
 from adaflash_hf.trainers.opd_config import OPDConfig
 from adaflash_hf.trainers.opd_trainer import OPDTrainer
@@ -133,7 +133,7 @@ def main(script_args: OPDScriptArguments, training_args: OPDConfig, model_args: 
         peft_config=peft_config,
     )
     if peft_config is not None:
-        _load_state(
+        load_state(
             serving_drafter, publishable_state(trainer.model)
         )  # same random adapter init on both sides
     engine = AdaFlashEngine(

@@ -47,8 +47,8 @@ from adaflash_hf.kernels.clipped_kl import fused_clipped_distill_loss
 from adaflash_hf.modeling.modeling_adaflash import LENGTH_HEAD_ATTRIBUTE
 from adaflash_hf.online.buffer import Trajectory
 from adaflash_hf.online.weights import (
-    _load_state,
     base_drafter,
+    load_state,
     publish_weights,
     publishable_state,
     save_checkpoint,
@@ -380,7 +380,7 @@ class OPDTrainer(DistillationTrainer):
             raise ValueError(
                 f"checkpoint {path}: expected a complete checkpoint (manifest and matching sha256), got none"
             )
-        _load_state(self.accelerator.unwrap_model(self.model), load_file(str(path / "drafter.safetensors")))
+        load_state(self.accelerator.unwrap_model(self.model), load_file(str(path / "drafter.safetensors")))
         if (path / "optimizer.pt").is_file():
             self.create_optimizer()
             self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))

@@ -115,7 +115,8 @@ def publishable_state(model) -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
-def _load_state(model, tensors: dict[str, torch.Tensor]) -> None:
+def load_state(model, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy ``publishable_state``-shaped tensors into ``model`` in place (strictly for a plain drafter)."""
     with torch.no_grad():
         if _is_peft(model):
             from peft import set_peft_model_state_dict
@@ -248,12 +249,12 @@ class HotReloader:
         try:
             tensors = load_payload(self.directory, manifest)
             validate_payload(tensors, live)
-            _load_state(self.model, tensors)
+            load_state(self.model, tensors)
             if self.canary is not None:
                 try:
                     self.canary(self.model)
                 except PayloadError:
-                    _load_state(self.model, previous)
+                    load_state(self.model, previous)
                     raise
         except PayloadError as error:
             return self._reject(error, key=key)
