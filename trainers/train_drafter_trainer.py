@@ -107,6 +107,9 @@ class DrafterTrainer(Trainer):
         target.eval().requires_grad_(False)
         pad = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
         kwargs.setdefault("data_collator", SequenceCollator(pad, args.max_length))
+        if eval_prompts:
+            # Trainer insists on an eval dataset for eval_strategy="steps"; evaluate() reads these prompts directly.
+            kwargs.setdefault("eval_dataset", list(eval_prompts))
         super().__init__(model=model, args=args, processing_class=tokenizer, **kwargs)
         self.target = target.to(self.accelerator.device)
         self.features = TargetFeatures(self.target, model.config.target_layer_ids, args.feature_cache_dir)
