@@ -98,9 +98,6 @@ class DrafterTrainingConfig(TrainingArguments):
     save_steps: float = field(default=100, metadata={"help": "Checkpoint every N steps."})
     save_total_limit: int | None = field(default=3, metadata={"help": "Checkpoints kept."})
     eval_strategy: str = field(default="no", metadata={"help": "'steps' to evaluate tau every eval_steps."})
-    report_to: str | list[str] = field(
-        default="none", metadata={"help": "Trackers (tensorboard, wandb, ...)."}
-    )
     remove_unused_columns: bool = field(default=False, metadata={"help": "Keep the collator's columns."})
     dataloader_num_workers: int = field(default=0, metadata={"help": "Dataloader workers."})
     bf16: bool = field(default=False, metadata={"help": "bf16 mixed precision (GPU)."})
