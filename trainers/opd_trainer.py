@@ -44,7 +44,6 @@ from transformers.utils import logging
 from trl import DistillationTrainer
 
 from adaflash_hf.kernels.clipped_kl import fused_clipped_distill_loss
-from adaflash_hf.modeling.modeling_adaflash import LENGTH_HEAD_ATTRIBUTE
 from adaflash_hf.online.buffer import Trajectory
 from adaflash_hf.online.weights import (
     base_drafter,
@@ -55,6 +54,7 @@ from adaflash_hf.online.weights import (
     verify_checkpoint,
 )
 from adaflash_hf.trainers.dflash_recipe import IGNORE, build_blocks
+from adaflash_hf.trainers.optim import clip_each_group, split_drafter_and_head, two_group_adamw
 
 logger = logging.get_logger(__name__)
 
@@ -265,32 +265,13 @@ class OPDTrainer(DistillationTrainer):
 
     # ------------------------------------------------------------------------------------- optimiser and the guard
     def _groups(self, model=None) -> dict[str, list[torch.nn.Parameter]]:
-        unwrapped = self.accelerator.unwrap_model(model if model is not None else self.model)
-        head_prefix = LENGTH_HEAD_ATTRIBUTE[base_drafter(unwrapped).config.length_head_variant] + "."
-        groups = {"drafter": [], "length_head": []}
-        for name, param in unwrapped.named_parameters():
-            if param.requires_grad:
-                # Under PEFT the head's names gain a "base_model.model." prefix and a modules_to_save level.
-                is_head = name.startswith(head_prefix) or f".{head_prefix}" in name
-                groups["length_head" if is_head else "drafter"].append(param)
-        return groups
+        return split_drafter_and_head(
+            self.accelerator.unwrap_model(model if model is not None else self.model)
+        )
 
     def create_optimizer(self, model=None):
         if self.optimizer is None:
-            groups = self._groups(model)
-            self.optimizer = torch.optim.AdamW(
-                [
-                    {"params": groups["drafter"], "lr": self.args.learning_rate, "name": "drafter"},
-                    {
-                        "params": groups["length_head"],
-                        "lr": self.args.length_head_learning_rate,
-                        "name": "length_head",
-                    },
-                ],
-                betas=(self.args.adam_beta1, self.args.adam_beta2),
-                eps=self.args.adam_epsilon,
-                weight_decay=self.args.weight_decay,
-            )
+            self.optimizer = two_group_adamw(self._groups(model), self.args)
         return self.optimizer
 
     def training_step(self, model, inputs, num_items_in_batch=None):
@@ -301,14 +282,7 @@ class OPDTrainer(DistillationTrainer):
 
     def _clip_grad_norm(self, model):
         groups = self._groups(model)
-        norms = {}
-        for name, params in groups.items():
-            with_grad = [p for p in params if p.grad is not None]
-            norms[name] = (
-                torch.nn.utils.clip_grad_norm_(with_grad, self.args.max_grad_norm)
-                if with_grad
-                else torch.tensor(0.0)
-            )
+        norms = clip_each_group(groups, self.args.max_grad_norm)
         finite = torch.tensor(
             float(not self._nonfinite_in_step and all(bool(torch.isfinite(n)) for n in norms.values())),
             device=self.accelerator.device,

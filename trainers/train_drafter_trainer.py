@@ -21,6 +21,7 @@ from transformers.utils import logging
 
 from adaflash_hf.modeling import AdaFlashDrafter
 from adaflash_hf.trainers.dflash_recipe import block_ce_and_head_loss, build_blocks, sample_anchors
+from adaflash_hf.trainers.optim import clip_each_group, split_drafter_and_head, two_group_adamw
 
 logger = logging.get_logger(__name__)
 
@@ -152,37 +153,15 @@ class DrafterTrainer(Trainer):
     # ------------------------------------------------------------------------------------------------ optimiser
     def create_optimizer(self, model=None):
         if self.optimizer is None:
-            drafter = self.accelerator.unwrap_model(self.model)
-            head_names = set(drafter.length_head_parameter_names())
-            groups = {"drafter": [], "head": []}
-            for name, param in drafter.named_parameters():
-                if param.requires_grad:
-                    groups["head" if name in head_names else "drafter"].append(param)
-            self.optimizer = torch.optim.AdamW(
-                [
-                    {"params": groups["drafter"], "lr": self.args.learning_rate, "name": "drafter"},
-                    {
-                        "params": groups["head"],
-                        "lr": self.args.length_head_learning_rate,
-                        "name": "length_head",
-                    },
-                ],
-                betas=(self.args.adam_beta1, self.args.adam_beta2),
-                eps=self.args.adam_epsilon,
-                weight_decay=self.args.weight_decay,
-            )
+            groups = split_drafter_and_head(self.accelerator.unwrap_model(self.model))
+            self.optimizer = two_group_adamw(groups, self.args)
         return self.optimizer
 
     def _clip_grad_norm(self, model):
-        drafter = self.accelerator.unwrap_model(model)
-        head_names = set(drafter.length_head_parameter_names())
-        params = dict(drafter.named_parameters())
-        head = [p for n, p in params.items() if n in head_names and p.grad is not None]
-        body = [p for n, p in params.items() if n not in head_names and p.grad is not None]
-        if head:
-            head_norm = torch.nn.utils.clip_grad_norm_(head, self.args.max_grad_norm)
-            self._metrics["head_grad_norm"].append(float(head_norm))
-        return torch.nn.utils.clip_grad_norm_(body, self.args.max_grad_norm)
+        groups = split_drafter_and_head(self.accelerator.unwrap_model(model))
+        norms = clip_each_group(groups, self.args.max_grad_norm)
+        self._metrics["head_grad_norm"].append(float(norms["length_head"]))
+        return norms["drafter"]
 
     # ------------------------------------------------------------------------------------------------ eval, log
     @torch.no_grad()
