@@ -42,7 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    print(f"adaflash-hf {adaflash_hf.__version__}: loading SmolLM2-135M-Instruct (offline GGUF) and {args.drafter}")
+    print(
+        f"adaflash-hf {adaflash_hf.__version__}: loading SmolLM2-135M-Instruct (offline GGUF) and {args.drafter}"
+    )
     target, tokenizer = load_target()
     drafter = adaflash_hf.AdaFlashDrafter.from_pretrained(args.drafter, dtype=target.dtype).eval()
     drafter.check_target(target)
@@ -53,7 +55,9 @@ def main(argv: list[str] | None = None) -> int:
         for row in load_domain(domain, "heldout", n=args.prompts_per_domain, seed=0):
             prompt_ids = chat_prompt_ids(tokenizer, row["prompt"])
             plain, plain_seconds = timed_generate(target, prompt_ids, args.max_new_tokens)
-            fast, fast_seconds = timed_generate(target, prompt_ids, args.max_new_tokens, assistant_model=drafter)
+            fast, fast_seconds = timed_generate(
+                target, prompt_ids, args.max_new_tokens, assistant_model=drafter
+            )
             stats = drafter.last_stats
             equal = torch.equal(plain, fast)
             all_equal &= equal

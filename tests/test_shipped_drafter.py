@@ -25,7 +25,9 @@ def test_shipped_drafter_is_small_safetensors_with_a_model_card():
     assert card.data.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert {"adaflash", "dflash", "speculative-decoding"} <= set(card.data.tags)
     assert "accelerate launch trainers/train_drafter.py" in card.text
-    assert (REPO / "model_cards" / "smollm2-135m-adaflash.md").read_text() == (SHIPPED / "README.md").read_text()
+    assert (REPO / "model_cards" / "smollm2-135m-adaflash.md").read_text() == (
+        SHIPPED / "README.md"
+    ).read_text()
 
 
 def test_shipped_drafter_fits_smollm2_and_generates_losslessly():
@@ -36,7 +38,9 @@ def test_shipped_drafter_fits_smollm2_and_generates_losslessly():
     plain = target.generate(prompt, max_new_tokens=48, do_sample=False)
     fast = target.generate(prompt, assistant_model=drafter, max_new_tokens=48, do_sample=False)
     assert torch.equal(plain, fast)
-    assert drafter.last_stats.tau > 1.2  # 1.28 measured (greedy, deterministic); an untrained drafter gives 1.0
+    assert (
+        drafter.last_stats.tau > 1.2
+    )  # 1.28 measured (greedy, deterministic); an untrained drafter gives 1.0
 
 
 def test_demo_runs_and_checks_against_plain_greedy(capsys):
