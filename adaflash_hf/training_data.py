@@ -16,13 +16,9 @@ import torch
 from tqdm.auto import tqdm
 from transformers.utils import logging
 
+from adaflash_hf.assets import chat_prompt_ids
+
 logger = logging.get_logger(__name__)
-
-
-def _encode_prompt(tokenizer, prompt: str) -> list[int]:
-    messages = [{"role": "user", "content": prompt}]
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def read_sequences(path: str | Path) -> list[dict]:
@@ -58,7 +54,7 @@ def build_sequences(
     for row in rows:
         if row["id"] in done:
             continue
-        prompt_ids = _encode_prompt(tokenizer, row["prompt"])
+        prompt_ids = chat_prompt_ids(tokenizer, row["prompt"])[0].tolist()
         if len(prompt_ids) > max_prompt_tokens:
             continue
         todo.append((row, prompt_ids))
