@@ -37,7 +37,6 @@ class AdaFlashStats:
     verify_lengths: list[int] = field(default_factory=list)
     accepted_lengths: list[int] = field(default_factory=list)
     predicted_acceptance: list[float] = field(default_factory=list)
-    realised_acceptance: list[float] = field(default_factory=list)
     drafter_seconds: float = 0.0
     verify_seconds: float = 0.0
 
@@ -57,12 +56,16 @@ class AdaFlashStats:
         self.verify_lengths.append(draft_length)
         self.accepted_lengths.append(accepted)
         self.predicted_acceptance.append(predicted)
-        self.realised_acceptance.append(accepted / (self.block_size - 1))
 
     @property
     def tau(self) -> float:
         """Committed tokens per target forward over drafting rounds (accepted + 1 bonus); 0 before any round."""
         return self.committed_tokens / self.drafting_rounds if self.drafting_rounds else 0.0
+
+    @property
+    def realised_acceptance(self) -> list[float]:
+        """Accepted fraction of each round's block (accepted / (block_size - 1)), the length head's target."""
+        return [accepted / (self.block_size - 1) for accepted in self.accepted_lengths]
 
     @property
     def mean_verify_length(self) -> float:
@@ -85,6 +88,7 @@ class AdaFlashStats:
             tau=self.tau,
             mean_verify_length=self.mean_verify_length,
             acceptance_rate=self.acceptance_rate,
+            realised_acceptance=self.realised_acceptance,
             acceptance_per_position=self.acceptance_per_position,
         )
         return out
