@@ -12,7 +12,6 @@ The final drafter is saved to ``output_dir`` (safetensors + remote code).
 
 from __future__ import annotations
 
-import itertools
 from pathlib import Path
 
 import datasets
@@ -58,11 +57,12 @@ def build_drafter(args: DrafterTrainingConfig, target) -> AdaFlashDrafter:
 
 
 def training_rows(args: DrafterTrainingConfig) -> list[dict]:
-    parts = [
-        list(load_domain(domain, "train", n=args.samples_per_domain, seed=args.seed))
+    # build_sequences takes batches from each domain in turn itself, so plain concatenation is enough here.
+    return [
+        row
         for domain in args.domains
+        for row in load_domain(domain, "train", n=args.samples_per_domain, seed=args.seed)
     ]
-    return [row for group in itertools.zip_longest(*parts) for row in group if row is not None]
 
 
 def main(args: DrafterTrainingConfig) -> AdaFlashDrafter:
