@@ -3,7 +3,7 @@
     adaflash export --format dflash PATH OUT    drafter -> z-lab DFlash layout for SGLang/vLLM (+ length-head sidecar)
     adaflash import PATH OUT                    z-lab DFlash / official AdaFlash / Muse-Glimmer / exported -> ours
     adaflash publish PATH REPO_ID               upload with a model card in one commit (``--dry-run`` to preview)
-    adaflash bench {kernels,generate,serve} ... run ``adaflash_hf.bench.<name>:main`` with the remaining arguments
+    adaflash bench {kernels,generate,serve,opd} ... run ``adaflash_hf.bench.<name>:main`` with the remaining arguments
     adaflash train ... / adaflash opd ...       ``accelerate launch`` the trainer scripts shipped in adaflash_hf.trainers
 
 Subcommands backed by modules or scripts missing from this installation are listed as "not available in this version"
@@ -37,6 +37,7 @@ BENCH_MODULES = {
         "τ and speed-up of AdaFlash vs baselines with target.generate",
     ),
     "serve": ("adaflash_hf.bench.serve", "throughput of the batched serving engine under concurrency"),
+    "opd": ("adaflash_hf.bench.opd", "online distillation experiment: τ per domain over OPD rounds per loss"),
 }
 TRAINER_SCRIPTS = {
     "train": ("train_drafter.py", "train a drafter from scratch for a causal LM (accelerate launch)"),

@@ -81,6 +81,19 @@ class OPDScriptArguments:
     resume: bool = field(
         default=True, metadata={"help": "Resume from the newest complete checkpoint, if any."}
     )
+    online_updates: bool = field(
+        default=True,
+        metadata={
+            "help": "False: the no-update baseline (serve and log the same rounds, train and publish nothing)."
+        },
+    )
+    serving_backpressure: bool = field(
+        default=False,
+        metadata={
+            "help": "Stop admitting new traffic while a full buffer waits for the trainer, so every served request "
+            "is trained on (comparable experiments); off = serve at full speed, the buffer drops its oldest."
+        },
+    )
 
 
 def lora_config(model_args: ModelConfig, drafter):
@@ -166,6 +179,8 @@ def main(script_args: OPDScriptArguments, training_args: OPDConfig, model_args: 
         params=params,
         checkpoint_every=script_args.checkpoint_every,
         resume=script_args.resume,
+        train=script_args.online_updates,
+        backpressure=script_args.serving_backpressure,
     )
     trainer.accelerator.unwrap_model(trainer.model).save_pretrained(output_dir / "drafter")
     return rows

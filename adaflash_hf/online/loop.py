@@ -161,12 +161,14 @@ class ServingWorker(threading.Thread):
         reloader: HotReloader,
         concurrency: int,
         params: SamplingParams,
+        backpressure: bool = False,
     ):
         super().__init__(name="adaflash-serving", daemon=True)
         if concurrency < 1:
             raise ValueError(f"concurrency: expected >= 1, got {concurrency}")
         self.engine, self.traffic, self.reloader = engine, traffic, reloader
         self.concurrency, self.params = concurrency, params
+        self.buffer, self.backpressure = buffer, backpressure
         self.recorder = EngineRecorder(buffer)
         engine.round_recorder = self.recorder
         self.metrics = ServingMetrics()
@@ -178,15 +180,22 @@ class ServingWorker(threading.Thread):
     def stop(self) -> None:
         self._stop_requested.set()
 
+    def _admitting(self) -> bool:
+        """New traffic is admitted unless ``backpressure`` is on and a full buffer waits for the trainer."""
+        return not (self.backpressure and len(self.buffer) >= self.buffer.train_threshold)
+
     def run(self) -> None:
         engine = self.engine
         try:
             while not self._stop_requested.is_set():
                 self.reloader.poll()  # between steps: no request ever sees weights change inside a step
-                while len(engine.running) + len(engine.waiting) < self.concurrency:
+                while self._admitting() and len(engine.running) + len(engine.waiting) < self.concurrency:
                     domain, prompt = next(self.traffic)
                     request_id = engine.add_request(prompt, self.params)
                     self.recorder.domains[request_id] = domain
+                if not engine.running and not engine.waiting:
+                    time.sleep(0.02)  # paused by backpressure with nothing in flight
+                    continue
                 seen = len(engine.stats)
                 engine.step()
                 for stats in engine.stats[seen:]:
@@ -271,11 +280,17 @@ def run_online(
     params: SamplingParams | None = None,
     checkpoint_every: int = 1,
     resume: bool = True,
+    train: bool = True,
+    backpressure: bool = False,
 ) -> list[dict]:
     """Serve, learn and hot-reload for ``max_rounds`` training rounds (see the module docstring); returns the rows.
 
     With ``resume`` the newest complete checkpoint in ``checkpoint_dir`` restores the drafter, optimizer, version and
-    round counter, and its weights are republished so serving starts on them.
+    round counter, and its weights are republished so serving starts on them. ``train=False`` is the no-update
+    baseline: every round still drains one buffer and logs its serving metrics, but nothing is trained or published.
+    ``backpressure=True`` stops admitting new traffic while a full buffer waits for the trainer (requests in flight
+    finish), so every served request is trained on and runs are comparable prompt for prompt; the default keeps
+    serving at full speed and lets the buffer drop its oldest samples.
     """
     from adaflash_hf.trainers.opd_trainer import TrajectoryDataset
 
@@ -287,7 +302,9 @@ def run_online(
     if checkpoint is not None:
         start = int(trainer.load_opd_checkpoint(checkpoint).get("round", 0))
         publish_weights(weights_dir, trainer.publishable_state(), trainer.weights_version)
-    worker = ServingWorker(engine, traffic, buffer, reloader, concurrency, params or SamplingParams())
+    worker = ServingWorker(
+        engine, traffic, buffer, reloader, concurrency, params or SamplingParams(), backpressure=backpressure
+    )
     worker.start()
     rows = []
     try:
@@ -295,11 +312,23 @@ def run_online(
             batch = buffer.take(trainer.weights_version, stop=worker.done)
             if batch is None:
                 break
+            row = {"round": round_index + 1}
+            if not train:
+                row.update(
+                    version=trainer.weights_version,
+                    served_version=reloader.version,
+                    **worker.metrics.snapshot(),
+                    **{f"buffer/{k}": v for k, v in buffer.stats().items()},
+                    domain=traffic.domain,
+                )
+                metrics.log(row, step=round_index + 1)
+                rows.append(row)
+                logger.info(f"round {row['round']} (no updates): tau {row['tau']:.2f}")
+                continue
             trainer.train_dataset = TrajectoryDataset(batch)
             started = time.perf_counter()
             trainer.train()
             train_seconds = time.perf_counter() - started
-            row = {"round": round_index + 1}
             if trainer.diverged:
                 logger.error(f"round {round_index + 1}: training diverged; nothing published, stopping")
                 metrics.log({**row, "diverged": 1, **worker.metrics.snapshot()}, step=round_index + 1)

@@ -1,0 +1,500 @@
+"""The online-distillation experiment: τ per domain over OPD rounds for four loss variants, from one offline drafter.
+
+    adaflash bench opd [--config examples/configs/opd_experiment.yaml] [--variants none ce rkl adaflash]
+                       [--eval-prompts-per-domain 16] [--output-dir runs/bench_opd] [--skip-training]
+
+1. **Online runs.** Per variant, ``accelerate launch --cpu --num_processes 1 trainers/opd.py --config CONFIG
+   --output_dir OUT/VARIANT FLAGS`` with the variant's flags (``VARIANTS``): no online updates (the offline DFlash-style
+   drafter as shipped), CE only (α=1, OSD-style hard distillation), reverse KL unclipped (α=0, δ=1e6) and AdaFlash
+   (α=0.8, δ=0.01, the config's defaults). All serve the same traffic (the config's domains, greedy, with
+   backpressure, so buffer r holds the same requests in every run). A variant whose ``metrics.csv`` already has
+   ``max_rounds`` rows is not rerun (delete its folder to rerun it).
+2. **Evaluation.** The starting drafter (round 0) and each variant's checkpoint after every round serve a fixed
+   evaluation set in the engine's adaflash mode, greedy: ``--eval-prompts-per-domain`` held-out prompts of every domain
+   in ``DOMAINS``, taken from the *end* of the same held-out shuffle whose *start* feeds the traffic, so no evaluation
+   prompt is ever trained on (checked). Every round's whole draft (all ``block_size - 1`` proposals) is recorded, so
+   besides τ (committed tokens per verify with the length head's truncation) the evaluation reports what the full
+   draft would have achieved: per-position acceptance (the share of rounds whose first j proposals all equal the
+   target's greedy tokens) and τ_full = 1 + the mean accepted length of the full draft. Under greedy decoding every
+   evaluation's outputs must equal the round-0 outputs token for token (lossless serving); a mismatch is an error.
+   Results are cached per (variant, round) in ``OUT/eval`` and reused when the settings match.
+3. **Outputs** in ``OUT``: ``results.json``, ``table.md``, ``tau_vs_rounds.png`` (evaluation τ per domain and the live
+   traffic τ, per variant over rounds) and ``acceptance_per_position.png`` (round 0 against each variant's last round).
+
+Goals (issue 7): on the traffic domain (the offline drafter's weakest), AdaFlash raises evaluation τ by >= 25% within
+5 buffers, lowers no other domain's τ by more than 5%, and ends ahead of the CE-only (OSD-style) loss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import hashlib
+import json
+import logging as std_logging
+import os
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import yaml
+from transformers.utils import logging
+
+from adaflash_hf.serving import AdaFlashEngine, AdmissionConfig, SamplingParams
+
+logger = logging.get_logger(__name__)
+
+ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_CONFIG = ROOT / "examples" / "configs" / "opd_experiment.yaml"
+DOMAINS = ("chat", "code", "math")
+VARIANTS = {
+    "none": ("no online updates (offline drafter)", ["--online_updates", "false"]),
+    "ce": ("CE only, α=1 (OSD-style)", ["--alpha", "1.0"]),
+    "rkl": ("reverse KL unclipped, α=0", ["--alpha", "0.0", "--delta", "1e6"]),
+    "adaflash": ("AdaFlash: 0.8·CE + 0.2·clipped RKL (δ=0.01)", []),
+}
+COLORS = {"none": "tab:gray", "ce": "tab:blue", "rkl": "tab:orange", "adaflash": "tab:green"}
+
+
+# ---------------------------------------------------------------------------------------------- prompts
+def eval_prompts(
+    tokenizer, config: dict, per_domain: int, domains: tuple[str, ...] = DOMAINS
+) -> dict[str, list[list[int]]]:
+    """``per_domain`` held-out prompts per domain from the end of the shuffle whose start is the traffic.
+
+    The traffic (``TrafficSource.from_domains``) serves the first ``prompts_per_domain`` rows of
+    ``load_domain(domain, "heldout", seed=seed)``'s shuffle; these are the last ``per_domain`` distinct texts, skipping
+    any text also served (the held-out sets hold a few duplicate texts). Raises if a traffic domain is too small for
+    the two to be disjoint.
+    """
+    from adaflash_hf.assets import chat_prompt_ids
+    from adaflash_hf.data import load_domain
+
+    seed, cut = int(config.get("seed", 0)), int(config["max_prompt_tokens"])
+    served = int(config["prompts_per_domain"])
+    prompts = {}
+    for domain in domains:
+        split = load_domain(domain, "heldout")
+        if per_domain < 1 or per_domain > len(split):
+            raise ValueError(
+                f"eval_prompts_per_domain: expected 1..{len(split)} for {domain}, got {per_domain}"
+            )
+        if domain in config["domains"] and served + per_domain > len(split):
+            raise ValueError(
+                f"eval_prompts_per_domain: expected at most {len(split) - served} for traffic domain {domain} "
+                f"({len(split)} held-out prompts, {served} served), got {per_domain}"
+            )
+        shuffled = split.shuffle(seed=seed)["prompt"]
+        served_texts = set(shuffled[:served]) if domain in config["domains"] else set()
+        chosen: list[str] = []
+        for text in reversed(
+            shuffled
+        ):  # from the end; a text also among the served ones (a duplicate) is skipped
+            if len(chosen) == per_domain:
+                break
+            if text not in served_texts and text not in chosen:
+                chosen.append(text)
+        if len(chosen) < per_domain:
+            raise ValueError(
+                f"eval_prompts_per_domain: expected at most {len(chosen)} for {domain} (distinct texts not served), "
+                f"got {per_domain}"
+            )
+        prompts[domain] = [chat_prompt_ids(tokenizer, text)[0, -cut:].tolist() for text in chosen]
+    return prompts
+
+
+# ---------------------------------------------------------------------------------------------- evaluation
+def leading_matches(drafted: list[int], sequence: list[int], anchor: int) -> int:
+    """How many of ``drafted`` (proposals for positions anchor+1, anchor+2, ...) equal ``sequence`` there, in a row."""
+    count = 0
+    for offset, token in enumerate(drafted, start=1):
+        if anchor + offset >= len(sequence) or sequence[anchor + offset] != token:
+            break
+        count += 1
+    return count
+
+
+def evaluate_drafter(
+    engine: AdaFlashEngine, prompts: dict[str, list[list[int]]], max_new_tokens: int
+) -> tuple[dict[str, dict], dict[str, list[list[int]]]]:
+    """Serve ``prompts`` greedily on ``engine``; per domain τ, τ_full and per-position acceptance, and the outputs.
+
+    τ_full and the per-position curve use only rounds whose whole draft lies inside the final sequence. Each round's
+    accepted count must equal min(leading matches, verified length): the greedy verification rule, rechecked here.
+    """
+    block = engine.drafter.config.block_size
+    rounds = defaultdict(list)
+    previous, engine.round_recorder = (
+        engine.round_recorder,
+        lambda request, record: rounds[request.request_id].append(record),
+    )
+    params = SamplingParams(max_new_tokens=max_new_tokens)
+    try:
+        ids = {domain: [engine.add_request(p, params) for p in ps] for domain, ps in prompts.items()}
+        for _ in engine.stream():
+            pass
+    finally:
+        engine.round_recorder = previous
+    summary, outputs = {}, {}
+    for domain, request_ids in ids.items():
+        verifies = accepted = drafted = full_rounds = full_accepted = 0
+        reached = [0] * (block - 1)
+        outputs[domain] = []
+        for request_id in request_ids:
+            request = engine.requests[request_id]
+            sequence = list(request.prompt) + list(request.output)
+            outputs[domain].append(list(request.output))
+            for record in rounds[request_id]:
+                lead = leading_matches(record.drafted_tokens, sequence, record.context_length)
+                if min(lead, record.draft_length) != record.accepted and (
+                    record.context_length + record.draft_length < len(sequence) - 1
+                ):
+                    raise RuntimeError(
+                        f"request {request_id}: accepted {record.accepted} drafts, but {lead} leading proposals "
+                        f"match the output and {record.draft_length} were verified"
+                    )
+                verifies += 1
+                accepted += record.accepted
+                drafted += record.draft_length
+                if record.context_length + block - 1 < len(sequence):
+                    full_rounds += 1
+                    full_accepted += lead
+                    for j in range(lead):
+                        reached[j] += 1
+        summary[domain] = {
+            "tau": (accepted + verifies) / verifies if verifies else 0.0,
+            "tau_full": 1.0 + full_accepted / full_rounds if full_rounds else 0.0,
+            "acceptance_rate": accepted / drafted if drafted else 0.0,
+            "mean_verify_length": drafted / verifies if verifies else 0.0,
+            "per_position": [r / full_rounds if full_rounds else 0.0 for r in reached],
+            "verifies": verifies,
+            "full_rounds": full_rounds,
+        }
+    return summary, outputs
+
+
+def _digest(outputs: dict[str, list[list[int]]]) -> str:
+    return hashlib.sha256(json.dumps(outputs, sort_keys=True).encode()).hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------- runs
+def run_variant(config_path: Path, config: dict, variant: str, output_dir: Path) -> Path:
+    """Launch one online run unless its metrics already cover ``max_rounds``; returns its folder."""
+    run_dir = output_dir / variant
+    done = len(read_metrics(run_dir)) >= int(config["max_rounds"])
+    if done:
+        logger.info(f"{variant}: {run_dir}/metrics.csv already has {config['max_rounds']} rounds, not rerun")
+        return run_dir
+    from adaflash_hf.cli import launch_command, trainer_script
+
+    launcher = argparse.Namespace(accelerate_config=None, num_processes=1)
+    command = launch_command(
+        trainer_script("opd.py"),
+        launcher,
+        [
+            "--config",
+            str(config_path),
+            "--output_dir",
+            str(run_dir),
+            "--resume",
+            "false",
+            *VARIANTS[variant][1],
+        ],
+    )
+    command[3:3] = ["--cpu", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    output_dir.mkdir(parents=True, exist_ok=True)
+    logger.info(f"{variant}: {' '.join(command)} (log: {output_dir / f'{variant}.log'})")
+    started = time.perf_counter()
+    with open(output_dir / f"{variant}.log", "w") as log:
+        result = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, check=False)
+    if result.returncode != 0:
+        raise RuntimeError(f"{variant}: the online run failed (exit {result.returncode}); see its log")
+    logger.info(f"{variant}: done in {time.perf_counter() - started:.0f} s")
+    return run_dir
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.csv"
+    if not path.is_file():
+        return []
+    with open(path, newline="") as handle:
+        return [{k: _number(v) for k, v in row.items()} for row in csv.DictReader(handle)]
+
+
+def _number(value: str):
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return value
+
+
+def checkpoints_by_round(run_dir: Path) -> dict[int, Path]:
+    """Complete checkpoints of a run, keyed by the round after which each was written."""
+    from adaflash_hf.online.weights import verify_checkpoint
+
+    found = {}
+    for path in sorted((run_dir / "checkpoints").glob("checkpoint-*")):
+        state = verify_checkpoint(path)
+        if state is not None:
+            found[int(state["loop"]["round"])] = path
+    return found
+
+
+# ---------------------------------------------------------------------------------------------- report
+def goals(evaluation: dict, traffic_domain: str, buffers: int = 5) -> dict:
+    """The issue's three goals on the evaluation τ (see the module docstring)."""
+    start = evaluation["none"][0] if "none" in evaluation else evaluation["adaflash"][0]
+    out = {"traffic_domain": traffic_domain}
+    out["traffic_domain_is_weakest"] = min(start, key=lambda d: start[d]["tau"]) == traffic_domain
+    if "adaflash" not in evaluation:
+        return out
+    ada = evaluation["adaflash"]
+    rounds = sorted(r for r in ada if 0 < r <= buffers)
+    if not rounds:
+        return out
+    last = rounds[-1]
+    base = start[traffic_domain]["tau"]
+    gains = {r: ada[r][traffic_domain]["tau"] / base - 1.0 for r in rounds}
+    out["adaflash_gain"] = gains[last]
+    out["adaflash_best_gain"] = max(gains.values())
+    out["gain_25pct_within_buffers"] = max(gains.values()) >= 0.25
+    others = {d: ada[last][d]["tau"] / start[d]["tau"] - 1.0 for d in start if d != traffic_domain}
+    out["other_domain_change"] = others
+    out["others_within_5pct"] = all(change >= -0.05 for change in others.values())
+    if "ce" in evaluation and last in evaluation["ce"]:
+        out["ce_final_tau"] = evaluation["ce"][last][traffic_domain]["tau"]
+        out["adaflash_final_tau"] = ada[last][traffic_domain]["tau"]
+        out["ahead_of_ce"] = out["adaflash_final_tau"] > out["ce_final_tau"]
+    return out
+
+
+def markdown_table(results: dict) -> str:
+    evaluation, domains = results["evaluation"], results["settings"]["domains"]
+    lines = [
+        "| variant | round | samples trained | "
+        + " | ".join(f"{d} τ (τ full)" for d in domains)
+        + " | live traffic τ |",
+        "|---|---:|---:|" + "---:|" * len(domains) + "---:|",
+    ]
+    threshold = results["settings"]["train_threshold"]
+    for variant in results["settings"]["variants"]:
+        live = {int(r["round"]): r.get("tau") for r in results["live"].get(variant, [])}
+        for rnd in sorted(evaluation[variant]):
+            cells = [
+                f"{evaluation[variant][rnd][d]['tau']:.3f} ({evaluation[variant][rnd][d]['tau_full']:.3f})"
+                for d in domains
+            ]
+            trained = 0 if variant == "none" else rnd * threshold
+            traffic = f"{live[rnd]:.3f}" if isinstance(live.get(rnd), float) else "-"
+            lines.append(f"| {variant} | {rnd} | {trained} | " + " | ".join(cells) + f" | {traffic} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_tau(results: dict, path: Path) -> None:
+    from matplotlib.figure import Figure
+
+    evaluation, domains = results["evaluation"], results["settings"]["domains"]
+    traffic = results["goals"]["traffic_domain"]
+    figure = Figure(figsize=(4 * (len(domains) + 1), 3.6))
+    axes = figure.subplots(1, len(domains) + 1, sharey=False)
+    for ax, domain in zip(axes, domains):
+        for variant in results["settings"]["variants"]:
+            rounds = sorted(evaluation[variant])
+            ax.plot(
+                rounds,
+                [evaluation[variant][r][domain]["tau"] for r in rounds],
+                marker="o",
+                color=COLORS.get(variant),
+                label=variant,
+            )
+        ax.set_title(f"eval τ: {domain}" + (" (traffic)" if domain == traffic else ""))
+        ax.set_xlabel("OPD round (buffers trained)")
+    axes[0].set_ylabel("τ (committed tokens per verify)")
+    live_ax = axes[-1]
+    for variant in results["settings"]["variants"]:
+        rows = results["live"].get(variant, [])
+        live_ax.plot(
+            [r["round"] for r in rows],
+            [r.get("tau") for r in rows],
+            marker=".",
+            color=COLORS.get(variant),
+            label=variant,
+        )
+    live_ax.set_title(f"live traffic τ ({traffic})")
+    live_ax.set_xlabel("OPD round")
+    live_ax.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+def plot_per_position(results: dict, path: Path) -> None:
+    from matplotlib.figure import Figure
+
+    evaluation, domains = results["evaluation"], results["settings"]["domains"]
+    figure = Figure(figsize=(4 * len(domains), 3.6))
+    axes = figure.subplots(1, len(domains), sharey=True)
+    start = evaluation["none"][0] if "none" in evaluation else next(iter(evaluation.values()))[0]
+    for ax, domain in zip(axes, domains):
+        curve = start[domain]["per_position"]
+        ax.plot(range(1, len(curve) + 1), curve, "k--", label="before (round 0)")
+        for variant in results["settings"]["variants"]:
+            if variant == "none":
+                continue
+            last = max(evaluation[variant])
+            curve = evaluation[variant][last][domain]["per_position"]
+            ax.plot(
+                range(1, len(curve) + 1),
+                curve,
+                marker=".",
+                color=COLORS.get(variant),
+                label=f"{variant} after round {last}",
+            )
+        ax.set_yscale("log")
+        ax.set_title(f"per-position acceptance: {domain}")
+        ax.set_xlabel("draft position j")
+    axes[0].set_ylabel("P(first j proposals accepted)")
+    axes[0].legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="adaflash bench opd",
+        description="Online distillation experiment: τ per domain over OPD rounds for four loss variants.",
+    )
+    parser.add_argument(
+        "--config", type=Path, default=DEFAULT_CONFIG, help=f"OPD YAML (default {DEFAULT_CONFIG})"
+    )
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        default=list(VARIANTS),
+        choices=list(VARIANTS),
+        help="; ".join(f"{k}: {v[0]}" for k, v in VARIANTS.items()),
+    )
+    parser.add_argument(
+        "--eval-prompts-per-domain", type=int, default=16, help="evaluation prompts per domain (default 16)"
+    )
+    parser.add_argument(
+        "--eval-max-new-tokens", type=int, help="tokens per evaluation request (default: the config's)"
+    )
+    parser.add_argument("--threads", type=int, default=2, help="torch threads for the evaluation (default 2)")
+    parser.add_argument("--output-dir", type=Path, default=Path("runs/bench_opd"), help="where outputs go")
+    parser.add_argument(
+        "--skip-training", action="store_true", help="evaluate existing runs only; launch nothing"
+    )
+    return parser
+
+
+def _evaluate_all(args, config, run_dirs, target, tokenizer) -> dict:
+    from safetensors.torch import load_file
+
+    from adaflash_hf import AdaFlashDrafter
+    from adaflash_hf.online.weights import load_state
+
+    prompts = eval_prompts(tokenizer, config, args.eval_prompts_per_domain)
+    max_new = args.eval_max_new_tokens or int(config["max_new_tokens"])
+    concurrency = int(config["concurrency"])
+    settings = {"prompts": _digest(prompts), "max_new_tokens": max_new, "concurrency": concurrency}
+    base = AdaFlashDrafter.from_pretrained(config["drafter_init"], dtype=target.dtype).eval()
+    longest = max(len(p) for ps in prompts.values() for p in ps)
+    admission = AdmissionConfig(
+        max_running=concurrency, token_budget=concurrency * base.config.block_size + longest
+    )
+    initial = {n: t.clone() for n, t in base.state_dict().items()}
+    cache_dir = args.output_dir / "eval"
+    cache_dir.mkdir(parents=True, exist_ok=True)
+
+    def evaluate(name: str, tensors: dict | None) -> dict:
+        path = cache_dir / f"{name}.json"
+        if path.is_file():
+            cached = json.loads(path.read_text())
+            if cached.get("settings") == settings:
+                return cached
+        load_state(base, initial if tensors is None else tensors)
+        started = time.perf_counter()
+        engine = AdaFlashEngine(target, base, mode="adaflash", admission=admission)
+        summary, outputs = evaluate_drafter(engine, prompts, max_new)
+        record = {"settings": settings, "summary": summary, "outputs": _digest(outputs)}
+        path.write_text(json.dumps(record, indent=1) + "\n")
+        logger.info(
+            f"eval {name}: "
+            + ", ".join(f"{d} τ {s['tau']:.3f}/{s['tau_full']:.3f}" for d, s in summary.items())
+            + f" ({time.perf_counter() - started:.0f} s)"
+        )
+        return record
+
+    start = evaluate("round0", None)
+    evaluation = {}
+    for variant, run_dir in run_dirs.items():
+        evaluation[variant] = {0: start["summary"]}
+        if variant == "none":
+            rounds = len(read_metrics(run_dir))
+            evaluation[variant].update({r: start["summary"] for r in range(1, rounds + 1)})
+            continue
+        for rnd, checkpoint in sorted(checkpoints_by_round(run_dir).items()):
+            record = evaluate(f"{variant}-r{rnd}", load_file(str(checkpoint / "drafter.safetensors")))
+            if record["outputs"] != start["outputs"]:
+                raise RuntimeError(
+                    f"{variant} round {rnd}: evaluation outputs differ from round 0 (not lossless)"
+                )
+            evaluation[variant][rnd] = record["summary"]
+    return evaluation
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = make_parser().parse_args(argv)
+    std_logging.basicConfig(level=std_logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.set_verbosity_info()
+    config = yaml.safe_load(args.config.read_text())
+    run_dirs = {}
+    for variant in args.variants:
+        if args.skip_training:
+            run_dirs[variant] = args.output_dir / variant
+            if not read_metrics(run_dirs[variant]):
+                raise SystemExit(
+                    f"--skip-training: {run_dirs[variant]}/metrics.csv has no rounds to evaluate"
+                )
+        else:
+            run_dirs[variant] = run_variant(args.config, config, variant, args.output_dir)
+
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    torch.set_num_threads(args.threads)
+    from adaflash_hf.assets import load_target
+
+    target, tokenizer = load_target(config["target_model"])
+    evaluation = _evaluate_all(args, config, run_dirs, target, tokenizer)
+    results = {
+        "settings": {
+            "config": str(args.config),
+            "variants": list(args.variants),
+            "variant_flags": {v: VARIANTS[v][1] for v in args.variants},
+            "domains": list(DOMAINS),
+            "train_threshold": int(config["train_threshold"]),
+            "max_rounds": int(config["max_rounds"]),
+            "eval_prompts_per_domain": args.eval_prompts_per_domain,
+            "eval_max_new_tokens": args.eval_max_new_tokens or int(config["max_new_tokens"]),
+            "command": " ".join(["adaflash bench opd", *(sys.argv[1:] if argv is None else argv)]),
+        },
+        "evaluation": {v: {str(r): s for r, s in rounds.items()} for v, rounds in evaluation.items()},
+        "live": {v: read_metrics(d) for v, d in run_dirs.items()},
+    }
+    results["goals"] = goals(evaluation, config["domains"][0])
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    (args.output_dir / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    results["evaluation"] = evaluation  # int rounds for the table and plots
+    (args.output_dir / "table.md").write_text(markdown_table(results))
+    plot_tau(results, args.output_dir / "tau_vs_rounds.png")
+    plot_per_position(results, args.output_dir / "acceptance_per_position.png")
+    print(markdown_table(results))
+    print(json.dumps(results["goals"], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

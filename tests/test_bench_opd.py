@@ -1,0 +1,176 @@
+"""``adaflash bench opd``: evaluation prompts never served, the full-draft acceptance read back from an engine's rounds
+(rechecked against its verification), the goals, and the whole experiment end to end on a tiny target."""
+
+import json
+import os
+
+import pytest
+import torch
+import yaml
+from tokenizers import Regex, Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import Split
+from transformers import PreTrainedTokenizerFast
+
+from adaflash_hf.bench import opd
+from adaflash_hf.online.loop import TrafficSource
+from adaflash_hf.serving import AdaFlashEngine
+
+from .test_opd_loop import tiny_tokenizer
+from .test_serving_engine import greedy_reference, make_batched_oracle, random_prompts
+
+
+def test_leading_matches_counts_proposals_equal_to_the_sequence_in_a_row():
+    sequence = [5, 6, 7, 8, 9]
+    assert opd.leading_matches([7, 8, 0], sequence, anchor=1) == 2
+    assert opd.leading_matches([0, 8], sequence, anchor=1) == 0
+    assert (
+        opd.leading_matches([8, 9, 10], sequence, anchor=2) == 2
+    )  # the sequence ends: nothing beyond it counts
+
+
+def char_tokenizer():
+    """One token per printable character: distinct prompts stay distinct after tokenisation."""
+    vocab = {"<unk>": 0, **{chr(c): c - 31 for c in range(32, 127)}}
+    backend = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = Split(Regex("."), behavior="isolated")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<unk>")
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    return tokenizer
+
+
+def test_eval_prompts_are_never_served_by_the_traffic():
+    tokenizer = char_tokenizer()
+    config = {"seed": 0, "max_prompt_tokens": 4096, "prompts_per_domain": 300, "domains": ["chat"]}
+    prompts = opd.eval_prompts(tokenizer, config, per_domain=16)
+    assert {d: len(p) for d, p in prompts.items()} == {"chat": 16, "code": 16, "math": 16}
+    traffic = TrafficSource.from_domains(tokenizer, ["chat"], 300, seed=0, max_prompt_tokens=4096)
+    served = {tuple(p) for p in traffic.phases[0][1]}
+    assert len(served) > 290 and not served & {tuple(p) for p in prompts["chat"]}
+    assert len({tuple(p) for p in prompts["chat"]}) == 16
+
+
+def test_eval_prompts_refuse_to_overlap_a_small_traffic_domain():
+    config = {"seed": 0, "max_prompt_tokens": 4096, "prompts_per_domain": 30, "domains": ["code"]}
+    with pytest.raises(
+        ValueError, match=r"eval_prompts_per_domain: expected at most 3 for traffic domain code"
+    ):
+        opd.eval_prompts(tiny_tokenizer(), config, per_domain=8)
+
+
+@pytest.fixture(scope="module")
+def oracle_eval(target_factory, drafter_factory):
+    """A fixed-length (dflash) engine with an oracle drafter right for a random 0..15 proposals per round."""
+    target = target_factory("llama")
+    prompts = {
+        "a": [p.tolist() for p in random_prompts(3, seed=3)],
+        "b": [p.tolist() for p in random_prompts(2, 4)],
+    }
+    expected = {d: [greedy_reference(target, torch.tensor(p), 40) for p in ps] for d, ps in prompts.items()}
+    oracle, weight = make_batched_oracle(target, drafter_factory(target))
+    engine = AdaFlashEngine(target, oracle, mode="dflash")
+    references = {}
+    oracle.arm(engine, references, weight, seed=0)
+    add_request = engine.add_request
+
+    def add_with_reference(prompt, params):  # the oracle needs each request's greedy continuation
+        request_id = add_request(prompt, params)
+        domain, index = next((d, ps.index(prompt)) for d, ps in prompts.items() if prompt in ps)
+        references[request_id] = list(prompt) + expected[domain][index]
+        return request_id
+
+    engine.add_request = add_with_reference
+    return engine, prompts, expected
+
+
+def test_full_draft_acceptance_of_an_oracle_drafter(oracle_eval):
+    engine, prompts, expected = oracle_eval
+    summary, outputs = opd.evaluate_drafter(engine, prompts, max_new_tokens=40)
+    assert outputs == expected  # greedy serving is lossless
+    for row in summary.values():
+        curve = row["per_position"]
+        assert len(curve) == 15 and row["full_rounds"] > 0
+        assert all(a >= b for a, b in zip(curve, curve[1:]))  # reaching position j+1 needs position j
+        assert row["tau_full"] == pytest.approx(1.0 + sum(curve))  # mean accepted length = Σ_j P(length >= j)
+        assert curve[0] > 0.5 and curve[-1] < curve[0]  # right for a uniform 0..15 proposals per round
+        assert row["mean_verify_length"] > 10  # fixed-length drafting verifies (nearly) whole blocks
+
+
+def test_a_wrong_reading_of_the_rounds_is_caught(oracle_eval, monkeypatch):
+    engine, prompts, _ = oracle_eval
+    monkeypatch.setattr(opd, "leading_matches", lambda drafted, sequence, anchor: 0)
+    with pytest.raises(RuntimeError, match=r"accepted \d+ drafts, but 0 leading proposals"):
+        opd.evaluate_drafter(engine, prompts, max_new_tokens=40)
+
+
+def _evaluation(start, ada, ce):
+    rows = lambda chat, code: {"chat": {"tau": chat}, "code": {"tau": code}}  # noqa: E731
+    return {
+        "none": {0: rows(*start)},
+        "adaflash": {0: rows(*start), **{r + 1: rows(*v) for r, v in enumerate(ada)}},
+        "ce": {0: rows(*start), **{r + 1: rows(*v) for r, v in enumerate(ce)}},
+    }
+
+
+def test_goals_met():
+    goals = opd.goals(_evaluation((1.0, 1.2), [(1.1, 1.2), (1.3, 1.15)], [(1.1, 1.2), (1.2, 1.2)]), "chat")
+    assert goals["traffic_domain_is_weakest"] and goals["gain_25pct_within_buffers"]
+    assert goals["others_within_5pct"] and goals["ahead_of_ce"]
+    assert goals["adaflash_gain"] == pytest.approx(0.3)
+
+
+def test_goals_not_met():
+    goals = opd.goals(_evaluation((1.0, 1.2), [(1.2, 1.0)], [(1.3, 1.2)]), "chat")
+    assert (
+        not goals["gain_25pct_within_buffers"]
+        and not goals["others_within_5pct"]
+        and not goals["ahead_of_ce"]
+    )
+    assert goals["other_domain_change"]["code"] == pytest.approx(-1 / 6)
+    goals = opd.goals(_evaluation((1.2, 1.0), [(1.6, 1.0)], [(1.3, 1.0)]), "chat")
+    assert not goals["traffic_domain_is_weakest"]
+
+
+def test_experiment_end_to_end_on_a_tiny_target(target_factory, drafter_factory, tmp_path, monkeypatch):
+    target = target_factory("llama")
+    target.save_pretrained(tmp_path / "target")
+    tiny_tokenizer().save_pretrained(tmp_path / "target")
+    drafter_factory(target, mask_token_id=3).save_pretrained(tmp_path / "drafter")
+    root = opd.ROOT
+    config = yaml.safe_load((root / "examples" / "configs" / "opd_tiny.yaml").read_text())
+    config.update(
+        target_model=str(tmp_path / "target"),
+        drafter_init=str(tmp_path / "drafter"),
+        domains=["math"],
+        max_rounds=2,
+        serving_backpressure=True,
+    )
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    out = tmp_path / "out"
+    argv = ["--config", str(tmp_path / "config.yaml"), "--variants", "none", "adaflash"]
+    argv += ["--eval-prompts-per-domain", "2", "--threads", "1", "--output-dir", str(out)]
+    assert opd.main(argv) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert set(results["evaluation"]) == {"none", "adaflash"}
+    assert set(results["evaluation"]["adaflash"]) == {
+        "0",
+        "1",
+        "2",
+    }  # round 0 and a checkpoint after each round
+    assert [row["round"] for row in results["live"]["adaflash"]] == [1, 2]
+    assert [row["version"] for row in results["live"]["none"]] == [0, 0]  # no updates: nothing published
+    assert not (out / "none" / "weights" / "latest.json").exists()
+    last = results["live"]["adaflash"][
+        -1
+    ]  # backpressure: nothing dropped, every served request is trained on
+    assert last["buffer/added"] == last["buffer/taken"] + last["buffer/size"] and last["buffer/taken"] == 8
+    assert results["goals"]["traffic_domain"] == "math"
+    for name in ("table.md", "tau_vs_rounds.png", "acceptance_per_position.png"):
+        assert (out / name).stat().st_size > 0
+    # A second call reuses the finished runs and the cached evaluations: nothing is launched again.
+    launched = []
+    monkeypatch.setattr(opd.subprocess, "run", lambda *a, **k: launched.append(a))
+    mtime = os.path.getmtime(out / "eval" / "adaflash-r2.json")
+    assert opd.main(argv) == 0 and launched == []
+    assert os.path.getmtime(out / "eval" / "adaflash-r2.json") == mtime
