@@ -150,6 +150,7 @@ def test_experiment_end_to_end_on_a_tiny_target(target_factory, drafter_factory,
     out = tmp_path / "out"
     argv = ["--config", str(tmp_path / "config.yaml"), "--variants", "none", "adaflash"]
     argv += ["--eval-prompts-per-domain", "2", "--threads", "1", "--output-dir", str(out)]
+    argv += ["--launch-args=--max_anchors_per_sample 8"]
     assert opd.main(argv) == 0
     results = json.loads((out / "results.json").read_text())
     assert set(results["evaluation"]) == {"none", "adaflash"}
@@ -166,6 +167,7 @@ def test_experiment_end_to_end_on_a_tiny_target(target_factory, drafter_factory,
     ]  # backpressure: nothing dropped, every served request is trained on
     assert last["buffer/added"] == last["buffer/taken"] + last["buffer/size"] and last["buffer/taken"] == 8
     assert results["goals"]["traffic_domain"] == "math"
+    assert "--max_anchors_per_sample 8" in (out / "adaflash.log").read_text()  # the launcher's command line
     for name in ("table.md", "tau_vs_rounds.png", "acceptance_per_position.png"):
         assert (out / name).stat().st_size > 0
     # A second call reuses the finished runs and the cached evaluations: nothing is launched again.

@@ -33,6 +33,7 @@ import hashlib
 import json
 import logging as std_logging
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -181,7 +182,9 @@ def _digest(outputs: dict[str, list[list[int]]]) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- runs
-def run_variant(config_path: Path, config: dict, variant: str, output_dir: Path) -> Path:
+def run_variant(
+    config_path: Path, config: dict, variant: str, output_dir: Path, extra_args: list[str] | None = None
+) -> Path:
     """Launch one online run unless its metrics already cover ``max_rounds``; returns its folder."""
     run_dir = output_dir / variant
     done = len(read_metrics(run_dir)) >= int(config["max_rounds"])
@@ -201,6 +204,7 @@ def run_variant(config_path: Path, config: dict, variant: str, output_dir: Path)
             str(run_dir),
             "--resume",
             "false",
+            *(extra_args or []),
             *VARIANTS[variant][1],
         ],
     )
@@ -209,6 +213,8 @@ def run_variant(config_path: Path, config: dict, variant: str, output_dir: Path)
     logger.info(f"{variant}: {' '.join(command)} (log: {output_dir / f'{variant}.log'})")
     started = time.perf_counter()
     with open(output_dir / f"{variant}.log", "w") as log:
+        log.write(" ".join(command) + "\n")
+        log.flush()
         result = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, check=False)
     if result.returncode != 0:
         raise RuntimeError(f"{variant}: the online run failed (exit {result.returncode}); see its log")
@@ -386,6 +392,11 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=2, help="torch threads for the evaluation (default 2)")
     parser.add_argument("--output-dir", type=Path, default=Path("runs/bench_opd"), help="where outputs go")
     parser.add_argument(
+        "--launch-args",
+        default="",
+        help="extra trainers/opd.py arguments for every variant, one string (e.g. '--learning_rate 1e-4')",
+    )
+    parser.add_argument(
         "--skip-training", action="store_true", help="evaluate existing runs only; launch nothing"
     )
     return parser
@@ -461,7 +472,9 @@ def main(argv: list[str] | None = None) -> int:
                     f"--skip-training: {run_dirs[variant]}/metrics.csv has no rounds to evaluate"
                 )
         else:
-            run_dirs[variant] = run_variant(args.config, config, variant, args.output_dir)
+            run_dirs[variant] = run_variant(
+                args.config, config, variant, args.output_dir, shlex.split(args.launch_args)
+            )
 
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     torch.set_num_threads(args.threads)
@@ -474,6 +487,7 @@ def main(argv: list[str] | None = None) -> int:
             "config": str(args.config),
             "variants": list(args.variants),
             "variant_flags": {v: VARIANTS[v][1] for v in args.variants},
+            "launch_args": args.launch_args,
             "domains": list(DOMAINS),
             "train_threshold": int(config["train_threshold"]),
             "max_rounds": int(config["max_rounds"]),
