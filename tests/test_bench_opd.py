@@ -58,17 +58,15 @@ def test_eval_prompts_refuse_to_overlap_a_small_traffic_domain():
         opd.eval_prompts(tiny_tokenizer(), config, per_domain=8)
 
 
-@pytest.fixture(scope="module")
-def oracle_eval(target_factory, drafter_factory):
-    """A fixed-length (dflash) engine with an oracle drafter right for a random 0..15 proposals per round."""
-    target = target_factory("llama")
+def oracle_engine(target, drafter, mode):
+    """An engine whose oracle drafter is right for a random 0..15 proposals per round, and its prompts."""
     prompts = {
         "a": [p.tolist() for p in random_prompts(3, seed=3)],
         "b": [p.tolist() for p in random_prompts(2, 4)],
     }
     expected = {d: [greedy_reference(target, torch.tensor(p), 40) for p in ps] for d, ps in prompts.items()}
-    oracle, weight = make_batched_oracle(target, drafter_factory(target))
-    engine = AdaFlashEngine(target, oracle, mode="dflash")
+    oracle, weight = make_batched_oracle(target, drafter)
+    engine = AdaFlashEngine(target, oracle, mode=mode)
     references = {}
     oracle.arm(engine, references, weight, seed=0)
     add_request = engine.add_request
@@ -83,6 +81,13 @@ def oracle_eval(target_factory, drafter_factory):
     return engine, prompts, expected
 
 
+@pytest.fixture(scope="module")
+def oracle_eval(target_factory, drafter_factory):
+    """A fixed-length (dflash) oracle engine: every proposal is verified."""
+    target = target_factory("llama")
+    return oracle_engine(target, drafter_factory(target), "dflash")
+
+
 def test_full_draft_acceptance_of_an_oracle_drafter(oracle_eval):
     engine, prompts, expected = oracle_eval
     summary, outputs = opd.evaluate_drafter(engine, prompts, max_new_tokens=40)
@@ -94,6 +99,20 @@ def test_full_draft_acceptance_of_an_oracle_drafter(oracle_eval):
         assert row["tau_full"] == pytest.approx(1.0 + sum(curve))  # mean accepted length = Σ_j P(length >= j)
         assert curve[0] > 0.5 and curve[-1] < curve[0]  # right for a uniform 0..15 proposals per round
         assert row["mean_verify_length"] > 10  # fixed-length drafting verifies (nearly) whole blocks
+
+
+def test_unverified_proposals_count_in_adaptive_mode(target_factory, drafter_factory):
+    """With the length head truncating drafts, the full draft is still read: the engine records every block row."""
+    target = target_factory("llama")
+    engine, prompts, expected = oracle_engine(target, drafter_factory(target), "adaflash")
+    engine.gamma = 0.9  # a strict threshold: short verified drafts
+    summary, outputs = opd.evaluate_drafter(engine, prompts, max_new_tokens=40)
+    assert outputs == expected
+    assert engine.round_recorder is None and engine.record_full_drafts is False  # restored
+    for row in summary.values():
+        # Most proposals were never verified, yet the oracle's 8th proposal is right in about half of the rounds.
+        assert row["mean_verify_length"] < 8 and row["per_position"][7] > 0.2
+        assert row["tau_full"] > row["tau"]
 
 
 def test_a_wrong_reading_of_the_rounds_is_caught(oracle_eval, monkeypatch):

@@ -91,9 +91,8 @@ def eval_prompts(
         shuffled = split.shuffle(seed=seed)["prompt"]
         served_texts = set(shuffled[:served]) if domain in config["domains"] else set()
         chosen: list[str] = []
-        for text in reversed(
-            shuffled
-        ):  # from the end; a text also among the served ones (a duplicate) is skipped
+        # From the end; a text that is also among the served ones (a duplicate) is skipped.
+        for text in reversed(shuffled):
             if len(chosen) == per_domain:
                 break
             if text not in served_texts and text not in chosen:
@@ -128,17 +127,16 @@ def evaluate_drafter(
     """
     block = engine.drafter.config.block_size
     rounds = defaultdict(list)
-    previous, engine.round_recorder = (
-        engine.round_recorder,
-        lambda request, record: rounds[request.request_id].append(record),
-    )
+    previous = engine.round_recorder, engine.record_full_drafts
+    engine.round_recorder = lambda request, record: rounds[request.request_id].append(record)
+    engine.record_full_drafts = True  # every block row's proposal, verified or not
     params = SamplingParams(max_new_tokens=max_new_tokens)
     try:
         ids = {domain: [engine.add_request(p, params) for p in ps] for domain, ps in prompts.items()}
         for _ in engine.stream():
             pass
     finally:
-        engine.round_recorder = previous
+        engine.round_recorder, engine.record_full_drafts = previous
     summary, outputs = {}, {}
     for domain, request_ids in ids.items():
         verifies = accepted = drafted = full_rounds = full_accepted = 0
@@ -411,7 +409,12 @@ def _evaluate_all(args, config, run_dirs, target, tokenizer) -> dict:
     prompts = eval_prompts(tokenizer, config, args.eval_prompts_per_domain)
     max_new = args.eval_max_new_tokens or int(config["max_new_tokens"])
     concurrency = int(config["concurrency"])
-    settings = {"prompts": _digest(prompts), "max_new_tokens": max_new, "concurrency": concurrency}
+    settings = {
+        "prompts": _digest(prompts),
+        "max_new_tokens": max_new,
+        "concurrency": concurrency,
+        "full_drafts": True,
+    }
     base = AdaFlashDrafter.from_pretrained(config["drafter_init"], dtype=target.dtype).eval()
     longest = max(len(p) for ps in prompts.values() for p in ps)
     admission = AdmissionConfig(

@@ -20,7 +20,9 @@ state gives that request k̂ = 0 for the step (plain decoding), logged and count
 Online learning: ``engine.round_recorder`` (a callable, default None) receives ``(request, RoundRecord)`` after each
 verify round, once the request's state is updated (``request.finish_reason`` is set on its last round). The record
 carries the anchor position, k̂, the accepted count and ``drafter.weights_version``; ``drafted_tokens`` holds only
-the k̂ verified drafts and ``predicted_acceptance`` is NaN (the engine keeps neither the block nor â).
+the k̂ verified drafts (the other block rows never go through the lm_head) unless ``engine.record_full_drafts`` is
+set, which projects every block row for the recorder (evaluation: how far the whole draft would have been accepted;
+it costs an lm_head row per unverified draft). ``predicted_acceptance`` is NaN (the engine does not keep â).
 """
 
 from __future__ import annotations
@@ -147,6 +149,7 @@ class AdaFlashEngine:
         self.requests: dict[str, Request] = {}
         self.stats: list[StepStats] = []
         self.round_recorder = None
+        self.record_full_drafts = False
         self.free_slots: list[int] = []
         self.next_slot = 0
         self.ids = itertools.count()
@@ -260,13 +263,16 @@ class AdaFlashEngine:
         lengths, block_states, fallbacks = self._draft(decoding, gamma)
         drafter_seconds = time.perf_counter() - started
         lengths = self.admission.fit_lengths(lengths, self.admission.config.token_budget - prefill_tokens)
-        drafts = self._propose(block_states, lengths)
+        full = self.record_full_drafts and self.round_recorder is not None
+        drafts, full_drafts = self._propose(block_states, lengths, full)
 
         target_started = time.perf_counter()
         accepted, next_tokens, features = self._verify(admitted, decoding, drafts)
         target_seconds = time.perf_counter() - target_started
 
-        outputs, committed = self._commit(admitted, decoding, drafts, accepted, next_tokens, features)
+        outputs, committed = self._commit(
+            admitted, decoding, drafts, accepted, next_tokens, features, full_drafts
+        )
         self.running = [r for r in self.running if r.status == RUNNING]
         self.admission.update(len(decoding) + len(admitted), sum(lengths) + len(lengths), len(lengths))
         self.stats.append(
@@ -338,18 +344,23 @@ class AdaFlashEngine:
         lengths = [min(n, r.remaining - 1) if good else 0 for n, r, good in zip(lengths, decoding, ok)]
         return lengths, states, ok.count(False)
 
-    def _propose(self, block_states, lengths: list[int]) -> list[list[int]]:
-        """Argmax proposals of block rows 1..k̂_i, through the target's lm_head on the verified rows only."""
-        if block_states is None or not sum(lengths):
-            return [[] for _ in lengths]
-        rows = torch.cat([block_states[i, 1 : 1 + n] for i, n in enumerate(lengths)])
+    def _propose(
+        self, block_states, lengths: list[int], full: bool = False
+    ) -> tuple[list[list[int]], list[list[int]] | None]:
+        """Argmax proposals of block rows 1..k̂_i through the target's lm_head, on the verified rows only; with
+        ``full`` also every row 1..block_size-1 (returned second, None otherwise; its first k̂_i are the drafts)."""
+        widths = [self.block_size - 1 if full else n for n in lengths]
+        if block_states is None or not sum(widths):
+            return [[] for _ in lengths], None
+        rows = torch.cat([block_states[i, 1 : 1 + w] for i, w in enumerate(widths)])
         lm_head = self.target.get_output_embeddings()
         tokens = lm_head(rows.to(lm_head.weight.device)).argmax(-1).tolist()
-        drafts, offset = [], 0
-        for n in lengths:
-            drafts.append(tokens[offset : offset + n])
-            offset += n
-        return drafts
+        proposals, offset = [], 0
+        for w in widths:
+            proposals.append(tokens[offset : offset + w])
+            offset += w
+        drafts = [p[:n] for p, n in zip(proposals, lengths)]
+        return drafts, (proposals if full else None)
 
     def _verify(self, admitted: list[Request], decoding: list[Request], drafts: list[list[int]]):
         """The packed target forward and the acceptance launch. Order: prefills, then verifies."""
@@ -407,7 +418,7 @@ class AdaFlashEngine:
         )
         return result.accepted.tolist(), result.next_tokens.tolist(), (features, lengths)
 
-    def _commit(self, admitted, decoding, drafts, accepted, next_tokens, features):
+    def _commit(self, admitted, decoding, drafts, accepted, next_tokens, features, full_drafts=None):
         """Commit accepted drafts + the next token per request, roll back the rest, queue drafter context."""
         hidden, lengths = features
         outputs, committed, offset = [], 0, 0
@@ -435,7 +446,7 @@ class AdaFlashEngine:
                 record = RoundRecord(
                     context_length=anchor_position,
                     anchor_token=anchor_token,
-                    drafted_tokens=list(proposed),
+                    drafted_tokens=list(full_drafts[i - prefills] if full_drafts else proposed),
                     draft_length=len(proposed),
                     predicted_acceptance=float("nan"),
                     accepted=n_accepted,
