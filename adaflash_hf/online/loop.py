@@ -312,46 +312,40 @@ def run_online(
             batch = buffer.take(trainer.weights_version, stop=worker.done)
             if batch is None:
                 break
-            row = {"round": round_index + 1}
-            if not train:
-                row.update(
-                    version=trainer.weights_version,
-                    served_version=reloader.version,
-                    **worker.metrics.snapshot(),
-                    **{f"buffer/{k}": v for k, v in buffer.stats().items()},
-                    domain=traffic.domain,
-                )
-                metrics.log(row, step=round_index + 1)
-                rows.append(row)
-                logger.info(f"round {row['round']} (no updates): tau {row['tau']:.2f}")
-                continue
-            trainer.train_dataset = TrajectoryDataset(batch)
-            started = time.perf_counter()
-            trainer.train()
-            train_seconds = time.perf_counter() - started
-            if trainer.diverged:
-                logger.error(f"round {round_index + 1}: training diverged; nothing published, stopping")
-                metrics.log({**row, "diverged": 1, **worker.metrics.snapshot()}, step=round_index + 1)
-                break
-            version = trainer.publish_weights(weights_dir)
-            if checkpoint_every and (round_index + 1) % checkpoint_every == 0:
-                trainer.save_opd_checkpoint(checkpoint_dir, {"round": round_index + 1})
-            row.update(
-                version=version,
-                served_version=reloader.version,
+            training = {}
+            if train:
+                trainer.train_dataset = TrajectoryDataset(batch)
+                started = time.perf_counter()
+                trainer.train()
+                train_seconds = time.perf_counter() - started
+                if trainer.diverged:
+                    logger.error(f"round {round_index + 1}: training diverged; nothing published, stopping")
+                    row = {"round": round_index + 1, "diverged": 1, **worker.metrics.snapshot()}
+                    metrics.log(row, step=round_index + 1)
+                    break
+                trainer.publish_weights(weights_dir)
+                if checkpoint_every and (round_index + 1) % checkpoint_every == 0:
+                    trainer.save_opd_checkpoint(checkpoint_dir, {"round": round_index + 1})
+                training = {
+                    **_round_losses(trainer.state.log_history),
+                    "train_seconds": train_seconds,
+                    "skipped_steps": trainer.skipped_steps,
+                }
+            row = {
+                "round": round_index + 1,
+                "version": trainer.weights_version,
+                "served_version": reloader.version,
                 **worker.metrics.snapshot(),
-                **_round_losses(trainer.state.log_history),
-                train_seconds=train_seconds,
-                skipped_steps=trainer.skipped_steps,
+                **training,
                 **{f"buffer/{k}": v for k, v in buffer.stats().items()},
-                reload_swaps=reloader.swaps,
-                reload_rejected=sum(reloader.rejected.values()),
-                domain=traffic.domain,
-            )
+                "reload_swaps": reloader.swaps,
+                "reload_rejected": sum(reloader.rejected.values()),
+                "domain": traffic.domain,
+            }
             metrics.log(row, step=round_index + 1)
             rows.append(row)
             logger.info(
-                f"round {row['round']}: version {version}, tau {row['tau']:.2f}, "
+                f"round {row['round']}: version {row['version']}, tau {row['tau']:.2f}, "
                 f"loss {row.get('loss', float('nan')):.4f}, {row['tokens_per_s']:.1f} tok/s"
             )
     finally:
