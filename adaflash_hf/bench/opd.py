@@ -341,24 +341,25 @@ def plot_per_position(results: dict, path: Path) -> None:
     figure = Figure(figsize=(4 * len(domains), 3.6))
     axes = figure.subplots(1, len(domains), sharey=True)
     start = evaluation["none"][0] if "none" in evaluation else next(iter(evaluation.values()))[0]
+    last_seen = 2  # the x range ends one position past the last position any curve reaches
     for ax, domain in zip(axes, domains):
-        curve = start[domain]["per_position"]
-        ax.plot(range(1, len(curve) + 1), curve, "k--", label="before (round 0)")
+        curves = [("before (round 0)", start[domain]["per_position"], "k", "--")]
         for variant in results["settings"]["variants"]:
-            if variant == "none":
-                continue
-            last = max(evaluation[variant])
-            curve = evaluation[variant][last][domain]["per_position"]
+            if variant != "none":
+                last = max(evaluation[variant])
+                curve = evaluation[variant][last][domain]["per_position"]
+                curves.append((f"{variant} after round {last}", curve, COLORS.get(variant), "-"))
+        for label, curve, color, style in curves:
+            reached = [p for p in curve if p > 0]  # a log axis cannot show 0: a curve stops where it hits 0
+            last_seen = max(last_seen, len(reached) + 1)
             ax.plot(
-                range(1, len(curve) + 1),
-                curve,
-                marker=".",
-                color=COLORS.get(variant),
-                label=f"{variant} after round {last}",
+                range(1, len(reached) + 1), reached, linestyle=style, marker=".", color=color, label=label
             )
         ax.set_yscale("log")
         ax.set_title(f"per-position acceptance: {domain}")
         ax.set_xlabel("draft position j")
+    for ax in axes:
+        ax.set_xlim(0.5, last_seen + 0.5)
     axes[0].set_ylabel("P(first j proposals accepted)")
     axes[0].legend(fontsize=8)
     figure.tight_layout()
