@@ -148,6 +148,8 @@ def test_goals_not_met():
     assert goals["other_domain_change"]["code"] == pytest.approx(-1 / 6)
     goals = opd.goals(_evaluation((1.2, 1.0), [(1.6, 1.0)], [(1.3, 1.0)]), "chat")
     assert not goals["traffic_domain_is_weakest"]
+    ce_only = {"ce": _evaluation((1.0, 1.2), [(1.1, 1.2)], [(1.3, 1.2)])["ce"]}
+    assert opd.goals(ce_only, "chat") == {"traffic_domain": "chat", "traffic_domain_is_weakest": True}
 
 
 def test_experiment_end_to_end_on_a_tiny_target(target_factory, drafter_factory, tmp_path, monkeypatch):
