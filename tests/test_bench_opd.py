@@ -197,3 +197,9 @@ def test_experiment_end_to_end_on_a_tiny_target(target_factory, drafter_factory,
     mtime = os.path.getmtime(out / "eval" / "adaflash-r2.json")
     assert opd.main(argv) == 0 and launched == []
     assert os.path.getmtime(out / "eval" / "adaflash-r2.json") == mtime
+    # A cached evaluation of other weights (its digest differs from the checkpoint's) is recomputed.
+    cached = json.loads((out / "eval" / "adaflash-r2.json").read_text())
+    cached["settings"]["weights"] = "0" * 64
+    (out / "eval" / "adaflash-r2.json").write_text(json.dumps(cached))
+    assert opd.main(argv) == 0
+    assert json.loads((out / "eval" / "adaflash-r2.json").read_text())["settings"]["weights"] != "0" * 64

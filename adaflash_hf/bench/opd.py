@@ -405,7 +405,7 @@ def _evaluate_all(args, config, run_dirs, target, tokenizer) -> dict:
     from safetensors.torch import load_file
 
     from adaflash_hf import AdaFlashDrafter
-    from adaflash_hf.online.weights import load_state
+    from adaflash_hf.online.weights import load_state, sha256_file
 
     prompts = eval_prompts(tokenizer, config, args.eval_prompts_per_domain)
     max_new = args.eval_max_new_tokens or int(config["max_new_tokens"])
@@ -422,20 +422,25 @@ def _evaluate_all(args, config, run_dirs, target, tokenizer) -> dict:
         max_running=concurrency, token_budget=concurrency * base.config.block_size + longest
     )
     initial = {n: t.clone() for n, t in base.state_dict().items()}
+    initial_digest = hashlib.sha256(
+        b"".join(t.float().numpy().tobytes() for t in initial.values())
+    ).hexdigest()
     cache_dir = args.output_dir / "eval"
     cache_dir.mkdir(parents=True, exist_ok=True)
 
-    def evaluate(name: str, tensors: dict | None) -> dict:
+    def evaluate(name: str, weights: Path | None) -> dict:
+        """Evaluate ``weights`` (a checkpoint's safetensors; None = the starting drafter), cached by content."""
         path = cache_dir / f"{name}.json"
+        key = {**settings, "weights": sha256_file(weights) if weights is not None else initial_digest}
         if path.is_file():
             cached = json.loads(path.read_text())
-            if cached.get("settings") == settings:
+            if cached.get("settings") == key:
                 return cached
-        load_state(base, initial if tensors is None else tensors)
+        load_state(base, initial if weights is None else load_file(str(weights)))
         started = time.perf_counter()
         engine = AdaFlashEngine(target, base, mode="adaflash", admission=admission)
         summary, outputs = evaluate_drafter(engine, prompts, max_new)
-        record = {"settings": settings, "summary": summary, "outputs": _digest(outputs)}
+        record = {"settings": key, "summary": summary, "outputs": _digest(outputs)}
         path.write_text(json.dumps(record, indent=1) + "\n")
         logger.info(
             f"eval {name}: "
@@ -453,7 +458,7 @@ def _evaluate_all(args, config, run_dirs, target, tokenizer) -> dict:
             evaluation[variant].update({r: start["summary"] for r in range(1, rounds + 1)})
             continue
         for rnd, checkpoint in sorted(checkpoints_by_round(run_dir).items()):
-            record = evaluate(f"{variant}-r{rnd}", load_file(str(checkpoint / "drafter.safetensors")))
+            record = evaluate(f"{variant}-r{rnd}", checkpoint / "drafter.safetensors")
             if record["outputs"] != start["outputs"]:
                 raise RuntimeError(
                     f"{variant} round {rnd}: evaluation outputs differ from round 0 (not lossless)"
