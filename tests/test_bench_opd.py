@@ -152,6 +152,11 @@ def test_goals_not_met():
     assert opd.goals(ce_only, "chat") == {"traffic_domain": "chat", "traffic_domain_is_weakest": True}
 
 
+def test_launch_args_may_not_change_the_traffic(capsys):
+    with pytest.raises(SystemExit, match=r"--launch-args: expected no traffic settings .* got --domains"):
+        opd.main(["--launch-args=--domains=code --learning_rate 1e-4", "--output-dir", "/nonexistent"])
+
+
 def test_experiment_end_to_end_on_a_tiny_target(target_factory, drafter_factory, tmp_path, monkeypatch):
     target = target_factory("llama")
     target.save_pretrained(tmp_path / "target")

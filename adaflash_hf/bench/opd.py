@@ -57,6 +57,15 @@ VARIANTS = {
     "rkl": ("reverse KL unclipped, α=0", ["--alpha", "0.0", "--delta", "1e6"]),
     "adaflash": ("AdaFlash: 0.8·CE + 0.2·clipped RKL (δ=0.01)", []),
 }
+# Settings the evaluation reads from the config; overriding them per launch could serve an evaluation prompt.
+CONFIG_ONLY = (
+    "--domains",
+    "--prompts_per_domain",
+    "--max_prompt_tokens",
+    "--seed",
+    "--output_dir",
+    "--config",
+)
 COLORS = {"none": "tab:gray", "ce": "tab:blue", "rkl": "tab:orange", "adaflash": "tab:green"}
 
 
@@ -472,6 +481,13 @@ def main(argv: list[str] | None = None) -> int:
     std_logging.basicConfig(level=std_logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.set_verbosity_info()
     config = yaml.safe_load(args.config.read_text())
+    launch_args = shlex.split(args.launch_args)
+    fixed = sorted({a.split("=")[0] for a in launch_args} & set(CONFIG_ONLY))
+    if fixed:
+        raise SystemExit(
+            f"--launch-args: expected no traffic settings ({', '.join(CONFIG_ONLY)}: the evaluation reads them from "
+            f"--config, to keep its prompts unserved), got {', '.join(fixed)}"
+        )
     run_dirs = {}
     for variant in args.variants:
         if args.skip_training:
@@ -481,9 +497,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"--skip-training: {run_dirs[variant]}/metrics.csv has no rounds to evaluate"
                 )
         else:
-            run_dirs[variant] = run_variant(
-                args.config, config, variant, args.output_dir, shlex.split(args.launch_args)
-            )
+            run_dirs[variant] = run_variant(args.config, config, variant, args.output_dir, launch_args)
 
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     torch.set_num_threads(args.threads)
