@@ -97,7 +97,8 @@ def eval_prompts(
                 f"eval_prompts_per_domain: expected at most {len(split) - served} for traffic domain {domain} "
                 f"({len(split)} held-out prompts, {served} served), got {per_domain}"
             )
-        shuffled = split.shuffle(seed=seed)["prompt"]
+        # The traffic's own call with every row: its first rows are exactly the ones served.
+        shuffled = load_domain(domain, "heldout", n=len(split), seed=seed)["prompt"]
         served_texts = set(shuffled[:served]) if domain in config["domains"] else set()
         chosen: list[str] = []
         # From the end; a text that is also among the served ones (a duplicate) is skipped.
