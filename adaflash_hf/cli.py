@@ -3,7 +3,7 @@
     adaflash export --format dflash PATH OUT    drafter -> z-lab DFlash layout for SGLang/vLLM (+ length-head sidecar)
     adaflash import PATH OUT                    z-lab DFlash / official AdaFlash / Muse-Glimmer / exported -> ours
     adaflash publish PATH REPO_ID               upload with a model card in one commit (``--dry-run`` to preview)
-    adaflash bench {kernels,generate,serve,opd} ... run ``adaflash_hf.bench.<name>:main`` with the remaining arguments
+    adaflash bench NAME ...                     run ``adaflash_hf.bench.NAME:main`` (kernels, generate, serve, opd, train)
     adaflash train ... / adaflash opd ...       ``accelerate launch`` the trainer scripts shipped in adaflash_hf.trainers
 
 Subcommands backed by modules or scripts missing from this installation are listed as "not available in this version"
@@ -38,6 +38,7 @@ BENCH_MODULES = {
     ),
     "serve": ("adaflash_hf.bench.serve", "throughput of the batched serving engine under concurrency"),
     "opd": ("adaflash_hf.bench.opd", "online distillation experiment: τ per domain over OPD rounds per loss"),
+    "train": ("adaflash_hf.bench.train", "blocks/s and peak memory of one offline drafter-training step"),
 }
 TRAINER_SCRIPTS = {
     "train": ("train_drafter.py", "train a drafter from scratch for a causal LM (accelerate launch)"),

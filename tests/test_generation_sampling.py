@@ -5,6 +5,8 @@ enumerating every prefix. Generated samples are compared with a chi-square goodn
 (N = 1000 sequences, bins with expected count < 5 merged, Bonferroni over the three positions, family-wise level
 1e-3). The same test must reject two deliberately broken proposal functions: "accept all" (q ~ 0 on every proposal)
 and "wrong q" (q from the unprocessed drafter logits instead of the distribution the proposals were drawn from).
+Everything runs twice: drafting over the full vocabulary and over a reduced draft vocabulary (``draft_token_ids``)
+that lacks the target's most likely first token, so its mass must come from the verifier's residual.
 """
 
 import pytest
@@ -27,6 +29,8 @@ POSITIONS = 3
 TEMPERATURE, TOP_K, TOP_P = 0.6, 6, 0.95
 FAMILY_ALPHA = 1e-3
 PROMPT = torch.tensor([[3, 9, 1, 12, 5]])
+# Holds the greedy continuation's 1 and 12 but not its first token 8 (target probability ~0.59 at position 1).
+DRAFT_VOCAB = [0, 1, 2, 4, 7, 12, 14]
 
 
 def processors() -> LogitsProcessorList:
@@ -36,14 +40,16 @@ def processors() -> LogitsProcessorList:
     )
 
 
-@pytest.fixture(scope="module")
-def setup(target_factory, oracle_factory):
+@pytest.fixture(scope="module", params=[None, DRAFT_VOCAB], ids=["full_vocab", "draft_vocab"])
+def setup(request, target_factory, oracle_factory):
     target = target_factory("qwen3", seed=7, vocab_size=VOCAB)
     with torch.no_grad():
         target.lm_head.weight.mul_(SCALE)  # spread the logits so the law is far from uniform
     # Proposals follow the greedy continuation for a random number of rows: often accepted, so q matters.
     reference = target.generate(PROMPT, do_sample=False, max_new_tokens=POSITIONS + 16)
-    drafter = oracle_factory(target, reference, seed=8, sharpness=SHARPNESS, mask_token_id=VOCAB - 1)
+    drafter = oracle_factory(
+        target, reference, seed=8, sharpness=SHARPNESS, mask_token_id=VOCAB - 1, draft_token_ids=request.param
+    )
     return target, drafter, exact_marginals(target)
 
 

@@ -92,8 +92,9 @@ def test_seed_worked_example_with_the_trainers_alpha(tmp_path):
     assert clipped.loss.item() < unclipped.loss.item() and clipped.rkl_raw.item() == unclipped.rkl_raw.item()
 
 
-def _reference_loss(trainer, batch):
-    """The loss re-derived densely: row j of the block at anchor a against the target's logits at a + j - 1."""
+def _reference_loss(trainer, batch, token_ids=None):
+    """The loss re-derived densely: row j of the block at anchor a against the target's logits at a + j - 1; with
+    ``token_ids`` both distributions over those vocabulary columns only."""
     drafter, target, args = trainer.drafter, trainer.teacher_model, trainer.args
     config = drafter.config
     seq = batch["input_ids"].shape[1]
@@ -113,10 +114,11 @@ def _reference_loss(trainer, batch):
     b, q = rows.nonzero(as_tuple=True)
     source = blocks.position_ids[:, seq:][b, q] - 1
     weights = blocks.weights[rows] if args.loss_decay_gamma else torch.ones(int(rows.sum()))
+    columns = slice(None) if token_ids is None else token_ids
     return clipped_distill_loss_reference(
         states[rows].double(),
-        target.get_output_embeddings().weight.double(),
-        out.logits[b, source].double(),
+        target.get_output_embeddings().weight[columns].double(),
+        out.logits[b, source][:, columns].double(),
         alpha=args.alpha,
         delta=args.delta,
         row_weights=weights.double(),
@@ -137,6 +139,22 @@ def test_loss_on_serving_blocks_matches_a_dense_reference(setup, tmp_path, clip_
     assert loss.item() - head_mse == pytest.approx(reference.loss.item(), rel=1e-4, abs=1e-6)
     assert trainer._metrics["train"]["rkl_raw"][-1] == pytest.approx(reference.rkl_raw.item(), rel=1e-4)
     assert trainer._metrics["train"]["clip_ratio"][-1] == pytest.approx(reference.clip_ratio.item(), abs=1e-6)
+
+
+def test_loss_with_a_draft_vocabulary_is_the_dense_loss_over_that_subset(
+    target_factory, drafter_factory, tmp_path
+):
+    target = target_factory("llama")
+    subset = list(range(0, 512, 4))
+    drafter = drafter_factory(target, draft_token_ids=subset)
+    trajectories = served_trajectories(target, drafter, n=2)
+    trainer = make_trainer(target, drafter, tmp_path, delta=0.001)
+    batch = trainer.data_collator(trajectories)
+    loss = trainer.compute_loss(trainer.model, batch)
+    head_mse = trainer._metrics["train"]["head_mse"][-1]
+    reference = _reference_loss(trainer, batch, torch.tensor(subset))
+    assert loss.item() - head_mse == pytest.approx(reference.loss.item(), rel=1e-4, abs=1e-6)
+    assert trainer._metrics["train"]["rkl_raw"][-1] == pytest.approx(reference.rkl_raw.item(), rel=1e-4)
 
 
 def test_target_top1_at_the_preceding_position_is_the_committed_token_under_greedy_serving(setup):

@@ -298,3 +298,122 @@ def test_regenerated_sequences_are_the_targets_greedy_responses_and_resume(targe
         prompt = torch.tensor([record["input_ids"][: record["prompt_length"]]])
         expected = target.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
         assert record["input_ids"] == expected[0].tolist()  # left padding in the batch changed nothing
+
+
+def test_split_layout_gives_the_dense_loss_and_gradients(target_factory, drafter_factory):
+    from types import SimpleNamespace
+
+    from adaflash_hf.trainers.train_drafter_trainer import recipe_loss
+
+    target = target_factory("qwen3", dtype=torch.float64).requires_grad_(False)
+    drafter = drafter_factory(target).train()
+    input_ids, loss_mask = toy_batch()
+    anchors = sample_anchors(loss_mask, 6, torch.Generator().manual_seed(5))
+    features = torch.randn(*input_ids.shape, drafter.fc.in_features, dtype=torch.float64)
+    results = {}
+    for layout in ("dense", "split"):
+        args = SimpleNamespace(loss_decay_gamma=7.0, length_head_loss_weight=1.0, attention_layout=layout)
+        drafter.zero_grad()
+        loss, _, metrics = recipe_loss(
+            drafter,
+            drafter.config,
+            args,
+            input_ids,
+            loss_mask,
+            features,
+            anchors,
+            target.get_input_embeddings().weight,
+            target.get_output_embeddings().weight,
+        )
+        loss.backward()
+        results[layout] = (loss.detach(), metrics, {n: p.grad.clone() for n, p in drafter.named_parameters()})
+    (dense_loss, dense_metrics, dense_grads), (split_loss, split_metrics, split_grads) = results.values()
+    torch.testing.assert_close(split_loss, dense_loss, atol=1e-10, rtol=0)
+    assert split_metrics["accept_len"] == dense_metrics["accept_len"]
+    for name, grad in dense_grads.items():
+        torch.testing.assert_close(split_grads[name], grad, atol=1e-10, rtol=0, msg=name)
+
+
+def test_only_the_dense_layout_builds_the_dense_mask():
+    input_ids, loss_mask = toy_batch()
+    anchors = torch.tensor([[20], [15]])
+    assert (
+        build_blocks(input_ids, loss_mask, anchors, BLOCK, 511, 7.0, dense_mask=False).attention_mask is None
+    )
+
+
+def test_draft_vocab_ce_ignores_labels_outside_it_and_counts_them_as_wrong_drafts():
+    vocab = 40
+    input_ids = torch.randperm(vocab, generator=torch.Generator().manual_seed(0))[
+        None, :30
+    ]  # distinct tokens
+    loss_mask = torch.ones_like(input_ids)
+    blocks = build_blocks(input_ids, loss_mask, torch.tensor([[3]]), BLOCK, vocab - 1, 7.0, dense_mask=False)
+    lm_head = torch.eye(vocab)
+    labels = blocks.labels[0]
+    # An oracle drafter: every supervised row's state points at its label.
+    hidden = (10.0 * torch.nn.functional.one_hot(labels.clamp(min=0), vocab).float())[None].requires_grad_()
+    missing = int(labels[5])  # row 5's label is left out of the draft vocabulary
+    draft_ids = torch.tensor([t for t in range(vocab) if t != missing])
+    acceptance = torch.zeros(1, 1)
+
+    _, _, full = block_ce_and_head_loss(hidden, acceptance, lm_head, blocks, BLOCK)
+    assert full["accuracy"] == 1.0 and full["accept_len"] == BLOCK - 1
+    ce, _, metrics = block_ce_and_head_loss(hidden, acceptance, lm_head, blocks, BLOCK, draft_ids)
+    assert metrics["accept_len"] == 4  # rows 1..4 accepted, row 5 can never be drafted
+    assert metrics["accuracy"] == pytest.approx(14 / 15) == metrics["draft_vocab_coverage"]
+
+    kept = [j for j in range(1, BLOCK) if j != 5]
+    logits = hidden[0, kept] @ lm_head[draft_ids].T
+    targets = torch.searchsorted(draft_ids, labels[kept])
+    weights = blocks.weights[0, kept]
+    rows_ce = torch.nn.functional.cross_entropy(logits, targets, reduction="none")
+    torch.testing.assert_close(ce, (rows_ce * weights).sum() / weights.sum())
+    ce.backward()
+    assert torch.count_nonzero(hidden.grad[0, 5]) == 0  # no CE term for the out-of-vocabulary label
+
+
+def test_draft_vocab_size_must_match_the_drafters_draft_vocabulary():
+    from adaflash_hf.trainers.train_drafter_trainer import check_draft_vocab
+
+    check_draft_vocab(None, None)
+    check_draft_vocab(torch.tensor([1, 5, 9]), None)  # None: whatever the drafter drafts
+    check_draft_vocab(torch.tensor([1, 5, 9]), 3)
+    with pytest.raises(
+        ValueError, match=r"draft_vocab_size: expected the drafter's draft vocabulary \(3\), got 4"
+    ):
+        check_draft_vocab(torch.tensor([1, 5, 9]), 4)
+    with pytest.raises(ValueError, match="the full vocabulary, no draft_token_ids"):
+        check_draft_vocab(None, 8)
+
+
+def test_config_refuses_an_unknown_attention_layout(tmp_path):
+    with pytest.raises(ValueError, match="attention_layout: expected 'split' or 'dense', got 'flash'"):
+        DrafterTrainingConfig(
+            output_dir=str(tmp_path), attention_layout="flash", use_cpu=True, report_to="none"
+        )
+
+
+def test_bf16_autocast_training_on_cpu_lowers_the_loss_and_keeps_float32_weights(
+    target_factory, drafter_factory, trainer_args
+):
+    target = target_factory("qwen3")
+    drafter = drafter_factory(target)
+    activation_dtypes = set()
+    drafter.layers[0].mlp.register_forward_hook(lambda m, i, out: activation_dtypes.add(out.dtype))
+    args = trainer_args(bf16=True, max_steps=8, save_strategy="no")
+    trainer = DrafterTrainer(model=drafter, args=args, target=target, train_dataset=_sequences())
+    trainer.train()
+    assert activation_dtypes == {torch.bfloat16}
+    assert all(p.dtype == torch.float32 for p in drafter.parameters())
+    logged = [entry for entry in trainer.state.log_history if "ce" in entry]
+    assert logged[-1]["ce"] < logged[0]["ce"]
+
+
+def test_anchor_slots_no_row_can_fill_are_dropped():
+    input_ids, loss_mask = toy_batch(seq=40, prompt=30)  # 10 candidate anchors in row 0, 3 in row 1 (padded)
+    anchors = sample_anchors(loss_mask, 24, torch.Generator().manual_seed(6))
+    assert anchors.shape == (2, 10)
+    assert int((anchors[1] >= 0).sum()) == 3 and torch.all(anchors[1, 3:] == -1)
+    nothing_to_learn = sample_anchors(torch.zeros(2, 40, dtype=torch.long), 24)
+    assert nothing_to_learn.shape == (2, 1) and torch.all(nothing_to_learn == -1)

@@ -5,6 +5,10 @@ For a sequence of length S and anchors a_1..a_n, block b is ``[token[a_b], MASK 
 the context strictly before its anchor (the target's hidden state at a_b is not known at inference) and all rows of its
 own block (bidirectional), never another block. CE is weighted by ``exp(-(j-1)/gamma)``. The length head learns the
 realised accepted fraction of each block, ``cumprod(argmax == label).sum() / (k-1)``, from detached states.
+
+Two layouts of that attention: ``dense`` builds the [B, 1, Q, S + Q] mask (Q = num_anchors * k, so cost grows with
+anchors squared); ``split`` hands the drafter the anchors (``AdaFlashDrafter.forward(block_anchors=...)``), which
+scores each row against the context and its own block only, linear in anchors, with the same result.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ class BlockBatch:
     anchors: torch.Tensor  # [B, n] anchor positions, -1 for unused slots
     noise_ids: torch.Tensor  # [B, Q] target token ids of [anchor, MASK...] per block
     position_ids: torch.Tensor  # [B, S + Q] context positions 0..S-1, then each block's absolute positions
-    attention_mask: torch.Tensor  # [B, 1, Q, S + Q] bool, True = may attend
+    attention_mask: torch.Tensor | None  # [B, 1, Q, S + Q] bool, True = may attend; None unless dense_mask
     labels: torch.Tensor  # [B, Q] same-position labels, IGNORE where unsupervised
     weights: torch.Tensor  # [B, Q] CE weight per row (0 where unsupervised)
 
@@ -36,6 +40,8 @@ def sample_anchors(
     """Up to ``num_anchors`` sorted anchor positions per row; -1 pads unused slots.
 
     An anchor a needs at least one context position (a >= 1) and a supervised next token (``loss_mask[a + 1]``).
+    Slots that no row can fill are dropped (at least one is kept): a block without an anchor costs a full block of
+    drafter rows and teaches nothing.
     """
     batch, seq = loss_mask.shape
     candidates = torch.zeros_like(loss_mask, dtype=torch.bool)
@@ -47,7 +53,8 @@ def sample_anchors(
             continue
         chosen = positions[torch.randperm(positions.numel(), generator=generator)[:num_anchors]]
         anchors[row, : chosen.numel()] = chosen.sort().values
-    return anchors.to(loss_mask.device)
+    used = max(int((anchors >= 0).sum(dim=1).max()), 1)
+    return anchors[:, :used].to(loss_mask.device)
 
 
 def build_blocks(
@@ -57,7 +64,9 @@ def build_blocks(
     block_size: int,
     mask_token_id: int,
     decay_gamma: float,
+    dense_mask: bool = True,
 ) -> BlockBatch:
+    """The blocks of ``anchors`` (see the module docstring); the dense attention mask only when ``dense_mask``."""
     batch, seq = input_ids.shape
     num_blocks = anchors.shape[1]
     device = input_ids.device
@@ -82,24 +91,28 @@ def build_blocks(
     context_positions = torch.arange(seq, device=device).expand(batch, seq)
     position_ids = torch.cat([context_positions, block_positions.flatten(1)], dim=1)
 
-    rows = num_blocks * block_size
-    # Context keys: strictly before the row's anchor (invalid blocks see no context).
-    row_anchor = torch.where(valid, anchors, torch.zeros_like(anchors)).repeat_interleave(
-        block_size, dim=1
-    )  # [B, Q]
-    context_visible = torch.arange(seq, device=device)[None, None, :] < row_anchor[..., None]  # [B, Q, S]
-    # Block keys: the row's own block only.
-    block_of_row = torch.arange(rows, device=device) // block_size
-    own_block = block_of_row[:, None] == block_of_row[None, :]  # [Q, Q]
-    mask = torch.cat([context_visible, own_block.expand(batch, rows, rows)], dim=-1)[:, None]
     return BlockBatch(
         anchors=anchors,
         noise_ids=noise_ids.flatten(1),
         position_ids=position_ids,
-        attention_mask=mask,
+        attention_mask=dense_block_mask(anchors, seq, block_size) if dense_mask else None,
         labels=labels.flatten(1),
         weights=weights.flatten(1),
     )
+
+
+def dense_block_mask(anchors: torch.Tensor, seq: int, block_size: int) -> torch.Tensor:
+    """[B, 1, Q, S + Q] bool: a row sees the context strictly before its block's anchor and its own block only."""
+    batch, num_blocks = anchors.shape
+    device = anchors.device
+    rows = num_blocks * block_size
+    # Context keys: strictly before the row's anchor (invalid blocks see no context).
+    row_anchor = anchors.clamp(min=0).repeat_interleave(block_size, dim=1)  # [B, Q]
+    context_visible = torch.arange(seq, device=device)[None, None, :] < row_anchor[..., None]  # [B, Q, S]
+    # Block keys: the row's own block only.
+    block_of_row = torch.arange(rows, device=device) // block_size
+    own_block = block_of_row[:, None] == block_of_row[None, :]  # [Q, Q]
+    return torch.cat([context_visible, own_block.expand(batch, rows, rows)], dim=-1)[:, None]
 
 
 def block_ce_and_head_loss(
@@ -108,24 +121,44 @@ def block_ce_and_head_loss(
     lm_head_weight: torch.Tensor,
     blocks: BlockBatch,
     block_size: int,
+    draft_token_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
     """Weighted same-position CE of the drafter and the length head's MSE against realised acceptance.
 
     ``drafter_hidden`` [B, Q, H]; ``acceptance_prob`` [B, n] (from detached states). Logits are computed only for
-    supervised rows. Returns (ce, head_mse, metrics).
+    supervised rows, and only over ``draft_token_ids`` (sorted target ids, a reduced draft vocabulary) when given:
+    a label outside it has no CE term (EAGLE-3) but still counts as a wrong draft in the accuracy and in the realised
+    acceptance the length head learns, as it would at inference. Log-softmax and CE run in float32 whatever the
+    logits' dtype (bf16 under autocast). Returns (ce, head_mse, metrics).
     """
     labels = blocks.labels
     rows = labels != IGNORE
     if not rows.any():
         zero = drafter_hidden.sum() * 0.0
         return zero, acceptance_prob.sum() * 0.0, {"ce": 0.0, "accuracy": 0.0, "head_mse": 0.0, "blocks": 0}
-    logits = drafter_hidden[rows] @ lm_head_weight.T  # [R, V]
-    ce_rows = F.cross_entropy(logits.float(), labels[rows], reduction="none")
+    row_labels = labels[rows]
     weights = blocks.weights[rows]
-    ce = (ce_rows * weights).sum() / weights.sum()
+    extra = {}
+    if draft_token_ids is None:
+        logits = drafter_hidden[rows] @ lm_head_weight.T  # [R, V]
+        targets = row_labels
+    else:
+        logits = drafter_hidden[rows] @ lm_head_weight[draft_token_ids].T  # [R, N]
+        slot = torch.searchsorted(draft_token_ids, row_labels).clamp(max=draft_token_ids.numel() - 1)
+        in_vocab = draft_token_ids[slot] == row_labels
+        targets = torch.where(in_vocab, slot, torch.full_like(slot, IGNORE))
+        weights = weights * in_vocab
+        extra["draft_vocab_coverage"] = float(in_vocab.float().mean())
+    ce_rows = F.cross_entropy(logits.float(), targets, reduction="none", ignore_index=IGNORE)
+    # Rows 1.. of a supervised block weigh >= exp(-(k-2)/gamma) each, so the sum is 0 only when no label is in the
+    # draft vocabulary; then the CE is 0 rather than 0/0.
+    ce = (ce_rows * weights).sum() / weights.sum().clamp(min=torch.finfo(torch.float32).tiny)
 
+    predicted = logits.detach().argmax(-1)
+    if draft_token_ids is not None:
+        predicted = draft_token_ids[predicted]
     correct = torch.zeros_like(labels, dtype=torch.bool)
-    correct[rows] = logits.detach().argmax(-1) == labels[rows]
+    correct[rows] = predicted == row_labels
     per_block = correct.view(labels.shape[0], -1, block_size)[..., 1:]  # [B, n, k-1]
     accepted = per_block.long().cumprod(dim=-1).sum(-1)
     realised = accepted.float() / (block_size - 1)
@@ -137,6 +170,7 @@ def block_ce_and_head_loss(
         "head_mse": float(head_mse.detach()),
         "accept_len": float(accepted[valid_blocks].float().mean()),
         "blocks": int(valid_blocks.sum()),
+        **extra,
     }
     return ce, head_mse, metrics
 

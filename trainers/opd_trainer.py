@@ -43,6 +43,7 @@ from transformers import GenerationConfig, Trainer
 from transformers.utils import logging
 from trl import DistillationTrainer
 
+from adaflash_hf.draft_vocab import draft_tokens
 from adaflash_hf.kernels.clipped_kl import fused_clipped_distill_loss
 from adaflash_hf.online.buffer import Trajectory
 from adaflash_hf.online.weights import (
@@ -218,11 +219,21 @@ class OPDTrainer(DistillationTrainer):
         )
         hidden = out.last_hidden_state[rows]  # [R, H]
         weights = blocks.weights[rows] if gamma else torch.ones_like(blocks.weights[rows])
-        lm_head = self.teacher_model.get_output_embeddings().weight
+        lm_head = self.teacher_model.get_output_embeddings()
+        head_weight, loss_target_logits = lm_head.weight, target_logits
+        token_ids = drafter.draft_token_ids
+        if token_ids is not None:
+            # A reduced draft vocabulary S: q lives on S, and p is taken over S too, i.e. renormalised there. The
+            # target's mass outside S drops out: Σ_S q log(q/p) = Σ_S q log(q/p_S) - log p(S), so the unclipped
+            # reverse KL only loses the constant -log p(S) per row and keeps the gradient of the full-vocabulary KL
+            # with q = 0 outside S (the clip applies to the renormalised entries). The hard CE's label becomes the
+            # target's best token inside S, the best proposal the drafter can make.
+            token_ids = token_ids.to(head_weight.device)
+            head_weight, loss_target_logits = head_weight[token_ids], target_logits[:, token_ids]
         distill = fused_clipped_distill_loss(
             hidden,
-            lm_head,
-            target_logits,
+            head_weight,
+            loss_target_logits,
             alpha=self.args.alpha,
             delta=self.args.delta,
             row_weights=weights,
@@ -230,7 +241,7 @@ class OPDTrainer(DistillationTrainer):
         )
 
         realised, valid_blocks = self._realised_acceptance(
-            hidden.detach(), lm_head, target_logits, rows, blocks
+            hidden.detach(), lm_head, token_ids, target_logits, rows, blocks
         )
         acceptance = out.acceptance_prob
         if acceptance.dim() == 1:
@@ -248,12 +259,13 @@ class OPDTrainer(DistillationTrainer):
         return (loss, out) if return_outputs else loss
 
     @torch.no_grad()
-    def _realised_acceptance(self, hidden, lm_head, target_logits, rows, blocks):
-        """Per block: accepted fraction of the k-1 drafts if verified greedily now (cumulative top-1 agreement)."""
+    def _realised_acceptance(self, hidden, lm_head, token_ids, target_logits, rows, blocks):
+        """Per block: accepted fraction of the k-1 drafts if verified greedily now (cumulative top-1 agreement of the
+        drafter's proposals, inside ``token_ids`` when set, with the target's top-1 over the whole vocabulary)."""
         block = self.drafter.config.block_size
         agree = torch.cat(
             [
-                (h @ lm_head.T).argmax(-1) == t.argmax(-1)
+                draft_tokens(h, lm_head, token_ids) == t.argmax(-1)
                 for h, t in zip(hidden.split(1024), target_logits.split(1024))
             ]
         )

@@ -21,7 +21,9 @@ from transformers.utils import logging
 from trl import TrlParser
 
 from adaflash_hf.assets import chat_prompt_ids, load_target
+from adaflash_hf.corpus import read_corpus
 from adaflash_hf.data import load_domain
+from adaflash_hf.draft_vocab import build_draft_vocab
 from adaflash_hf.modeling import AdaFlashConfig, AdaFlashDrafter
 from adaflash_hf.modeling.configuration_adaflash import build_target_layer_ids
 from adaflash_hf.trainers.train_drafter_config import DrafterTrainingConfig
@@ -31,7 +33,7 @@ from adaflash_hf.training_data import build_sequences, read_sequences
 logger = logging.get_logger(__name__)
 
 
-def build_drafter(args: DrafterTrainingConfig, target) -> AdaFlashDrafter:
+def build_drafter(args: DrafterTrainingConfig, target, records: list[dict] | None = None) -> AdaFlashDrafter:
     if args.drafter_init:
         drafter = AdaFlashDrafter.from_pretrained(args.drafter_init, dtype=target.dtype)
     else:
@@ -42,6 +44,15 @@ def build_drafter(args: DrafterTrainingConfig, target) -> AdaFlashDrafter:
         }
         if args.mask_token_id is not None:
             overrides["mask_token_id"] = args.mask_token_id
+        if args.draft_vocab_size is not None:
+            # FR-Spec / EAGLE-3: the most frequent tokens of the target's own responses; no new parameters.
+            eos = target.config.get_text_config().eos_token_id
+            overrides["draft_token_ids"], coverage = build_draft_vocab(
+                records or [], args.draft_vocab_size, eos
+            )
+            logger.info(
+                f"draft vocabulary: {args.draft_vocab_size} tokens cover {coverage:.2%} of response tokens"
+            )
         config = AdaFlashConfig.for_target(target.config, **overrides)
         text = target.config.get_text_config()
         config.target_layer_ids = build_target_layer_ids(text.num_hidden_layers, args.drafter_target_layers)
@@ -67,6 +78,49 @@ def training_rows(args: DrafterTrainingConfig) -> list[dict]:
 
 def main(args: DrafterTrainingConfig) -> AdaFlashDrafter:
     target, tokenizer = load_target(args.target_model)
+    if args.corpus_dir:
+        records = read_corpus(args.corpus_dir, args.domains)
+    else:
+        records = _regenerated_records(args, target, tokenizer)
+    if args.max_train_sequences is not None:
+        records = records[: args.max_train_sequences]
+    train_dataset = datasets.Dataset.from_list(
+        [
+            {
+                "input_ids": r["input_ids"],
+                "prompt_length": r["prompt_length"],
+                "id": r.get("id", ""),
+                "domain": r.get("domain", ""),
+            }
+            for r in records
+        ]
+    )
+    eval_prompts = [
+        chat_prompt_ids(tokenizer, row["prompt"])
+        for domain in (args.domains if args.eval_prompts_per_domain > 0 else ())
+        for row in load_domain(domain, "heldout", n=args.eval_prompts_per_domain, seed=args.seed)
+    ]
+    drafter = build_drafter(args, target, records)
+    logger.info(
+        f"drafter: {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M parameters, {len(records)} sequences"
+    )
+    trainer = DrafterTrainer(
+        model=drafter,
+        args=args,
+        target=target,
+        tokenizer=tokenizer,
+        train_dataset=train_dataset,
+        eval_prompts=eval_prompts,
+    )
+    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+    if args.eval_prompts_per_domain > 0 or args.heldout_corpus_dir:
+        trainer.evaluate()
+    if trainer.is_world_process_zero():
+        trainer.model.save_pretrained(args.output_dir)
+    return trainer.model
+
+
+def _regenerated_records(args: DrafterTrainingConfig, target, tokenizer) -> list[dict]:
     sequences_file = Path(args.sequences_file or Path(args.output_dir) / "sequences.jsonl")
     state = PartialState()
     with state.main_process_first():  # one process regenerates; the others read its file
@@ -81,33 +135,7 @@ def main(args: DrafterTrainingConfig) -> AdaFlashDrafter:
                 max_new_tokens=args.max_new_tokens,
                 batch_size=args.generation_batch_size,
             )
-        records = read_sequences(sequences_file)
-    train_dataset = datasets.Dataset.from_list(
-        [{"input_ids": r["input_ids"], "prompt_length": r["prompt_length"]} for r in records]
-    )
-    eval_prompts = [
-        chat_prompt_ids(tokenizer, row["prompt"])
-        for domain in (args.domains if args.eval_prompts_per_domain > 0 else ())
-        for row in load_domain(domain, "heldout", n=args.eval_prompts_per_domain, seed=args.seed)
-    ]
-    drafter = build_drafter(args, target)
-    logger.info(
-        f"drafter: {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M parameters, {len(records)} sequences"
-    )
-    trainer = DrafterTrainer(
-        model=drafter,
-        args=args,
-        target=target,
-        tokenizer=tokenizer,
-        train_dataset=train_dataset,
-        eval_prompts=eval_prompts,
-    )
-    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
-    if args.eval_prompts_per_domain > 0:
-        trainer.evaluate()
-    if trainer.is_world_process_zero():
-        trainer.model.save_pretrained(args.output_dir)
-    return trainer.model
+        return read_sequences(sequences_file)
 
 
 def make_parser(subparsers=None) -> TrlParser:

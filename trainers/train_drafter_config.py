@@ -67,6 +67,51 @@ class DrafterTrainingConfig(TrainingArguments):
         },
     )
     num_anchors: int = field(default=24, metadata={"help": "Random anchors (blocks) per sequence and step."})
+    attention_layout: str = field(
+        default="split",
+        metadata={
+            "help": "'split': each block row attends to the context and its own block, linear in num_anchors; "
+            "'dense': the same through a [Q, S + Q] mask, quadratic in num_anchors (kept as the benchmark baseline)."
+        },
+    )
+    corpus_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "A corpus written by `python -m adaflash_hf.corpus` (<domain>.jsonl.gz of token ids): train on its "
+            "sequences of `domains` instead of regenerating responses."
+        },
+    )
+    corpus_features_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "Target features the corpus builder recorded; sequences without a file get theirs computed."
+        },
+    )
+    max_train_sequences: int | None = field(
+        default=None, metadata={"help": "Use only the first N training sequences (None = all)."}
+    )
+    heldout_corpus_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "Corpus of held-out prompts for the learning curve: every evaluation measures teacher-forced "
+            "greedy acceptance (first position, tau of the full block) per domain on it."
+        },
+    )
+    heldout_features_dir: str | None = field(
+        default=None, metadata={"help": "Target features of the held-out corpus."}
+    )
+    learning_curve_dir: str | None = field(
+        default=None,
+        metadata={"help": "Where learning_curve.json/.png go (default: output_dir)."},
+    )
+    draft_vocab_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "Size of the drafter's reduced draft vocabulary (its draft_token_ids). A fresh drafter gets the N "
+            "most frequent response tokens of the training sequences; a loaded one must already have N. None: train "
+            "over whatever the drafter drafts (its draft_token_ids, else the full vocabulary)."
+        },
+    )
     loss_decay_gamma: float = field(
         default=7.0, metadata={"help": "Position decay of the CE weight, exp(-(j-1)/gamma) (7 for k=16)."}
     )
@@ -100,7 +145,13 @@ class DrafterTrainingConfig(TrainingArguments):
     eval_strategy: str = field(default="no", metadata={"help": "'steps' to evaluate tau every eval_steps."})
     remove_unused_columns: bool = field(default=False, metadata={"help": "Keep the collator's columns."})
     dataloader_num_workers: int = field(default=0, metadata={"help": "Dataloader workers."})
-    bf16: bool = field(default=False, metadata={"help": "bf16 mixed precision (GPU)."})
+    bf16: bool = field(
+        default=False,
+        metadata={
+            "help": "bf16 autocast of the training step, also on CPU (use_cpu=True); weights stay float32 and the CE "
+            "is computed in float32. Faster only where bf16 matmuls are (GPU, CPUs with AMX or AVX512-BF16)."
+        },
+    )
 
     def __post_init__(self):
         super().__post_init__()
@@ -110,6 +161,12 @@ class DrafterTrainingConfig(TrainingArguments):
             raise ValueError(f"num_anchors: expected >= 1, got {self.num_anchors}")
         if self.loss_decay_gamma <= 0:
             raise ValueError(f"loss_decay_gamma: expected > 0, got {self.loss_decay_gamma}")
+        if self.attention_layout not in ("split", "dense"):
+            raise ValueError(f"attention_layout: expected 'split' or 'dense', got {self.attention_layout!r}")
+        if self.max_train_sequences is not None and self.max_train_sequences < 1:
+            raise ValueError(f"max_train_sequences: expected None or >= 1, got {self.max_train_sequences}")
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
+            raise ValueError(f"draft_vocab_size: expected None or >= 1, got {self.draft_vocab_size}")
         if self.length_head_variant not in ("two_model", "paper"):
             raise ValueError(
                 f"length_head_variant: expected 'two_model' or 'paper', got {self.length_head_variant!r}"

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 from transformers.utils import logging
 
+from adaflash_hf.draft_vocab import draft_tokens
 from adaflash_hf.kernels.verify_accept import verify_accept
 from adaflash_hf.serving.admission import AdmissionConfig, AdmissionController
 from adaflash_hf.serving.cache import (
@@ -347,14 +348,15 @@ class AdaFlashEngine:
     def _propose(
         self, block_states, lengths: list[int], full: bool = False
     ) -> tuple[list[list[int]], list[list[int]] | None]:
-        """Argmax proposals of block rows 1..k̂_i through the target's lm_head, on the verified rows only; with
-        ``full`` also every row 1..block_size-1 (returned second, None otherwise; its first k̂_i are the drafts)."""
+        """Argmax proposals of block rows 1..k̂_i through the target's lm_head (its ``draft_token_ids`` rows when the
+        drafter has them), on the verified rows only; with ``full`` also every row 1..block_size-1 (returned second,
+        None otherwise; its first k̂_i are the drafts)."""
         widths = [self.block_size - 1 if full else n for n in lengths]
         if block_states is None or not sum(widths):
             return [[] for _ in lengths], None
         rows = torch.cat([block_states[i, 1 : 1 + w] for i, w in enumerate(widths)])
         lm_head = self.target.get_output_embeddings()
-        tokens = lm_head(rows.to(lm_head.weight.device)).argmax(-1).tolist()
+        tokens = draft_tokens(rows, lm_head, self.drafter.draft_token_ids).tolist()
         proposals, offset = [], 0
         for w in widths:
             proposals.append(tokens[offset : offset + w])

@@ -1,0 +1,315 @@
+"""Throughput of one offline drafter-training step: ``adaflash bench train [--threads 1] [--steps 3] [--output t.json]``.
+
+A step is ``DrafterTrainer``'s without data loading, feature lookup and scheduler: ``sample_anchors``,
+``recipe_loss`` (blocks, drafter forward, CE + length-head MSE), backward, both groups clipped, AdamW step; bf16
+variants run it under ``torch.autocast("cpu", bfloat16)``, as accelerate does for ``bf16=True`` with ``use_cpu=True``
+(float32 master weights, CE in float32). No target model is loaded: the context features (``--context-layers`` target
+layers), the tied embedding and lm_head are random tensors of the real target's shapes, SmolLM2-135M (hidden 576,
+9 heads over 3 KV heads of 64, intermediate 1536, vocabulary 49152, 30 layers), for a batch of 4 sequences of 448
+tokens whose first 64 are prompt (unsupervised). Speed does not depend on the values.
+
+Variants (``VARIANTS``) start from ``today`` (the recipe before issue 12: dense [Q, S + Q] mask, float32, full
+vocabulary, 24 anchors) and change the attention layout and anchor count, bf16 autocast, the vocabulary (``dv``: a
+draft vocabulary of 8192 ids) and the drafter's depth. The draft vocabulary is the batch's most frequent label tokens
+filled up with random other ids (random tokens are nearly all covered; a real subset comes from corpus frequencies).
+A row has 384 candidate anchors, so ``split-512`` trains 384 blocks a row: ``blocks/step`` counts the trained ones.
+
+Each variant runs in a fresh process: one warm-up step, then ``--steps`` timed steps; blocks/s is the median over
+the timed steps, peak RSS the process's high-water mark (``step MiB``: that mark minus the RSS before the first step).
+``--quick`` uses tiny shapes (seconds; for tests), ``--in-process`` runs every variant in this process (no fresh
+process: peak RSS is then the running maximum over variants).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+from transformers import LlamaConfig
+
+from adaflash_hf.modeling import AdaFlashConfig, AdaFlashDrafter
+from adaflash_hf.modeling.configuration_adaflash import build_target_layer_ids
+from adaflash_hf.trainers.dflash_recipe import IGNORE, sample_anchors
+from adaflash_hf.trainers.optim import clip_each_group, split_drafter_and_head, two_group_adamw
+from adaflash_hf.trainers.train_drafter_config import DrafterTrainingConfig
+from adaflash_hf.trainers.train_drafter_trainer import recipe_loss
+
+VARIANTS = {
+    "today": {"attention_layout": "dense", "num_anchors": 24},
+    "dense-96": {"attention_layout": "dense", "num_anchors": 96},
+    "split-24": {"num_anchors": 24},
+    "split-96": {"num_anchors": 96},
+    "split-256": {"num_anchors": 256},
+    "split-512": {"num_anchors": 512},
+    "split-24-bf16": {"num_anchors": 24, "bf16": True},
+    "split-24-dv": {"num_anchors": 24, "draft_vocab": True},
+    "split-24-bf16-dv": {"num_anchors": 24, "bf16": True, "draft_vocab": True},
+    "split-24-dv-1layer": {"num_anchors": 24, "draft_vocab": True, "drafter_layers": 1},
+    "split-256-bf16-dv": {"num_anchors": 256, "bf16": True, "draft_vocab": True},
+}
+VARIANT_DEFAULTS = {"attention_layout": "split", "bf16": False, "draft_vocab": False, "drafter_layers": 2}
+# SmolLM2-135M-Instruct, the default target of trainers/train_drafter.py, and the trainer's default batch.
+SHAPES = {
+    "real": {
+        "hidden_size": 576,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "head_dim": 64,
+        "intermediate_size": 1536,
+        "vocab_size": 49152,
+        "num_hidden_layers": 30,
+        "batch": 4,
+        "seq": 448,
+        "prompt": 64,
+        "draft_vocab": 8192,
+    },
+    "quick": {
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "intermediate_size": 128,
+        "vocab_size": 512,
+        "num_hidden_layers": 8,
+        "batch": 2,
+        "seq": 64,
+        "prompt": 8,
+        "draft_vocab": 128,
+    },
+}
+BLOCK = 16
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def top_label_vocab(
+    labels: torch.Tensor, size: int, vocab_size: int, generator: torch.Generator
+) -> torch.Tensor:
+    """Sorted ids: the ``size`` most frequent labels (ties by id), filled up with random other ids."""
+    counts = torch.bincount(labels[labels >= 0].flatten(), minlength=vocab_size)
+    seen = counts.nonzero().flatten()
+    frequent = seen[counts[seen].argsort(descending=True, stable=True)][:size]
+    unseen = torch.ones(vocab_size, dtype=torch.bool)
+    unseen[frequent] = False
+    fill = unseen.nonzero().flatten()
+    fill = fill[torch.randperm(fill.numel(), generator=generator)[: size - frequent.numel()]]
+    return torch.cat([frequent, fill]).sort().values
+
+
+def _setup(variant: str, shape: dict, context_layers: int):
+    spec = {**VARIANT_DEFAULTS, **VARIANTS[variant]}
+    target_config = LlamaConfig(
+        **{k: shape[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim")},
+        intermediate_size=shape["intermediate_size"],
+        vocab_size=shape["vocab_size"],
+        num_hidden_layers=shape["num_hidden_layers"],
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    # No spare vocabulary row in SmolLM2: the drafter learns its mask embedding, as train_drafter.py builds it.
+    config = AdaFlashConfig.for_target(
+        target_config, num_hidden_layers=spec["drafter_layers"], block_size=BLOCK
+    )
+    config.target_layer_ids = build_target_layer_ids(shape["num_hidden_layers"], context_layers)
+    drafter = AdaFlashDrafter(config).train()
+    # Nothing is written: output_dir keeps its default and no Trainer is built.
+    args = DrafterTrainingConfig(
+        use_cpu=True,
+        report_to="none",
+        num_anchors=spec["num_anchors"],
+        attention_layout=spec["attention_layout"],
+        bf16=spec["bf16"],
+        draft_vocab_size=shape["draft_vocab"] if spec["draft_vocab"] else None,
+    )
+    return spec, drafter, args
+
+
+def measure_variant(
+    variant: str, quick: bool, steps: int, warmup: int, threads: int, context_layers: int
+) -> dict:
+    """Median blocks/s and peak memory of ``steps`` training steps of ``variant``, in this process."""
+    torch.set_num_threads(threads)
+    shape = SHAPES["quick" if quick else "real"]
+    spec, drafter, args = _setup(variant, shape, context_layers)
+    batch, seq, hidden, vocab = shape["batch"], shape["seq"], shape["hidden_size"], shape["vocab_size"]
+    g = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(0, vocab, (batch, seq), generator=g)
+    loss_mask = torch.zeros(batch, seq, dtype=torch.long)
+    loss_mask[:, shape["prompt"] :] = 1
+    features = torch.randn(batch, seq, drafter.fc.in_features, generator=g)
+    embedding = torch.randn(vocab, hidden, generator=g) * hidden**-0.5  # tied embedding = lm_head
+    draft_ids = None
+    if args.draft_vocab_size:
+        labels = torch.where(loss_mask.bool(), input_ids, torch.full_like(input_ids, IGNORE))
+        draft_ids = top_label_vocab(labels, args.draft_vocab_size, vocab, g)
+    groups = split_drafter_and_head(drafter)
+    optimizer = two_group_adamw(groups, args)
+
+    def step() -> int:
+        anchors = sample_anchors(loss_mask, args.num_anchors, g)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
+            loss, _, metrics = recipe_loss(
+                drafter,
+                drafter.config,
+                args,
+                input_ids,
+                loss_mask,
+                features,
+                anchors,
+                embedding,
+                embedding,
+                draft_ids,
+            )
+        loss.backward()
+        clip_each_group(groups, args.max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return metrics["blocks"]
+
+    base = _rss_bytes()
+    for _ in range(warmup):
+        step()
+    seconds, rates, blocks = [], [], []
+    for _ in range(steps):
+        start = time.perf_counter()
+        trained = step()
+        elapsed = time.perf_counter() - start
+        seconds.append(elapsed)
+        rates.append(trained / elapsed)
+        blocks.append(trained)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {
+        "variant": variant,
+        "attention_layout": spec["attention_layout"],
+        "num_anchors": spec["num_anchors"],
+        "blocks_per_step": statistics.median(blocks),
+        "bf16": spec["bf16"],
+        "draft_vocab_size": args.draft_vocab_size,
+        "drafter_layers": spec["drafter_layers"],
+        "seconds_per_step": statistics.median(seconds),
+        "blocks_per_s": statistics.median(rates),
+        "peak_rss_mib": peak / 2**20,
+        "step_mib": (peak - base) / 2**20,
+    }
+
+
+def _measure_isolated(variant, quick, steps, warmup, threads, context_layers) -> dict:
+    """One fresh process per variant, so the RSS high-water mark belongs to that variant alone."""
+    spec = json.dumps([variant, quick, steps, warmup, threads, context_layers])
+    code = (
+        "import json; from adaflash_hf.bench.train import measure_variant; "
+        f"print(json.dumps(measure_variant(*json.loads({spec!r}))))"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    # -P: the repository root must not shadow Hugging Face's own ``kernels`` package.
+    result = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, env=env)
+    if result.returncode != 0:
+        # A variant killed for memory (SIGKILL, -9) is a result too: report it and go on with the others.
+        reason = "killed (out of memory?)" if result.returncode == -9 else result.stderr.strip()[-300:]
+        return {"variant": variant, "error": f"exit {result.returncode}: {reason}"}
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def run(args) -> dict:
+    measure = measure_variant if args.in_process else _measure_isolated
+    entries = []
+    for variant in args.variants:
+        entry = measure(variant, args.quick, args.steps, args.warmup, args.threads, args.context_layers)
+        entries.append(entry)
+        print(f"{variant}: {json.dumps(entry)}", file=sys.stderr, flush=True)
+    today = next((e for e in entries if e["variant"] == "today" and "error" not in e), None)
+    for entry in entries:
+        ok = today is not None and "error" not in entry
+        entry["speedup_vs_today"] = entry["blocks_per_s"] / today["blocks_per_s"] if ok else None
+    settings = {
+        "shape": "quick" if args.quick else "real",
+        **SHAPES["quick" if args.quick else "real"],
+        "context_layers": args.context_layers,
+        "block_size": BLOCK,
+        "threads": args.threads,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "torch": torch.__version__,
+    }
+    return {"settings": settings, "variants": entries}
+
+
+def _fmt(value, digits=1) -> str:
+    return "—" if value is None else f"{value:.{digits}f}"
+
+
+def format_table(results: dict) -> str:
+    s = results["settings"]
+    lines = [
+        f"One drafter training step (forward, backward, clip, AdamW), {s['shape']} shapes: batch {s['batch']} x "
+        f"{s['seq']} tokens, hidden {s['hidden_size']}, vocabulary {s['vocab_size']}, {s['context_layers']} context "
+        f"layers, block {s['block_size']}; {s['threads']} thread(s), median of {s['steps']} steps",
+        "",
+        "| variant | layout | anchors | blocks/step | bf16 | draft vocab | layers | s/step | blocks/s | speed-up vs today "
+        "| peak RSS MiB | step MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for e in results["variants"]:
+        if "error" in e:
+            lines.append(f"| {e['variant']} | {e['error']} |" + " |" * 10)
+            continue
+        lines.append(
+            f"| {e['variant']} | {e['attention_layout']} | {e['num_anchors']} | {e['blocks_per_step']:.0f} | "
+            f"{'yes' if e['bf16'] else 'no'} | {e['draft_vocab_size'] or 'full'} | {e['drafter_layers']} | "
+            f"{_fmt(e['seconds_per_step'], 3)} | {_fmt(e['blocks_per_s'])} | {_fmt(e['speedup_vs_today'], 2)} | "
+            f"{_fmt(e['peak_rss_mib'], 0)} | {_fmt(e['step_mib'], 0)} |"
+        )
+    return "\n".join(lines)
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="adaflash bench train", description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS), help="default: all"
+    )
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per variant (after the warm-up)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads (1: on 2 shared cores more threads measure noise)",
+    )
+    parser.add_argument(
+        "--context-layers", type=int, choices=(3, 5), default=3, help="target layers fed to the drafter"
+    )
+    parser.add_argument("--quick", action="store_true", help="tiny shapes: a whole run in seconds (tests)")
+    parser.add_argument(
+        "--in-process",
+        action="store_true",
+        help="no fresh process per variant (peak RSS is then a running maximum)",
+    )
+    parser.add_argument("--output", help="also write the results as JSON to this path")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = make_parser().parse_args(argv)
+    if args.steps < 1:
+        raise SystemExit(f"--steps: expected >= 1, got {args.steps}")
+    torch.set_num_threads(args.threads)
+    results = run(args)
+    print(format_table(results))
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

