@@ -3,6 +3,7 @@
 import json
 
 import datasets
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -97,8 +98,12 @@ def test_the_curve_json_and_its_plot_come_from_one_record(tmp_path):
     assert [p["blocks_seen"] for p in json.loads(resumed.json_path.read_text())["points"]] == [100, 500]
 
 
+@pytest.mark.parametrize(
+    ("schedule", "steps"),
+    [({"eval_strategy": "steps", "eval_steps": 2}, [2, 4]), ({"curve_points_per_decade": 2}, [1, 3, 4])],
+)
 def test_training_from_a_recorded_corpus_uses_its_features_and_draws_the_curve(
-    target_factory, drafter_factory, tmp_path, monkeypatch
+    target_factory, drafter_factory, tmp_path, monkeypatch, schedule, steps
 ):
     target = target_factory("llama")
     drafter = drafter_factory(target)
@@ -116,14 +121,13 @@ def test_training_from_a_recorded_corpus_uses_its_features_and_draws_the_curve(
         per_device_train_batch_size=2,
         num_anchors=8,
         logging_steps=2,
-        eval_strategy="steps",
-        eval_steps=2,
         eval_prompts_per_domain=0,
         save_strategy="no",
         learning_rate=3e-3,
         report_to="none",
         use_cpu=True,
         disable_tqdm=True,
+        **schedule,
     )
     dataset = datasets.Dataset.from_list(
         [{k: r[k] for k in ("input_ids", "prompt_length", "id", "domain")} for r in records]
@@ -137,8 +141,9 @@ def test_training_from_a_recorded_corpus_uses_its_features_and_draws_the_curve(
     )
     trainer.train()
     points = json.loads((tmp_path / "out" / "learning_curve.json").read_text())["points"]
-    assert [p["step"] for p in points] == [2, 4]
-    assert 0 < points[0]["blocks_seen"] < points[1]["blocks_seen"] <= 4 * 2 * 8
+    assert [p["step"] for p in points] == steps  # log-spaced: 10^0, 10^0.5 ~ 3, and the last step
+    seen = [p["blocks_seen"] for p in points]
+    assert 0 < seen[0] and seen == sorted(set(seen)) and seen[-1] <= 4 * 2 * 8
     assert {"chat", "math", "all"} == set(points[-1]["metrics"])
     assert (tmp_path / "out" / "learning_curve.png").is_file()
     logged = [e for e in trainer.state.log_history if "blocks_seen" in e]

@@ -113,7 +113,7 @@ def main(args: DrafterTrainingConfig) -> AdaFlashDrafter:
         eval_prompts=eval_prompts,
     )
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
-    if args.eval_prompts_per_domain > 0 or args.heldout_corpus_dir:
+    if args.eval_prompts_per_domain > 0 or (args.heldout_corpus_dir and not args.curve_points_per_decade):
         trainer.evaluate()
     if trainer.is_world_process_zero():
         trainer.model.save_pretrained(args.output_dir)

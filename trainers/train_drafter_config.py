@@ -104,6 +104,16 @@ class DrafterTrainingConfig(TrainingArguments):
         default=None,
         metadata={"help": "Where learning_curve.json/.png go (default: output_dir)."},
     )
+    curve_points_per_decade: int = field(
+        default=0,
+        metadata={
+            "help": "With a held-out corpus and eval_strategy='no': evaluate at steps spaced evenly on a log scale, "
+            "this many per decade of steps, and at the end (0 = only as eval_strategy says)."
+        },
+    )
+    curve_max_anchors: int = field(
+        default=64, metadata={"help": "Anchors per held-out sequence in each learning-curve evaluation."}
+    )
     draft_vocab_size: int | None = field(
         default=None,
         metadata={
@@ -163,6 +173,8 @@ class DrafterTrainingConfig(TrainingArguments):
             raise ValueError(f"loss_decay_gamma: expected > 0, got {self.loss_decay_gamma}")
         if self.attention_layout not in ("split", "dense"):
             raise ValueError(f"attention_layout: expected 'split' or 'dense', got {self.attention_layout!r}")
+        if self.curve_points_per_decade < 0:
+            raise ValueError(f"curve_points_per_decade: expected >= 0, got {self.curve_points_per_decade}")
         if self.max_train_sequences is not None and self.max_train_sequences < 1:
             raise ValueError(f"max_train_sequences: expected None or >= 1, got {self.max_train_sequences}")
         if self.draft_vocab_size is not None and self.draft_vocab_size < 1:

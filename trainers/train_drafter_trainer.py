@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import GenerationConfig, Trainer
+from transformers import GenerationConfig, Trainer, TrainerCallback
 from transformers.utils import logging
 
 from adaflash_hf.corpus import load_features, read_corpus
@@ -177,6 +177,21 @@ class TargetFeatures:
         return load_file(path)["features"] if path.is_file() else None
 
 
+class LogSpacedEvaluation(TrainerCallback):
+    """Evaluate at steps evenly spaced on a log scale (``per_decade`` a decade) and at the last step: a learning
+    curve drawn against log(blocks seen) then has its points where the curve bends, not bunched at the end."""
+
+    def __init__(self, per_decade: int):
+        self.per_decade = per_decade
+
+    def on_step_end(self, args, state, control, **kwargs):
+        step = state.global_step
+        marks = {max(1, round(10 ** (k / self.per_decade))) for k in range(8 * self.per_decade)}
+        if step in marks or step == state.max_steps:
+            control.should_evaluate = True
+        return control
+
+
 class DrafterTrainer(Trainer):
     """Trains an ``AdaFlashDrafter`` against a frozen ``target``. See the module docstring for the hooks."""
 
@@ -197,6 +212,8 @@ class DrafterTrainer(Trainer):
         self.heldout_records, self.heldout_features, self.curve = [], [], None
         if args.heldout_corpus_dir:
             self._load_heldout(model.config.target_layer_ids)
+            if args.curve_points_per_decade and args.eval_strategy == "no":
+                self.add_callback(LogSpacedEvaluation(args.curve_points_per_decade))
         self.eval_prompts = eval_prompts or []
         self.anchor_generator = torch.Generator().manual_seed(args.seed + self.accelerator.process_index)
         self._metrics: dict[str, list[float]] = defaultdict(list)
@@ -279,7 +296,9 @@ class DrafterTrainer(Trainer):
         drafter.eval()
         metrics: dict[str, float] = {}
         if self.heldout_records:
-            acceptance = heldout_acceptance(drafter, self.target, self.heldout_records, self.heldout_features)
+            acceptance = heldout_acceptance(
+                drafter, self.target, self.heldout_records, self.heldout_features, self.args.curve_max_anchors
+            )
             for domain, values in acceptance.items():
                 metrics[f"{metric_key_prefix}_first_position_{domain}"] = values["first_position"]
                 metrics[f"{metric_key_prefix}_tau_fixed_{domain}"] = values["tau_fixed"]
