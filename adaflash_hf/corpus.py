@@ -307,7 +307,9 @@ def make_parser() -> argparse.ArgumentParser:
         parser.add_argument(
             f"--{domain}", type=int, default=default, help=f"{domain} train prompts (0 = none)"
         )
-    parser.add_argument("--split", default="train", choices=("train", "heldout"), help="which split's prompts")
+    parser.add_argument(
+        "--split", default="train", choices=("train", "heldout"), help="which split's prompts"
+    )
     parser.add_argument("--seed", type=int, default=0, help="shuffle seed of each domain's split")
     parser.add_argument("--layer-ids", type=int, nargs="+", default=list(SMOLLM2_CAPTURE_LAYERS))
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -327,7 +329,10 @@ def main(argv: list[str] | None = None) -> dict:
             raise ValueError(f"--{domain}: expected a count >= 0, got {count}")
     # Every prompt source is loaded before the target: a missing package fails here, saying how to install it.
     rows = [
-        row for domain, n in counts.items() if n for row in load_domain(domain, args.split, n=n, seed=args.seed)
+        row
+        for domain, n in counts.items()
+        if n
+        for row in load_domain(domain, args.split, n=n, seed=args.seed)
     ]
     target, tokenizer = load_target(args.target)
     return build_corpus(

@@ -37,6 +37,7 @@ from transformers.utils import logging
 
 from adaflash_hf.draft_vocab import draft_logits
 from adaflash_hf.modeling import AdaFlashDrafter
+from adaflash_hf.modeling.modeling_adaflash import SUPPORTED_DTYPES
 from adaflash_hf.stats import AdaFlashStats, RoundRecord
 
 logger = logging.get_logger(__name__)
@@ -81,10 +82,26 @@ def _setting(generation_config, name: str, default: Any, allowed: tuple | None =
     return value
 
 
+def align_drafter_dtype(drafter: AdaFlashDrafter, target) -> None:
+    """Cast the drafter, in place and once, to the target's floating dtype: a drafter stored in bf16 serves an fp32
+    target (the drafter reads the target's states and its lm_head in the target's dtype). Anything else is left to
+    ``check_target``'s clear error."""
+    target_dtype = next(target.parameters()).dtype
+    drafter_dtype = next(drafter.parameters()).dtype
+    if (
+        drafter_dtype != target_dtype
+        and target_dtype in SUPPORTED_DTYPES
+        and drafter_dtype in SUPPORTED_DTYPES
+    ):
+        logger.warning_once(f"drafter: cast from {drafter_dtype} to the target's {target_dtype}")
+        drafter.to(target_dtype)
+
+
 def validate_adaflash_generation(
     target, drafter: AdaFlashDrafter, generation_mode, generation_config
 ) -> None:
     """All checks that must fail before any forward pass of an AdaFlash ``generate`` call."""
+    align_drafter_dtype(drafter, target)
     drafter.check_target(target)
     if generation_config.num_beams > 1 or generation_mode in (
         GenerationMode.BEAM_SEARCH,

@@ -534,7 +534,10 @@ class AdaFlashDrafter(AdaFlashPreTrainedModel):
         if target_dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"target dtype: expected one of {SUPPORTED_DTYPES}, got {target_dtype}")
         if drafter_dtype != target_dtype:
-            raise TypeError(f"drafter dtype: expected the target's {target_dtype}, got {drafter_dtype}")
+            raise TypeError(
+                f"drafter dtype: expected the target's {target_dtype}, got {drafter_dtype} (cast it with "
+                f"drafter.to({target_dtype}); generate and AdaFlashEngine do that once for you)"
+            )
 
     # --------------------------------------------------------------------------------------------- save and load
     def save_pretrained(self, save_directory, *args, **kwargs):

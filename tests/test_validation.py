@@ -232,3 +232,17 @@ def test_sliding_drafter_layers_are_not_implemented():
         NotImplementedError, match=r"layer_types: only 'full_attention' .*\['sliding_attention'\]"
     ):
         AdaFlashConfig(**TINY, num_hidden_layers=2, layer_types=["full_attention", "sliding_attention"])
+
+
+def test_generate_and_the_engine_cast_a_bf16_drafter_to_the_fp32_target_once(qwen3_target, drafter_factory):
+    from adaflash_hf import AdaFlashEngine, SamplingParams
+
+    prompt = torch.tensor([[3, 4, 5, 6, 7]])
+    expected = qwen3_target.generate(prompt, max_new_tokens=8, do_sample=False)
+    drafter = drafter_factory(qwen3_target).to(torch.bfloat16)  # as a drafter stored in bf16 loads
+    out = qwen3_target.generate(prompt, assistant_model=drafter, max_new_tokens=8, do_sample=False)
+    assert torch.equal(out, expected)
+    assert next(drafter.parameters()).dtype == torch.float32
+    engine = AdaFlashEngine(qwen3_target, drafter_factory(qwen3_target).to(torch.bfloat16), mode="adaflash")
+    assert next(engine.drafter.parameters()).dtype == torch.float32
+    assert engine.generate([prompt[0]], SamplingParams(max_new_tokens=8)) == [expected[0, 5:].tolist()]

@@ -37,6 +37,7 @@ import torch
 from transformers.utils import logging
 
 from adaflash_hf.draft_vocab import draft_tokens
+from adaflash_hf.generation import align_drafter_dtype
 from adaflash_hf.kernels.verify_accept import verify_accept
 from adaflash_hf.serving.admission import AdmissionConfig, AdmissionController
 from adaflash_hf.serving.cache import (
@@ -124,6 +125,7 @@ class AdaFlashEngine:
             )
         self.drafter = drafter if mode != "plain" else None
         if self.drafter is not None:
+            align_drafter_dtype(drafter, target)
             drafter.check_target(target)
         self.target = target
         self.mode = mode
