@@ -5,6 +5,7 @@
     adaflash publish PATH REPO_ID               upload with a model card in one commit (``--dry-run`` to preview)
     adaflash bench NAME ...                     run ``adaflash_hf.bench.NAME:main`` (kernels, generate, serve, opd, train)
     adaflash train ... / adaflash opd ...       ``accelerate launch`` the trainer scripts shipped in adaflash_hf.trainers
+    adaflash corpus ...                         regenerate the drafter training corpus (``adaflash_hf.corpus``)
 
 Subcommands backed by modules or scripts missing from this installation are listed as "not available in this version"
 and exit with status 2. ``adaflash <command> --help`` describes each.
@@ -16,6 +17,7 @@ import argparse
 import importlib
 import importlib.util
 import inspect
+import json
 import subprocess
 import sys
 from importlib import resources
@@ -276,6 +278,12 @@ def make_parser() -> argparse.ArgumentParser:
             name, help=summary if available else f"{summary} (not available in this version)"
         )
 
+    commands.add_parser(
+        "corpus",
+        help="regenerate the drafter training corpus with the target (resumable), recording target features",
+        add_help=False,
+    )
+
     for name, (filename, summary) in TRAINER_SCRIPTS.items():
         available = trainer_script(filename) is not None
         sub = commands.add_parser(
@@ -303,6 +311,11 @@ def main(argv: list[str] | None = None) -> int:
     # Pass-through commands keep argparse away from the arguments of the module or script they run.
     if argv[:1] == ["bench"] and len(argv) > 1 and argv[1] in BENCH_MODULES:
         return _run_bench(argv[1], argv[2:])
+    if argv[:1] == ["corpus"]:
+        from adaflash_hf.corpus import main as corpus_main
+
+        print(json.dumps(corpus_main(argv[1:])))
+        return 0
     if argv[:1] and argv[0] in TRAINER_SCRIPTS:
         ours, script_args = split_launcher_args(argv[1:])
         return _run_trainer(argv[0], parser.parse_args([argv[0], *ours]), script_args)

@@ -5,7 +5,7 @@ part (SmolLM2-135M: ~170 generated tokens/s at batch 64 on 2 cores, ~340 tokens/
 runs its own batched greedy loop and keeps, for every sequence, the hidden states of the tapped target layers that the
 loop computes anyway: the drafter's context features then cost nothing extra at training time.
 
-    python -m adaflash_hf.corpus --out-dir examples/corpus/smollm2 --features-dir runs/features/smollm2 \
+    adaflash corpus --out-dir examples/corpus/smollm2 --features-dir runs/features/smollm2 \
         --chat 6000 --code 3325 --math 4000 --time-budget 3600     # resumable: run again to continue
 
 Outputs, per domain (appended as the loop goes, so an interrupted run resumes where it stopped):

@@ -77,7 +77,7 @@ class DrafterTrainingConfig(TrainingArguments):
     corpus_dir: str | None = field(
         default=None,
         metadata={
-            "help": "A corpus written by `python -m adaflash_hf.corpus` (<domain>.jsonl.gz of token ids): train on its "
+            "help": "A corpus written by `adaflash corpus` (<domain>.jsonl.gz of token ids): train on its "
             "sequences of `domains` instead of regenerating responses."
         },
     )
