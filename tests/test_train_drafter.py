@@ -417,3 +417,21 @@ def test_anchor_slots_no_row_can_fill_are_dropped():
     assert int((anchors[1] >= 0).sum()) == 3 and torch.all(anchors[1, 3:] == -1)
     nothing_to_learn = sample_anchors(torch.zeros(2, 40, dtype=torch.long), 24)
     assert nothing_to_learn.shape == (2, 1) and torch.all(nothing_to_learn == -1)
+
+
+@pytest.mark.parametrize("init", ["inverse_row_norm", "target"])
+def test_a_fresh_drafters_final_norm_starts_where_the_config_says(target_factory, tmp_path, init):
+    from adaflash_hf.trainers.train_drafter import build_drafter
+
+    target = target_factory("llama")
+    with torch.no_grad():
+        target.model.norm.weight.uniform_(1.5, 2.0)
+    args = DrafterTrainingConfig(
+        output_dir=str(tmp_path), final_norm_init=init, mask_token_id=3, report_to="none"
+    )
+    drafter = build_drafter(args, target)
+    if init == "target":
+        assert torch.equal(drafter.norm.weight, target.model.norm.weight)
+    else:
+        row_norm = target.get_output_embeddings().weight.norm(dim=-1).mean()
+        assert torch.allclose(drafter.norm.weight, torch.full_like(drafter.norm.weight, float(1 / row_norm)))

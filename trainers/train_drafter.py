@@ -61,8 +61,14 @@ def build_drafter(args: DrafterTrainingConfig, target, records: list[dict] | Non
         with torch.no_grad():
             # The drafter's states go through the target's lm_head. A unit final-norm scale makes the first logits
             # spread by the head's row norm (about 3 for SmolLM2: CE ~ 20); 1/row-norm starts them near unit scale.
-            row_norm = target.get_output_embeddings().weight.norm(dim=-1).mean()
-            drafter.norm.weight.fill_(float(1.0 / row_norm))
+            # 'target' starts from the scale the lm_head was trained with instead (SmolLM2: mean 1.8, not 0.31), which
+            # AdamW would otherwise need thousands of steps to reach.
+            target_norm = getattr(target.get_decoder(), "norm", None)
+            if args.final_norm_init == "target" and getattr(target_norm, "weight", None) is not None:
+                drafter.norm.weight.copy_(target_norm.weight)
+            else:
+                row_norm = target.get_output_embeddings().weight.norm(dim=-1).mean()
+                drafter.norm.weight.fill_(float(1.0 / row_norm))
     drafter.check_target(target)
     return drafter
 

@@ -74,6 +74,14 @@ class DrafterTrainingConfig(TrainingArguments):
             "'dense': the same through a [Q, S + Q] mask, quadratic in num_anchors (kept as the benchmark baseline)."
         },
     )
+    final_norm_init: str = field(
+        default="inverse_row_norm",
+        metadata={
+            "help": "Initial scale of a fresh drafter's final norm: 'inverse_row_norm' (1 / mean lm_head row norm: "
+            "first logits near unit scale) or 'target' (the target's own final norm weights, whose lm_head the "
+            "drafter's states feed)."
+        },
+    )
     corpus_dir: str | None = field(
         default=None,
         metadata={
@@ -173,6 +181,10 @@ class DrafterTrainingConfig(TrainingArguments):
             raise ValueError(f"loss_decay_gamma: expected > 0, got {self.loss_decay_gamma}")
         if self.attention_layout not in ("split", "dense"):
             raise ValueError(f"attention_layout: expected 'split' or 'dense', got {self.attention_layout!r}")
+        if self.final_norm_init not in ("inverse_row_norm", "target"):
+            raise ValueError(
+                f"final_norm_init: expected 'inverse_row_norm' or 'target', got {self.final_norm_init!r}"
+            )
         if self.curve_points_per_decade < 0:
             raise ValueError(f"curve_points_per_decade: expected >= 0, got {self.curve_points_per_decade}")
         if self.max_train_sequences is not None and self.max_train_sequences < 1:
