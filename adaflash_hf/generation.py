@@ -13,7 +13,10 @@ Knobs live on the generation config (``GenerationConfig(adaflash_length_mode="fi
   ``block_size - 1`` drafts, i.e. DFlash);
 - ``adaflash_gamma`` / ``adaflash_min_len``: override the config's γ and minimum draft length;
 - ``adaflash_proposal``: under sampling, ``"argmax"`` (default: one-hot q on the drafter's argmax, lossless) or
-  ``"sample"`` (q = the processed drafter distribution the proposals were drawn from).
+  ``"sample"`` (q = the processed drafter distribution the proposals were drawn from);
+- ``adaflash_draft_source``: ``"diffusion"`` (default: every round drafts a block) or ``"hybrid"`` (each round
+  verifies either the block or a lookup continuation from the sequence itself, whichever is expected to keep more
+  tokens: ``adaflash_hf.lookup``; lookup proposals have one-hot q, so sampling stays lossless).
 
 A drafter with ``draft_token_ids`` drafts over that subset only (``adaflash_hf.draft_vocab``), in both proposal modes.
 
@@ -36,6 +39,13 @@ from transformers.generation.utils import GenerationMixin
 from transformers.utils import logging
 
 from adaflash_hf.draft_vocab import draft_logits
+from adaflash_hf.lookup import (
+    DRAFT_SOURCES,
+    LookupIndex,
+    LookupRecord,
+    choose_lookup,
+    expected_lookup_accepted,
+)
 from adaflash_hf.modeling import AdaFlashDrafter
 from adaflash_hf.modeling.modeling_adaflash import SUPPORTED_DTYPES
 from adaflash_hf.stats import AdaFlashStats, RoundRecord
@@ -123,6 +133,7 @@ def validate_adaflash_generation(
         )
     _setting(generation_config, "length_mode", "adaptive", LENGTH_MODES)
     _setting(generation_config, "proposal", "argmax", PROPOSAL_MODES)
+    _setting(generation_config, "draft_source", "diffusion", DRAFT_SOURCES)
     gamma = _setting(generation_config, "gamma", drafter.config.length_head_gamma)
     min_len = _setting(generation_config, "min_len", drafter.config.length_head_min_len)
     if not (isinstance(gamma, (int, float)) and gamma > 0):
@@ -134,11 +145,14 @@ def validate_adaflash_generation(
 
 
 class AdaFlashCandidateGenerator(CandidateGenerator):
-    """Drafts a block per round from the target's hidden states and truncates it to the length head's k̂.
+    """Drafts a block per round from the target's hidden states and truncates it to the length head's k̂; in
+    hybrid mode a round may verify a lookup continuation instead.
 
-    Drafter-cache invariant: before a round it holds the K/V of every committed position except the newest token
-    (the anchor, whose target hidden state does not exist yet) plus, after round one, last round's block rows, which
-    are evicted first. Only committed positions are ever fed as context.
+    Drafter-cache invariant: before a drafter forward the cache plus ``context_buffer`` hold every committed
+    position except the newest token (the anchor, whose target hidden state does not exist yet); the cache may also
+    hold the last drafter forward's block rows, which are evicted first. Only committed positions are ever fed as
+    context. The buffer holds the features of the positions committed since the last drafter forward: a lookup round
+    that wins against the last â skips the drafter and only buffers them.
     """
 
     requires_model_outputs = True
@@ -175,11 +189,18 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
         self.proposal = _setting(generation_config, "proposal", "argmax", PROPOSAL_MODES)
         self.gamma = _setting(generation_config, "gamma", self.config.length_head_gamma)
         self.min_len = _setting(generation_config, "min_len", self.config.length_head_min_len)
+        self.draft_source = _setting(generation_config, "draft_source", "diffusion", DRAFT_SOURCES)
+        eos = generation_config.eos_token_id
+        self.eos_ids = () if eos is None else ((eos,) if isinstance(eos, int) else tuple(eos))
+        self.lookup_index = LookupIndex()
+        self.lookup_record = LookupRecord()
+        self.last_acceptance: float | None = None  # the length head's newest â
         self.stats = AdaFlashStats(block_size=self.block_size)
         drafter.last_stats = self.stats
         self.recorder = getattr(drafter, "round_recorder", None)
         self.version = int(getattr(drafter, "weights_version", 0))
         self.num_cached = 0
+        self.context_buffer: torch.Tensor | None = None  # [1, n, features]: not yet in the drafter cache
         self.block_in_cache = False
         self.pending: dict[str, Any] | None = None
 
@@ -193,10 +214,28 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
             # Prefill (the target's first forward yields the context), or only the bonus token still fits.
             return input_ids, None
         started = time.perf_counter()
-        # Context = committed positions whose target states we have but the drafter cache lacks: all but the anchor.
-        num_new = cur_len - 1 - self.num_cached
+        # New context = committed positions whose target states the last forward produced (all but the anchor).
+        buffered = 0 if self.context_buffer is None else self.context_buffer.shape[1]
+        num_new = cur_len - 1 - self.num_cached - buffered
         hidden = model_outputs.hidden_states
-        context = torch.cat([hidden[i + 1][:, :num_new] for i in self.config.target_layer_ids], dim=-1)
+        new_context = torch.cat([hidden[i + 1][:, :num_new] for i in self.config.target_layer_ids], dim=-1)
+        self.context_buffer = (
+            new_context if self.context_buffer is None else torch.cat([self.context_buffer, new_context], 1)
+        )
+        # Never verify drafts that could not be kept: the bonus token needs one slot of max_length, and the
+        # verify forward must stay inside the target's positions.
+        room = max(0, min(self.block_size - 1, self.max_length - cur_len - 1, self.max_positions - cur_len))
+        proposal = None
+        if self.draft_source == "hybrid":
+            self.lookup_index.extend(input_ids[0, len(self.lookup_index) :].tolist())
+            proposal = self.lookup_index.propose(room, self.eos_ids)
+            if self.last_acceptance is not None and choose_lookup(
+                proposal, self.lookup_record, self.last_acceptance, self.block_size
+            ):
+                return self._lookup_round(input_ids, proposal, started)
+
+        context, self.context_buffer = self.context_buffer, None
+        num_new = context.shape[1]
         if self.block_in_cache:
             self.cache.crop(-self.block_size)
         position_ids = model_kwargs["position_ids"][:, -num_new - 1 : -1]
@@ -219,6 +258,9 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
         self.block_in_cache = True
 
         predicted = float(out.acceptance_prob.float().reshape(-1)[0])
+        self.last_acceptance = predicted
+        if proposal is not None and choose_lookup(proposal, self.lookup_record, predicted, self.block_size):
+            return self._lookup_round(input_ids, proposal, started)
         if self.length_mode == "fixed":
             length = self.block_size - 1
         else:
@@ -227,9 +269,7 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
                     0
                 ]
             )
-        # Never verify drafts that could not be kept: the bonus token needs one slot of max_length, and the
-        # verify forward must stay inside the target's positions.
-        length = max(0, min(length, self.max_length - cur_len - 1, self.max_positions - cur_len))
+        length = min(length, room)
         # The lm_head over V is the expensive part: only the verified rows, unless a recorder wants the whole block.
         rows = self.block_size - 1 if self.recorder is not None else length
         logits, token_ids = draft_logits(
@@ -252,11 +292,36 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
             "anchor": int(input_ids[0, -1]),
             "drafted": drafted,
             "proposed": candidate_ids[0, cur_len:],
+            "source": "diffusion",
         }
         if length == 0:
             # An empty draft must be (input_ids, None): zero-length logits crash transformers' speculative sampling.
             return input_ids, None
         return candidate_ids, candidate_logits
+
+    def _lookup_round(self, input_ids, proposal, started):
+        """Verify the lookup continuation: one-hot q under sampling (accepted with probability p(x), resampled from
+        p without x: lossless), no q under greedy."""
+        cur_len = input_ids.shape[1]
+        tokens = torch.tensor([proposal.tokens], dtype=input_ids.dtype, device=input_ids.device)
+        candidate_ids = torch.cat([input_ids, tokens], dim=-1)
+        logits = None
+        if self.do_sample:
+            vocab = self.lm_head.weight.shape[0]
+            logits = torch.full((1, tokens.shape[1], vocab), float("-inf"), device=input_ids.device)
+            logits.scatter_(-1, tokens[..., None], 0.0)
+        expected = expected_lookup_accepted(proposal, self.lookup_record)
+        self.pending = {
+            "started": time.perf_counter(),
+            "drafter_seconds": time.perf_counter() - started,
+            "length": tokens.shape[1],
+            "predicted": expected / (self.block_size - 1),
+            "context_length": cur_len - 1,
+            "anchor": int(input_ids[0, -1]),
+            "proposed": candidate_ids[0, cur_len:],
+            "source": "lookup",
+        }
+        return candidate_ids, logits
 
     def _propose(self, input_ids, drafted_logits, length):
         """Proposals and the q logits returned to the verifier.
@@ -291,12 +356,15 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
         accepted = int(num_matches)
         self.stats.verify_seconds += time.perf_counter() - pending["started"]
         self.stats.drafter_seconds += pending["drafter_seconds"]
-        self.stats.add_round(pending["length"], accepted, pending["predicted"])
+        self.stats.add_round(pending["length"], accepted, pending["predicted"], pending["source"])
+        if pending["source"] == "lookup":
+            self.lookup_record.add(pending["length"], accepted)
         if self.recorder is not None:
-            drafted = (
-                pending["drafted"][0].argmax(dim=-1) if pending["drafted"].shape[1] else pending["proposed"]
-            )
-            drafted[: pending["length"]] = pending["proposed"].to(drafted.device)
+            # A diffusion round records every block row's proposal; a lookup round its verified proposals.
+            drafted = pending["proposed"]
+            if pending["source"] == "diffusion" and pending["drafted"].shape[1]:
+                drafted = pending["drafted"][0].argmax(dim=-1)
+                drafted[: pending["length"]] = pending["proposed"].to(drafted.device)
             self.recorder(
                 RoundRecord(
                     context_length=pending["context_length"],
@@ -306,6 +374,7 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
                     predicted_acceptance=pending["predicted"],
                     accepted=accepted,
                     drafter_version=self.version,
+                    source=pending["source"],
                 )
             )
 

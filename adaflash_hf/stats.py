@@ -21,11 +21,16 @@ class RoundRecord:
     predicted_acceptance: float
     accepted: int
     drafter_version: int
+    source: str = "diffusion"  # "lookup": the drafts came from the lookup proposer, not the drafter's block
 
 
 @dataclass
 class AdaFlashStats:
-    """What one ``generate`` call did. ``tau`` counts committed tokens per target forward in drafting rounds."""
+    """What one ``generate`` call did. ``tau`` counts committed tokens per target forward in drafting rounds.
+
+    Per round: ``sources`` says where the drafts came from (``"diffusion"``: the drafter's block; ``"lookup"``: the
+    lookup proposer, hybrid drafting) and ``predicted_acceptance`` is that source's expected accepted fraction of a
+    block (the length head's â; the lookup estimate / (block_size - 1))."""
 
     block_size: int
     drafting_rounds: int = 0
@@ -37,6 +42,7 @@ class AdaFlashStats:
     verify_lengths: list[int] = field(default_factory=list)
     accepted_lengths: list[int] = field(default_factory=list)
     predicted_acceptance: list[float] = field(default_factory=list)
+    sources: list[str] = field(default_factory=list)  # per round: "diffusion" or "lookup"
     drafter_seconds: float = 0.0
     verify_seconds: float = 0.0
 
@@ -46,7 +52,9 @@ class AdaFlashStats:
         self.position_attempts = self.position_attempts or [0] * slots
         self.position_accepts = self.position_accepts or [0] * slots
 
-    def add_round(self, draft_length: int, accepted: int, predicted: float) -> None:
+    def add_round(
+        self, draft_length: int, accepted: int, predicted: float, source: str = "diffusion"
+    ) -> None:
         self.drafting_rounds += 1
         self.committed_tokens += accepted + 1
         self.accepted_histogram[accepted] += 1
@@ -56,6 +64,7 @@ class AdaFlashStats:
         self.verify_lengths.append(draft_length)
         self.accepted_lengths.append(accepted)
         self.predicted_acceptance.append(predicted)
+        self.sources.append(source)
 
     @property
     def tau(self) -> float:
@@ -82,6 +91,21 @@ class AdaFlashStats:
         verified = sum(self.verify_lengths)
         return sum(self.position_accepts) / verified if verified else 0.0
 
+    @property
+    def source_share(self) -> dict[str, float]:
+        """Share of drafting rounds won by each source."""
+        return {s: self.sources.count(s) / len(self.sources) for s in sorted(set(self.sources))}
+
+    @property
+    def source_acceptance(self) -> dict[str, float]:
+        """Accepted / verified drafts of each source's rounds."""
+        out = {}
+        for source in sorted(set(self.sources)):
+            rounds = [i for i, s in enumerate(self.sources) if s == source]
+            verified = sum(self.verify_lengths[i] for i in rounds)
+            out[source] = sum(self.accepted_lengths[i] for i in rounds) / verified if verified else 0.0
+        return out
+
     def to_dict(self) -> dict:
         out = asdict(self)
         out.update(
@@ -90,6 +114,8 @@ class AdaFlashStats:
             acceptance_rate=self.acceptance_rate,
             realised_acceptance=self.realised_acceptance,
             acceptance_per_position=self.acceptance_per_position,
+            source_share=self.source_share,
+            source_acceptance=self.source_acceptance,
         )
         return out
 

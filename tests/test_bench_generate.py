@@ -164,7 +164,10 @@ def test_main_writes_json_table_and_plots(offline_main):
         if line.startswith("| chat") or line.startswith("| math")
     ]
     assert len(table_rows) == 2 * len(bench.METHODS)
-    for name in ("acceptance_per_position.png", "acceptance_hist.png"):
+    hybrid = [r for r in results["summary"] if r["method"] == "adaflash_hybrid"]
+    assert hybrid and all(0 <= r["lookup_share"] <= 1 for r in hybrid)
+    assert "lookup rounds" in (out / "table.md").read_text()
+    for name in ("acceptance_per_position.png", "acceptance_hist.png", "source_share.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

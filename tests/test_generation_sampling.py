@@ -53,10 +53,10 @@ def setup(request, target_factory, oracle_factory):
     return target, drafter, exact_marginals(target)
 
 
-def exact_marginals(target) -> torch.Tensor:
+def exact_marginals(target, prompt=PROMPT) -> torch.Tensor:
     """[POSITIONS, VOCAB] exact marginal law of generated positions 1..3 under the processed target distribution."""
     pairs = torch.cartesian_prod(torch.arange(VOCAB), torch.arange(VOCAB))  # every (x1, x2)
-    ids = torch.cat([PROMPT.expand(pairs.shape[0], -1), pairs], dim=1)
+    ids = torch.cat([prompt.expand(pairs.shape[0], -1), pairs], dim=1)
     with torch.no_grad():
         logits = target(ids).logits.double()[:, -3:]
     warp = processors()
@@ -93,7 +93,9 @@ def chi_square_p_value(counts: torch.Tensor, expected_probs: torch.Tensor) -> fl
     return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64), statistic / 2))
 
 
-def sample_counts(target, drafter, proposal: str) -> torch.Tensor:
+def sample_counts(
+    target, drafter, proposal: str, prompt=PROMPT, num_samples=NUM_SAMPLES, **settings
+) -> torch.Tensor:
     torch.manual_seed(1234)
     config = GenerationConfig(
         do_sample=True,
@@ -103,11 +105,12 @@ def sample_counts(target, drafter, proposal: str) -> torch.Tensor:
         max_new_tokens=POSITIONS,
         adaflash_proposal=proposal,
         adaflash_min_len=POSITIONS,
+        **settings,
     )
     counts = torch.zeros(POSITIONS, VOCAB)
-    for _ in range(NUM_SAMPLES):
-        out = target.generate(PROMPT, assistant_model=drafter, generation_config=config)
-        tokens = out[0, PROMPT.shape[1] :]
+    for _ in range(num_samples):
+        out = target.generate(prompt, assistant_model=drafter, generation_config=config)
+        tokens = out[0, prompt.shape[1] :]
         counts[torch.arange(POSITIONS), tokens] += 1
     return counts
 

@@ -18,7 +18,8 @@ def test_bench_serve_runs_all_modes_and_writes_json_table_and_plot(target_factor
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["ok"] and set(saved["goals"]) == {"adaflash_at_least_plain_everywhere"}
     rows = {(r["concurrency"], r["mode"]): r for r in saved["summary"]}
-    assert set(rows) == {(c, m) for c in (1, 4) for m in ("plain", "dflash", "adaflash")}
+    assert set(rows) == {(c, m) for c in (1, 4) for m in ("plain", "dflash", "adaflash", "hybrid")}
+    assert all(0 <= r["lookup_share"] <= 1 for r in rows.values()) and rows[4, "plain"]["lookup_share"] == 0
     assert rows[4, "plain"]["requests"] == 4 and rows[1, "plain"]["requests"] == 2
     assert rows[1, "plain"]["speedup_vs_plain"] == 1.0 and rows[1, "plain"]["mean_verify_length"] == 0
     assert rows[1, "dflash"]["mean_verify_length"] > 0

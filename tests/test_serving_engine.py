@@ -82,6 +82,15 @@ def run_with_churn(engine, prompts, params, seed, aborts=2, on_add=None):
     return {i: engine.requests[rid] for i, rid in ids.items()}, set(abort_at)
 
 
+def assert_outputs_equal_references(results, aborted, expected):
+    """Finished requests equal their greedy reference; aborted ones a prefix of it."""
+    for i, request in results.items():
+        if i in aborted and request.finish_reason == "abort":
+            assert request.output == expected[i][: len(request.output)]
+        else:
+            assert request.output == expected[i], f"request {i}"
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_each_mode_equals_generate(setup, mode):
     target, drafter = setup
@@ -105,11 +114,7 @@ def test_batched_equals_serial_under_churn_with_an_oracle_drafter(setup, mode, s
     oracle.arm(engine, references, weight, seed=seed)
     add = lambda rid, i: references.__setitem__(rid, prompts[i].tolist() + expected[i])  # noqa: E731
     results, aborted = run_with_churn(engine, prompts, params, seed, on_add=add)
-    for i, request in results.items():
-        if i in aborted and request.finish_reason == "abort":
-            assert request.output == expected[i][: len(request.output)]
-        else:
-            assert request.output == expected[i], f"request {i}"
+    assert_outputs_equal_references(results, aborted, expected)
     assert sum(s.accepted for s in engine.stats) > 0, "the oracle must get drafts accepted"
     assert max(s.running for s in engine.stats) > 1
 

@@ -8,10 +8,11 @@ Methods, run on the same held-out prompts (``adaflash_hf.data``, chat template) 
 ``plain`` generate; ``prompt_lookup`` (``prompt_lookup_num_tokens=10``); ``native_dflash`` (transformers'
 ``speculation_type="dflash"`` with our weights, the AdaFlash hook switched off; it embeds ``mask_token_id`` with the
 target's embedding, so a drafter with a learned mask embedding drafts worse there); ``adaflash_fixed``
-(``block_size - 1`` drafts per round); ``adaflash_adaptive`` (the length head's k̂).
+(``block_size - 1`` drafts per round); ``adaflash_adaptive`` (the length head's k̂); ``adaflash_hybrid`` (adaptive,
+with ``adaflash_draft_source="hybrid"``: each round verifies the block or a lookup continuation, ``adaflash_hf.lookup``).
 
 Every timed call's output must equal plain greedy's token for token (``lossless``); calls are interleaved per prompt
-and repeat (plain, lookup, native, fixed, adaptive, then again) after one warm-up call per method, so machine noise
+and repeat (plain, lookup, native, fixed, adaptive, hybrid, then again) after one warm-up call per method, so machine noise
 hits all alike. A forward pre-hook on the target records each forward's query length and cache length; from them
 every method gets the same accounting: the forwards after the prefill are its rounds, a round verifies
 ``query length - 1`` drafts and commits the growth of the cache up to the next forward. τ = tokens committed per
@@ -21,8 +22,9 @@ seconds per prompt, geometric mean over a domain's prompts. Any lossless or stat
 after the outputs are written.
 
 Outputs in ``--output-dir``: ``results.json`` (``settings``, ``ok``, ``summary``: one row per domain and method,
-``records``: one per domain, prompt and method), ``table.md`` and two plots: ``acceptance_per_position.png``
-(P(draft j accepted | verified) per domain) and ``acceptance_hist.png`` (per-round accepted / verified per domain).
+``records``: one per domain, prompt and method), ``table.md`` and three plots: ``acceptance_per_position.png``
+(P(draft j accepted | verified) per domain), ``acceptance_hist.png`` (per-round accepted / verified per domain) and
+``source_share.png`` (per domain, the share of rounds each draft source won, for the AdaFlash methods).
 """
 
 from __future__ import annotations
@@ -48,8 +50,15 @@ from adaflash_hf import AdaFlashDrafter
 
 logger = logging.get_logger(__name__)
 
-METHODS = ("plain", "prompt_lookup", "native_dflash", "adaflash_fixed", "adaflash_adaptive")
-ADAFLASH_METHODS = ("adaflash_fixed", "adaflash_adaptive")
+METHODS = (
+    "plain",
+    "prompt_lookup",
+    "native_dflash",
+    "adaflash_fixed",
+    "adaflash_adaptive",
+    "adaflash_hybrid",
+)
+ADAFLASH_METHODS = ("adaflash_fixed", "adaflash_adaptive", "adaflash_hybrid")
 PROMPT_LOOKUP_TOKENS = 10
 WARMUP_TOKENS = 16
 DEFAULT_DRAFTER = Path(__file__).resolve().parents[2] / "examples" / "drafters" / "smollm2-135m-adaflash"
@@ -94,6 +103,12 @@ def _adaflash_adaptive(target, drafter, input_ids, config):
     return _generate(target, input_ids, config, assistant_model=drafter)
 
 
+def _adaflash_hybrid(target, drafter, input_ids, config):
+    config.adaflash_length_mode = "adaptive"
+    config.adaflash_draft_source = "hybrid"
+    return _generate(target, input_ids, config, assistant_model=drafter)
+
+
 # Looked up at call time, so a test can swap one entry.
 RUNNERS = {
     "plain": _plain,
@@ -101,6 +116,7 @@ RUNNERS = {
     "native_dflash": _native_dflash,
     "adaflash_fixed": _adaflash_fixed,
     "adaflash_adaptive": _adaflash_adaptive,
+    "adaflash_hybrid": _adaflash_hybrid,
 }
 
 
@@ -355,12 +371,25 @@ def _summarise(records: list[dict]) -> dict:
         "acceptance_per_position": acceptance_per_position(verified, accepted),
         "lossless": all(r["lossless"] for r in records),
         "stats_agree": None,
+        "lookup_share": None,
+        "lookup_acceptance": None,
     }
     if records[0]["stats"] is not None:
         rounds = sum(r["stats"]["drafting_rounds"] for r in records)
         committed = sum(r["stats"]["committed_tokens"] for r in records)
         row["tau_stats"] = committed / rounds if rounds else None
         row["stats_agree"] = all(r["stats_agree"] for r in records)
+        lookup = [
+            (k, a)
+            for r in records
+            for k, a, source in zip(
+                r["stats"]["verify_lengths"], r["stats"]["accepted_lengths"], r["stats"]["sources"]
+            )
+            if source == "lookup"
+        ]
+        row["lookup_share"] = len(lookup) / rounds if rounds else None
+        verified = sum(k for k, _ in lookup)
+        row["lookup_acceptance"] = sum(a for _, a in lookup) / verified if verified else None
     return row
 
 
@@ -376,15 +405,17 @@ def markdown_table(results: dict) -> str:
         f"Greedy, {settings['max_new_tokens']} new tokens, median of {settings['repeats']} repeats, "
         f"{settings['threads']} threads; prompts per domain: {settings['prompts_per_domain']}.",
         "",
-        "| domain | method | τ | τ (stats) | tokens/s | speed-up | mean verify len | acceptance | lossless |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---|",
+        "| domain | method | τ | τ (stats) | tokens/s | speed-up | mean verify len | acceptance | lookup rounds "
+        "| lookup acceptance | lossless |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for row in results["summary"]:
         lines.append(
             f"| {row['domain']} | {row['method']} | {_fmt(row['tau'])} | {_fmt(row['tau_stats'])} | "
             f"{_fmt(row['tokens_per_s'], '.1f')} | {_fmt(row['speedup'], '.2f', 'x')} | "
             f"{_fmt(row['mean_verify_length'])} | {_fmt(row['acceptance_rate'])} | "
-            f"{'yes' if row['lossless'] else 'NO'} |"
+            f"{_fmt(None if row['lookup_share'] is None else 100 * row['lookup_share'], '.0f', '%')} | "
+            f"{_fmt(row['lookup_acceptance'])} | {'yes' if row['lossless'] else 'NO'} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -452,20 +483,41 @@ def plot_acceptance_hist(results: dict, path: Path) -> None:
     _finish(figure, axes, "fraction of rounds", path)
 
 
+def plot_source_share(results: dict, path: Path) -> None:
+    """Per domain, the share of drafting rounds won by the diffusion block and by lookup, per AdaFlash method
+    (diffusion-only methods are all diffusion: the hybrid's bar is the one that says something)."""
+    from matplotlib.figure import Figure
+
+    domains = results["settings"]["domains"]
+    methods = [m for m in results["settings"]["methods"] if m in ADAFLASH_METHODS]
+    figure = Figure(figsize=(4.5 * len(domains), 3.6), layout="constrained")
+    axes = figure.subplots(1, len(domains), squeeze=False)[0]
+    rows = {(r["domain"], r["method"]): r for r in results["summary"]}
+    for ax, domain in zip(axes, domains):
+        shares = [rows[domain, m]["lookup_share"] or 0.0 for m in methods]
+        ax.bar(methods, [1 - s for s in shares], label="diffusion", color="C0")
+        ax.bar(methods, shares, bottom=[1 - s for s in shares], label="lookup", color="C1")
+        ax.set(title=domain, ylim=(0, 1))
+        ax.tick_params(axis="x", labelrotation=30, labelsize="small")
+    _finish(figure, axes, "share of rounds", path)
+
+
 def write_outputs(results: dict, output_dir: Path) -> None:
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     (output_dir / "table.md").write_text(markdown_table(results))
     plot_acceptance_per_position(results, output_dir / "acceptance_per_position.png")
     plot_acceptance_hist(results, output_dir / "acceptance_hist.png")
+    if set(results["settings"]["methods"]) & set(ADAFLASH_METHODS):
+        plot_source_share(results, output_dir / "source_share.png")
 
 
 # ---------------------------------------------------------------------------------------------------------- CLI
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="adaflash bench generate",
-        description="τ, tokens/s and speed-up of plain generate, prompt lookup, native DFlash, AdaFlash fixed and "
-        "AdaFlash adaptive on held-out chat/code/math prompts (greedy, lossless-checked).",
+        description="τ, tokens/s and speed-up of plain generate, prompt lookup, native DFlash and AdaFlash fixed, "
+        "adaptive and hybrid on held-out chat/code/math prompts (greedy, lossless-checked).",
     )
     parser.add_argument(
         "--target", default="smollm2-135m-instruct", help="target (adaflash_hf.assets.load_target)"

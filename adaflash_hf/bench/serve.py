@@ -1,7 +1,8 @@
-"""Throughput of the batched engine under concurrency: plain batched decoding vs fixed-length DFlash vs AdaFlash.
+"""Throughput of the batched engine under concurrency: plain batched decoding vs fixed-length DFlash vs AdaFlash vs
+hybrid (AdaFlash with ``draft_source="hybrid"``: per request and step, the block or a lookup continuation).
 
     adaflash bench serve [--drafter DIR|random] [--concurrency 1 2 4 8 16 32] [--requests-per-level 32]
-                         [--max-new-tokens 128] [--modes plain dflash adaflash] [--repeats 1] [--threads 2]
+                         [--max-new-tokens 128] [--modes plain dflash adaflash hybrid] [--repeats 1] [--threads 2]
                          [--output-dir runs/bench_serve]
     python -m adaflash_hf.bench.serve --quick          # smoke run: concurrency 1 2, 2 requests, 16 tokens
 
@@ -9,15 +10,16 @@ Requests are held-out prompts (``adaflash_hf.data``: chat, code, math in turn, c
 ``--max-prompt-tokens``), greedy. At concurrency c the engine runs with ``max_running = c`` and
 max(requests-per-level, c) requests queued at once (closed loop: a finished request's slot goes to the next
 one), and a token budget that never binds (c·block_size + the longest prompt), so the modes differ only in
-their draft lengths. All modes run in one process, interleaved per repeat (plain, dflash, adaflash, then
+their drafts. All modes run in one process, interleaved per repeat (plain, dflash, adaflash, hybrid, then
 again), after one warm-up request per mode. ``--drafter random`` builds an untrained drafter: timing smoke
 tests only (nothing gets accepted).
 
 Per concurrency and mode: throughput = generated tokens / wall seconds (median over repeats); speed-up = that
 over plain's at the same concurrency; τ = tokens committed per verify (accepted + 1); mean verify length =
-drafts verified per verify; acceptance rate = accepted / verified drafts. ``lossless`` checks every request's
+drafts verified per verify; acceptance rate = accepted / verified drafts; lookup share = verifies whose drafts came
+from lookup (hybrid), with their own acceptance rate. ``lossless`` checks every request's
 tokens against plain's. Goals (issue 6): AdaFlash ≥ 1.0x plain at every concurrency, and ≥ 1.2x fixed-length
-DFlash at concurrency ≥ 8. Outputs in ``--output-dir``: ``results.json``, ``table.md`` and
+DFlash at concurrency ≥ 8; (issue 14) hybrid ahead of plain and AdaFlash at concurrency 8 and 16. Outputs in ``--output-dir``: ``results.json``, ``table.md`` and
 ``speedup_vs_concurrency.png``. Exit status 1 when a mode is not lossless.
 """
 
@@ -38,7 +40,8 @@ import transformers
 from transformers.utils import logging
 
 from adaflash_hf import AdaFlashConfig, AdaFlashDrafter
-from adaflash_hf.serving import MODES, AdaFlashEngine, AdmissionConfig, SamplingParams
+from adaflash_hf.serving import MODES as ENGINE_MODES
+from adaflash_hf.serving import AdaFlashEngine, AdmissionConfig, SamplingParams
 
 logger = logging.get_logger(__name__)
 
@@ -47,6 +50,7 @@ DOMAINS = ("chat", "code", "math")
 QUICK = {"concurrency": [1, 2], "requests_per_level": 2, "max_new_tokens": 16, "repeats": 1}
 FULL = {"concurrency": [1, 2, 4, 8, 16, 32], "requests_per_level": 32, "max_new_tokens": 128, "repeats": 1}
 WARMUP_TOKENS = 8
+MODES = (*ENGINE_MODES, "hybrid")
 
 
 def run_level(target, drafter, mode: str, prompts: list[torch.Tensor], concurrency: int, max_new_tokens: int):
@@ -55,7 +59,13 @@ def run_level(target, drafter, mode: str, prompts: list[torch.Tensor], concurren
     admission = AdmissionConfig(
         max_running=concurrency, token_budget=concurrency * block + max(len(p) for p in prompts)
     )
-    engine = AdaFlashEngine(target, drafter if mode != "plain" else None, mode=mode, admission=admission)
+    engine = AdaFlashEngine(
+        target,
+        drafter if mode != "plain" else None,
+        mode="adaflash" if mode == "hybrid" else mode,
+        admission=admission,
+        draft_source="hybrid" if mode == "hybrid" else "diffusion",
+    )
     params = SamplingParams(max_new_tokens=max_new_tokens)
     ids = [engine.add_request(p, params) for p in prompts]
     started = time.perf_counter()
@@ -72,6 +82,8 @@ def run_level(target, drafter, mode: str, prompts: list[torch.Tensor], concurren
         "committed": sum(s.committed for s in stats),
         "draft_tokens": sum(s.draft_tokens for s in stats),
         "accepted": sum(s.accepted for s in stats),
+        "lookup_verifies": sum(s.lookup_verifies for s in stats),
+        "lookup_accepted": sum(s.lookup_accepted for s in stats),
         "mean_running": statistics.fmean(s.running for s in stats),
         "drafter_seconds": sum(s.drafter_seconds for s in stats),
         "target_seconds": sum(s.target_seconds for s in stats),
@@ -92,6 +104,7 @@ def _summarise(
         "tau": first["committed"] / first["verifies"] if first["verifies"] else 0.0,
         "mean_verify_length": first["draft_tokens"] / first["verifies"] if first["verifies"] else 0.0,
         "acceptance_rate": first["accepted"] / first["draft_tokens"] if first["draft_tokens"] else 0.0,
+        "lookup_share": first["lookup_verifies"] / first["verifies"] if first["verifies"] else 0.0,
         "steps": first["steps"],
         "mean_running": first["mean_running"],
         "drafter_share": statistics.median(r["drafter_seconds"] / r["seconds"] for r in runs),
@@ -174,19 +187,26 @@ def _goals(summary: list[dict]) -> dict:
         goals["adaflash_1.2x_dflash_at_8_plus"] = all(
             rows[c, "adaflash"]["tokens_per_s"] >= 1.2 * rows[c, "dflash"]["tokens_per_s"] for c in high
         )
+    both = [c for c in (8, 16) if all((c, m) in rows for m in ("plain", "adaflash", "hybrid"))]
+    if both:
+        goals["hybrid_ahead_of_plain_and_adaflash_at_8_16"] = all(
+            rows[c, "hybrid"]["tokens_per_s"] > max(rows[c, m]["tokens_per_s"] for m in ("plain", "adaflash"))
+            for c in both
+        )
     return goals
 
 
 def markdown_table(results: dict) -> str:
     lines = [
-        "| concurrency | mode | tokens/s | speed-up vs plain | τ | mean verify length | acceptance | lossless |",
-        "|---:|---|---:|---:|---:|---:|---:|:---:|",
+        "| concurrency | mode | tokens/s | speed-up vs plain | τ | mean verify length | acceptance | lookup share "
+        "| lossless |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|:---:|",
     ]
     for r in results["summary"]:
         lines.append(
             f"| {r['concurrency']} | {r['mode']} | {r['tokens_per_s']:.1f} | {r['speedup_vs_plain']:.2f}x | "
             f"{r['tau']:.2f} | {r['mean_verify_length']:.2f} | {r['acceptance_rate']:.2f} | "
-            f"{'yes' if r['lossless'] else 'NO'} |"
+            f"{100 * r['lookup_share']:.0f}% | {'yes' if r['lossless'] else 'NO'} |"
         )
     goals = ", ".join(f"{name}: {'met' if met else 'NOT met'}" for name, met in results["goals"].items())
     settings = results["settings"]
@@ -249,7 +269,8 @@ def heldout_prompts(tokenizer, count: int, max_prompt_tokens: int) -> list[torch
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="adaflash bench serve",
-        description="Throughput of the batched engine (plain / fixed-length DFlash / AdaFlash) under concurrency.",
+        description="Throughput of the batched engine (plain / fixed-length DFlash / AdaFlash / hybrid) under "
+        "concurrency.",
     )
     parser.add_argument(
         "--target", default="smollm2-135m-instruct", help="target (adaflash_hf.assets.load_target)"

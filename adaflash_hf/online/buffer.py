@@ -72,9 +72,8 @@ class Trajectory:
 def _trajectory(prompt, committed, rounds: list[RoundRecord], domain: str) -> Trajectory | None:
     """A trajectory from the rounds of one request; None when no round can be learnt from."""
     end = len(prompt) + len(committed) - 1
-    kept = [
-        r for r in rounds if r.context_length < end
-    ]  # a round cut by EOS/length may leave nothing after it
+    # A round cut by EOS/length may leave nothing after it; a lookup round (hybrid drafting) has no drafter block.
+    kept = [r for r in rounds if r.context_length < end and r.source == "diffusion"]
     if not kept:
         return None
     return Trajectory(

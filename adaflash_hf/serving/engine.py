@@ -12,6 +12,13 @@ budget; ONE packed target forward over Σ(k̂_i + 1) verify tokens plus the prom
 (``cache``); ONE acceptance launch (``verify_accept``) for greedy and sampling requests together; per-request
 commit and rollback. The three modes share every other line, so they are each other's baselines.
 
+``draft_source="hybrid"`` (a drafter mode): each request also keeps a ``LookupIndex`` of its committed tokens, and
+per step verifies either its block or its lookup continuation, whichever ``choose_lookup`` expects to keep more
+tokens. A request whose lookup proposal already beats its last â skips the drafter forward this step; its new
+context waits in ``pending_context`` until its next block. Lookup proposals are one-hot, like the drafter's argmax.
+With ``lookup_history_tokens=N`` the engine also indexes the outputs of finished requests (at most N tokens, the
+oldest evicted) and a request takes the longer of its own match and its match there.
+
 Lossless: greedy requests commit exactly the target's argmax chain; sampling requests use speculative sampling
 with one-hot proposals (the drafter's argmax) and uniforms from their own generator, so each request's output
 is distributed as the target's and does not depend on the rest of the batch. A drafter block with a non-finite
@@ -39,6 +46,7 @@ from transformers.utils import logging
 from adaflash_hf.draft_vocab import draft_tokens
 from adaflash_hf.generation import align_drafter_dtype
 from adaflash_hf.kernels.verify_accept import verify_accept
+from adaflash_hf.lookup import LookupIndex, check_draft_source, choose_lookup
 from adaflash_hf.serving.admission import AdmissionConfig, AdmissionController
 from adaflash_hf.serving.cache import (
     DrafterBatch,
@@ -74,6 +82,8 @@ class StepStats:
     drafter_seconds: float
     target_seconds: float
     seconds: float
+    lookup_verifies: int = 0  # verifying requests whose drafts came from lookup (hybrid)
+    lookup_accepted: int = 0  # accepted lookup drafts
 
     @property
     def tau(self) -> float:
@@ -112,9 +122,24 @@ class AdaFlashEngine:
         gamma: float | None = None,
         min_len: int | None = None,
         seed: int = 0,
+        draft_source: str = "diffusion",
+        lookup_history_tokens: int | None = None,
     ):
         if mode not in MODES:
             raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+        check_draft_source("draft_source", draft_source)
+        if mode == "plain" and draft_source != "diffusion":
+            raise ValueError(
+                f"draft_source: expected 'diffusion' with mode='plain' (hybrid compares against a drafter), "
+                f"got {draft_source!r}"
+            )
+        if lookup_history_tokens is not None and not (
+            draft_source == "hybrid" and isinstance(lookup_history_tokens, int) and lookup_history_tokens >= 1
+        ):
+            raise ValueError(
+                f"lookup_history_tokens: expected None, or an int >= 1 with draft_source='hybrid', got "
+                f"{lookup_history_tokens!r} with draft_source={draft_source!r}"
+            )
         if mode != "plain" and drafter is None:
             raise ValueError(f"drafter: expected an AdaFlashDrafter for mode={mode!r}, got None")
         text_config = target.config.get_text_config()
@@ -129,6 +154,10 @@ class AdaFlashEngine:
             drafter.check_target(target)
         self.target = target
         self.mode = mode
+        self.draft_source = draft_source
+        self.lookup_history = (
+            None if lookup_history_tokens is None else LookupIndex(max_tokens=lookup_history_tokens)
+        )
         self.block_size = drafter.config.block_size if drafter is not None else 16
         self.admission = AdmissionController(admission or AdmissionConfig(), self.block_size)
         self.gamma = gamma if gamma is not None else (drafter.config.length_head_gamma if drafter else 1.0)
@@ -194,6 +223,9 @@ class AdaFlashEngine:
             eos_ids=frozenset(params.eos_ids() or self.default_eos),
             generator=torch.Generator().manual_seed(seed),
         )
+        if self.draft_source == "hybrid":
+            request.lookup_index = LookupIndex()
+            request.lookup_index.extend(prompt)
         self.admission.check_request(request)
         self.requests[request_id] = request
         self.waiting.append(request)
@@ -231,6 +263,8 @@ class AdaFlashEngine:
         return [self.requests[i].output for i in ids]
 
     def _release(self, request: Request) -> None:
+        if self.lookup_history is not None and request.finish_reason != "abort" and request.output:
+            self.lookup_history.add(request.output)
         request.status = FINISHED
         request.pending_context = None
         if request.slot is not None:
@@ -263,18 +297,19 @@ class AdaFlashEngine:
         prefill_tokens = sum(len(r.prompt) for r in admitted)
 
         gamma = self.gamma * self.admission.gamma_scale()
-        lengths, block_states, fallbacks = self._draft(decoding, gamma)
+        lengths, block_states, rows, lookups, fallbacks = self._draft(decoding, gamma)
         drafter_seconds = time.perf_counter() - started
         lengths = self.admission.fit_lengths(lengths, self.admission.config.token_budget - prefill_tokens)
         full = self.record_full_drafts and self.round_recorder is not None
-        drafts, full_drafts = self._propose(block_states, lengths, full)
+        drafts, full_drafts = self._propose(block_states, rows, lookups, lengths, full)
+        sources = ["diffusion" if lookup is None else "lookup" for lookup in lookups]
 
         target_started = time.perf_counter()
         accepted, next_tokens, features = self._verify(admitted, decoding, drafts)
         target_seconds = time.perf_counter() - target_started
 
         outputs, committed = self._commit(
-            admitted, decoding, drafts, accepted, next_tokens, features, full_drafts
+            admitted, decoding, drafts, accepted, next_tokens, features, full_drafts, sources
         )
         self.running = [r for r in self.running if r.status == RUNNING]
         self.admission.update(len(decoding) + len(admitted), sum(lengths) + len(lengths), len(lengths))
@@ -297,14 +332,60 @@ class AdaFlashEngine:
                 drafter_seconds=drafter_seconds,
                 target_seconds=target_seconds,
                 seconds=time.perf_counter() - started,
+                lookup_verifies=sources.count("lookup"),
+                lookup_accepted=sum(a for a, s in zip(accepted[len(admitted) :], sources) if s == "lookup"),
             )
         )
         return outputs
 
     def _draft(self, decoding: list[Request], gamma: float):
-        """One batched drafter forward: per-request draft lengths, the block states, and the fallback count."""
+        """Per-request draft lengths; the block states of one batched drafter forward (None without one); each
+        request's row in them (None: no block verified); its lookup proposal (None: not a lookup round); and the
+        count of non-finite blocks."""
+        count = len(decoding)
+        lengths, rows, lookups = [0] * count, [None] * count, [None] * count
         if self.drafter is None or not decoding:
-            return [0] * len(decoding), None, 0
+            return lengths, None, rows, lookups, 0
+        # The bonus token needs one slot of the request's budget, so at most remaining - 1 drafts.
+        room = [min(self.block_size - 1, r.remaining - 1) for r in decoding]
+        proposals = [None] * count
+        if self.draft_source == "hybrid":
+            for i, r in enumerate(decoding):
+                proposals[i] = r.lookup_index.propose(room[i], r.eos_ids)
+                if self.lookup_history is not None:
+                    suffix = r.lookup_index.tail(self.lookup_history.max_ngram)
+                    shared = self.lookup_history.propose(room[i], r.eos_ids, suffix=suffix)
+                    if shared is not None and (
+                        proposals[i] is None or shared.match_length > proposals[i].match_length
+                    ):
+                        proposals[i] = shared
+                if r.last_acceptance is not None and choose_lookup(
+                    proposals[i], r.lookup, r.last_acceptance, self.block_size
+                ):
+                    lookups[i] = proposals[i].tokens
+        drafting = [i for i in range(count) if lookups[i] is None]
+        if not drafting:
+            return [len(t) for t in lookups], None, rows, lookups, 0
+        block_lengths, states, finite = self._drafter_forward([decoding[i] for i in drafting], gamma)
+        for row, i in enumerate(drafting):
+            request = decoding[i]
+            if not finite[row]:
+                logger.warning(
+                    f"{request.request_id}: non-finite drafter block, verifying no block drafts this step"
+                )
+            if proposals[i] is not None and choose_lookup(
+                proposals[i], request.lookup, request.last_acceptance, self.block_size
+            ):
+                lookups[i] = proposals[i].tokens
+            else:
+                rows[i] = row
+                lengths[i] = min(block_lengths[row], room[i]) if finite[row] else 0
+        lengths = [n if t is None else len(t) for n, t in zip(lengths, lookups)]
+        return lengths, states, rows, lookups, finite.count(False)
+
+    def _drafter_forward(self, decoding: list[Request], gamma: float):
+        """One batched drafter forward over ``decoding``: k̂ per request, the block states, finite flags; sets each
+        request's ``last_acceptance`` (â)."""
         drafter = self.drafter
         device = next(drafter.parameters()).device
         contexts = [r.pending_context for r in decoding]
@@ -328,42 +409,38 @@ class AdaFlashEngine:
             position_ids=batch.position_ids,
             cache=DrafterSlotCache(self.drafter_store, batch),
         )
-        for request, features in zip(decoding, contexts):
+        for request, features, acceptance in zip(decoding, contexts, out.acceptance_prob.float().tolist()):
             request.drafter_len += features.shape[0]
             request.pending_context = None
+            request.last_acceptance = acceptance
         states = out.last_hidden_state
         finite = torch.isfinite(states).flatten(1).all(1) & torch.isfinite(out.acceptance_prob.float())
         if self.mode == "dflash":
             lengths = [self.block_size - 1] * len(decoding)
         else:
             lengths = drafter.predict_draft_length(out.acceptance_prob, gamma, self.min_len).tolist()
-        ok = finite.tolist()
-        for request, good in zip(decoding, ok):
-            if not good:
-                logger.warning(
-                    f"{request.request_id}: non-finite drafter block, verifying no drafts this step"
-                )
-        # The bonus token needs one slot of the request's budget, so at most remaining - 1 drafts can be kept.
-        lengths = [min(n, r.remaining - 1) if good else 0 for n, r, good in zip(lengths, decoding, ok)]
-        return lengths, states, ok.count(False)
+        return lengths, states, finite.tolist()
 
     def _propose(
-        self, block_states, lengths: list[int], full: bool = False
+        self, block_states, rows, lookups, lengths: list[int], full: bool = False
     ) -> tuple[list[list[int]], list[list[int]] | None]:
-        """Argmax proposals of block rows 1..k̂_i through the target's lm_head (its ``draft_token_ids`` rows when the
-        drafter has them), on the verified rows only; with ``full`` also every row 1..block_size-1 (returned second,
-        None otherwise; its first k̂_i are the drafts)."""
-        widths = [self.block_size - 1 if full else n for n in lengths]
+        """Per request, the first ``lengths[i]`` lookup tokens, or the argmax proposals of its block rows 1..k̂_i
+        through the target's lm_head (its ``draft_token_ids`` rows when the drafter has them), on the verified rows
+        only; with ``full`` also every block row 1..block_size-1 (returned second, None otherwise; its first k̂_i are
+        the drafts; a lookup round's entry is its drafts)."""
+        drafts = [[] if t is None else list(t[:n]) for t, n in zip(lookups, lengths)]
+        widths = [0 if row is None else (self.block_size - 1 if full else n) for row, n in zip(rows, lengths)]
         if block_states is None or not sum(widths):
-            return [[] for _ in lengths], None
-        rows = torch.cat([block_states[i, 1 : 1 + w] for i, w in enumerate(widths)])
+            return drafts, ([list(d) for d in drafts] if full else None)
+        hidden = torch.cat([block_states[row, 1 : 1 + w] for row, w in zip(rows, widths) if w])
         lm_head = self.target.get_output_embeddings()
-        tokens = draft_tokens(rows, lm_head, self.drafter.draft_token_ids).tolist()
-        proposals, offset = [], 0
-        for w in widths:
-            proposals.append(tokens[offset : offset + w])
-            offset += w
-        drafts = [p[:n] for p, n in zip(proposals, lengths)]
+        tokens = draft_tokens(hidden, lm_head, self.drafter.draft_token_ids).tolist()
+        proposals, offset = [list(d) for d in drafts], 0
+        for i, w in enumerate(widths):
+            if w:
+                proposals[i] = tokens[offset : offset + w]
+                drafts[i] = proposals[i][: lengths[i]]
+                offset += w
         return drafts, (proposals if full else None)
 
     def _verify(self, admitted: list[Request], decoding: list[Request], drafts: list[list[int]]):
@@ -422,7 +499,7 @@ class AdaFlashEngine:
         )
         return result.accepted.tolist(), result.next_tokens.tolist(), (features, lengths)
 
-    def _commit(self, admitted, decoding, drafts, accepted, next_tokens, features, full_drafts=None):
+    def _commit(self, admitted, decoding, drafts, accepted, next_tokens, features, full_drafts, sources):
         """Commit accepted drafts + the next token per request, roll back the rest, queue drafter context."""
         hidden, lengths = features
         outputs, committed, offset = [], 0, 0
@@ -437,12 +514,20 @@ class AdaFlashEngine:
             cached = lengths[i] if i < prefills else n_accepted + 1
             request.target_len += cached
             if hidden is not None:
-                request.pending_context = hidden[offset : offset + cached]
+                # Appended: a request that skipped the drafter this step still owes it the older positions.
+                new = hidden[offset : offset + cached]
+                pending = request.pending_context
+                request.pending_context = new if pending is None else torch.cat([pending, new])
+            if request.lookup_index is not None:
+                request.lookup_index.extend(kept)
+            source = sources[i - prefills] if i >= prefills else None
             if i >= prefills:
                 committed += len(kept)
                 request.drafted += len(proposed)
                 request.accepted += n_accepted
                 request.verify_rounds += 1
+                if source == "lookup":
+                    request.lookup.add(len(proposed), n_accepted)
             offset += lengths[i]
             if request.finish_reason is not None:
                 self._release(request)
@@ -455,6 +540,7 @@ class AdaFlashEngine:
                     predicted_acceptance=float("nan"),
                     accepted=n_accepted,
                     drafter_version=version,
+                    source=source,
                 )
                 self.round_recorder(request, record)
             outputs.append(
