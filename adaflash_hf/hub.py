@@ -167,6 +167,12 @@ def render_model_card(
         target_num_hidden_layers=config.target_num_hidden_layers,
         target_layer_ids=list(config.target_layer_ids or ()),
         mask_description=mask,
+        draft_vocab_description=(
+            f"{len(config.draft_token_ids)} most frequent response tokens (of {config.vocab_size}); tokens outside it "
+            "are never proposed"
+            if config.draft_token_ids
+            else f"the target's full vocabulary ({config.vocab_size})"
+        ),
         length_head_variant=config.length_head_variant,
         length_head_bottleneck=config.length_head_bottleneck,
         length_head_gamma=config.length_head_gamma,

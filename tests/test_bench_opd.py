@@ -51,7 +51,7 @@ def test_eval_prompts_are_never_served_by_the_traffic():
 
 
 def test_eval_prompts_refuse_to_overlap_a_small_traffic_domain():
-    config = {"seed": 0, "max_prompt_tokens": 4096, "prompts_per_domain": 30, "domains": ["code"]}
+    config = {"seed": 0, "max_prompt_tokens": 4096, "prompts_per_domain": 161, "domains": ["code"]}
     with pytest.raises(
         ValueError, match=r"eval_prompts_per_domain: expected at most 3 for traffic domain code"
     ):

@@ -53,6 +53,8 @@ VARIANTS = {
     "split-24-bf16-dv": {"num_anchors": 24, "bf16": True, "draft_vocab": True},
     "split-24-dv-1layer": {"num_anchors": 24, "draft_vocab": True, "drafter_layers": 1},
     "split-256-bf16-dv": {"num_anchors": 256, "bf16": True, "draft_vocab": True},
+    # The recipe of the shipped SmolLM2 drafter (examples/configs/train_smollm2.yaml): every position an anchor.
+    "split-512-dv-1layer": {"num_anchors": 512, "draft_vocab": True, "drafter_layers": 1},
 }
 VARIANT_DEFAULTS = {"attention_layout": "split", "bf16": False, "draft_vocab": False, "drafter_layers": 2}
 # SmolLM2-135M-Instruct, the default target of trainers/train_drafter.py, and the trainer's default batch.
