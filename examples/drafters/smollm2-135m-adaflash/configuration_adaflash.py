@@ -35,6 +35,27 @@ def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> lis
     return [start + round(i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
 
 
+def check_draft_token_ids(token_ids: list[int], vocab_size: int | None) -> None:
+    """Raise unless ``token_ids`` is a non-empty, strictly increasing list of ids inside ``vocab_size``."""
+    if not token_ids:
+        raise ValueError(
+            "draft_token_ids: expected a non-empty sorted list of target token ids (or None for the full "
+            "vocabulary), got []"
+        )
+    for position, (previous, current) in enumerate(zip(token_ids, token_ids[1:]), start=1):
+        if current <= previous:
+            raise ValueError(
+                f"draft_token_ids: expected strictly increasing ids (sorted, no duplicates), got {current} after "
+                f"{previous} at index {position}"
+            )
+    if token_ids[0] < 0:
+        raise ValueError(f"draft_token_ids: expected ids >= 0, got {token_ids[0]}")
+    if vocab_size is not None and token_ids[-1] >= vocab_size:
+        raise ValueError(
+            f"draft_token_ids: expected ids in 0..{vocab_size - 1} (vocab_size={vocab_size}), got {token_ids[-1]}"
+        )
+
+
 @strict(accept_kwargs=True)
 class AdaFlashConfig(PreTrainedConfig):
     r"""
@@ -45,6 +66,10 @@ class AdaFlashConfig(PreTrainedConfig):
     lm_head. ``target_layer_ids`` are 0-indexed target decoder layers whose *outputs* (``hidden_states[id + 1]``) form
     the context. ``mask_token_id`` is a row of the target embedding used for the masked block positions; targets whose
     vocabulary has no spare row set ``learned_mask_embedding=True`` and the drafter owns a learned mask vector instead.
+
+    ``draft_token_ids`` (sorted target ids, e.g. from ``adaflash_hf.draft_vocab.build_draft_vocab``) restricts the
+    drafter's logits to those lm_head rows (EAGLE-3 / FR-Spec's reduced draft vocabulary); None drafts over the whole
+    vocabulary. It adds no parameter, so the weights stay z-lab DFlash tensors.
 
     The length head predicts the accepted fraction â of a block; the draft is truncated to
     ``k̂ = clamp(floor(length_head_gamma * â * (block_size - 1)), length_head_min_len, block_size - 1)``.
@@ -79,6 +104,7 @@ class AdaFlashConfig(PreTrainedConfig):
     target_layer_ids: list[int] | None = None
     mask_token_id: int | None = None
     learned_mask_embedding: bool = False
+    draft_token_ids: list[int] | None = None
 
     target_model_type: str | None = None
     target_hidden_size: int | None = None
@@ -137,6 +163,8 @@ class AdaFlashConfig(PreTrainedConfig):
             )
         if self.target_layer_ids is not None and len(self.target_layer_ids) == 0:
             raise ValueError("target_layer_ids: expected a non-empty list of target layer indices, got []")
+        if self.draft_token_ids is not None:
+            check_draft_token_ids(self.draft_token_ids, self.vocab_size)
 
     def check_target_config(self, target_config: PreTrainedConfig) -> None:
         """Raise a clear error when this drafter cannot serve a target with ``target_config`` (config-level checks).
@@ -152,6 +180,8 @@ class AdaFlashConfig(PreTrainedConfig):
             self.vocab_size = text.vocab_size
         if self.vocab_size != text.vocab_size:
             raise ValueError(f"vocab_size: expected the target's {text.vocab_size}, got {self.vocab_size}")
+        if self.draft_token_ids is not None:  # a config without vocab_size could not check the range before
+            check_draft_token_ids(self.draft_token_ids, self.vocab_size)
         for field_name, attribute in TARGET_FINGERPRINT.items():
             recorded, actual = getattr(self, field_name), getattr(text, attribute, None)
             if recorded is not None and recorded != actual:

@@ -29,7 +29,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 
-from .configuration_adaflash import AdaFlashConfig
+from .configuration_adaflash import AdaFlashConfig, check_draft_token_ids
 
 SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 # Muse-Glimmer names the context projection ``encoder.*``; everything else is shared with z-lab DFlash.
@@ -93,6 +93,54 @@ def _eager_attention(module, query, key, value, attention_mask, scaling, dropout
     return torch.matmul(probs, value).transpose(1, 2).contiguous(), probs
 
 
+@dataclass
+class BlockwiseMask:
+    """The training layout without its dense [Q, N + Q] mask: keys are [N context positions, Q block rows], and each
+    block of ``block_size`` rows sees the context columns where ``context_visible`` is True plus its own rows
+    (bidirectional), never another block. Passed to the layers in place of a mask tensor (as flex attention's
+    ``BlockMask`` is)."""
+
+    context_visible: torch.Tensor  # [B, n_blocks, N] bool
+    block_size: int
+
+
+def _blockwise_attention(
+    query, key, value, mask: BlockwiseMask, scaling: float, dropout: float, training: bool
+):
+    """Exactly the dense-mask attention of the training layout, in O(Q * (N + block_size)) instead of O(Q * (N + Q)).
+
+    query [B, h, Q, d]; key/value [B, kv, N + Q, d]. Each row's scores are its [N] context scores next to the
+    [block_size] scores of its own block (computed block-diagonally, never as [Q, Q]), under one softmax. The own block
+    is always visible, so a block that sees no context still has finite scores. Returns [B, Q, h, d].
+    """
+    batch, heads, q_len, dim = query.shape
+    kv_heads = key.shape[1]
+    groups = heads // kv_heads
+    n_ctx = key.shape[2] - q_len
+    block = mask.block_size
+    n_blocks = q_len // block
+    # Query head i reads key head i // groups (repeat_interleave in _eager_attention): split h into (kv, groups).
+    query = query.reshape(batch, kv_heads, groups, n_blocks, block, dim)
+    key_blocks = key[:, :, n_ctx:].reshape(batch, kv_heads, 1, n_blocks, block, dim)
+    value_blocks = value[:, :, n_ctx:].reshape(batch, kv_heads, 1, n_blocks, block, dim)
+
+    context_keys = key[:, :, :n_ctx].transpose(-1, -2)
+    context_scores = torch.matmul(query.reshape(batch, kv_heads, groups * q_len, dim), context_keys) * scaling
+    context_scores = context_scores.view(batch, kv_heads, groups, n_blocks, block, n_ctx).masked_fill(
+        ~mask.context_visible[:, None, None, :, None, :], torch.finfo(context_scores.dtype).min
+    )
+    # [B, kv, groups, n_blocks, block, block]: each row against its own block's keys only
+    block_scores = torch.matmul(query, key_blocks.transpose(-1, -2)) * scaling
+    scores = torch.cat([context_scores, block_scores], dim=-1)
+    probs = F.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(query.dtype)
+    probs = F.dropout(probs, p=dropout, training=training)
+    context_probs, block_probs = probs.split([n_ctx, block], dim=-1)
+    out = torch.matmul(
+        context_probs.reshape(batch, kv_heads, groups * q_len, n_ctx), value[:, :, :n_ctx]
+    ).view(batch, kv_heads, groups, n_blocks, block, dim) + torch.matmul(block_probs, value_blocks)
+    return out.view(batch, heads, q_len, dim).transpose(1, 2).contiguous()
+
+
 class AdaFlashAttention(nn.Module):
     def __init__(self, config: AdaFlashConfig, layer_idx: int):
         super().__init__()
@@ -136,6 +184,12 @@ class AdaFlashAttention(nn.Module):
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx)
 
+        dropout = self.config.attention_dropout if self.training else 0.0
+        if isinstance(attention_mask, BlockwiseMask):
+            out = _blockwise_attention(
+                query, key, value, attention_mask, self.scaling, dropout, self.training
+            )
+            return self.o_proj(out.reshape(batch, q_len, -1))
         attention: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, _eager_attention
         )
@@ -145,7 +199,7 @@ class AdaFlashAttention(nn.Module):
             key,
             value,
             attention_mask,
-            dropout=self.config.attention_dropout if self.training else 0.0,
+            dropout=dropout,
             scaling=self.scaling,
             is_causal=False,
         )
@@ -243,6 +297,9 @@ class AdaFlashPreTrainedModel(PreTrainedModel):
             init.copy_(module.inv_freq, module.compute_inv_freq(self.config)[0])
         if isinstance(module, AdaFlashDrafter) and module.mask_embedding is not None:
             init.normal_(module.mask_embedding, mean=0.0, std=self.config.initializer_range)
+        if isinstance(module, AdaFlashDrafter) and module.draft_token_ids is not None:
+            # Non-persistent like inv_freq, so from_pretrained's meta-device build leaves it uninitialised too.
+            init.copy_(module.draft_token_ids, torch.tensor(self.config.draft_token_ids))
 
 
 class AdaFlashDrafter(AdaFlashPreTrainedModel):
@@ -262,6 +319,16 @@ class AdaFlashDrafter(AdaFlashPreTrainedModel):
             config.hidden_size, config.length_head_bottleneck
         )
         setattr(self, LENGTH_HEAD_ATTRIBUTE[config.length_head_variant], head)
+        token_ids = config.draft_token_ids
+        if token_ids is not None:
+            # Again here: a value set after the config was built (from_pretrained(path, draft_token_ids=ids)) never
+            # went through the config's validators.
+            check_draft_token_ids(token_ids, config.vocab_size)
+        # A buffer so it follows the model's device; non-persistent because config.json holds it and the checkpoint
+        # must keep exactly z-lab's tensors.
+        self.register_buffer(
+            "_draft_token_ids", None if token_ids is None else torch.tensor(token_ids), persistent=False
+        )
         self.post_init()
 
     # ------------------------------------------------------------------------------------------------ properties
@@ -269,6 +336,15 @@ class AdaFlashDrafter(AdaFlashPreTrainedModel):
     def length_head(self) -> nn.Module:
         # Read _modules directly: the paper head's attribute is itself named ``length_head``, which this property shadows.
         return self._modules[LENGTH_HEAD_ATTRIBUTE[self.config.length_head_variant]]
+
+    @property
+    def draft_token_ids(self) -> torch.LongTensor | None:
+        """Sorted target ids the drafter may propose (``config.draft_token_ids``), or None: the whole vocabulary.
+
+        Proposal paths use it through ``adaflash_hf.draft_vocab.draft_logits``. Set it in the config before building
+        the drafter: this tensor is made once, at construction.
+        """
+        return self._draft_token_ids
 
     def length_head_parameter_names(self) -> list[str]:
         prefix = LENGTH_HEAD_ATTRIBUTE[self.config.length_head_variant] + "."
@@ -334,6 +410,27 @@ class AdaFlashDrafter(AdaFlashPreTrainedModel):
             ~allowed, torch.finfo(dtype).min
         )
 
+    def _blockwise_mask(self, block_anchors, attention_mask, cache, batch, q_len, n_ctx) -> BlockwiseMask:
+        block = self.config.block_size
+        if attention_mask is not None:
+            raise ValueError(
+                f"attention_mask: expected None with block_anchors (the layout is the mask), "
+                f"got a {attention_mask.dim()}-D tensor"
+            )
+        if cache is not None:
+            raise ValueError(
+                f"cache: expected None with block_anchors (training layout), got {type(cache).__name__}"
+            )
+        if tuple(block_anchors.shape) != (batch, q_len // block):
+            raise ValueError(
+                f"block_anchors: expected shape {(batch, q_len // block)} (batch, rows / block_size), "
+                f"got {tuple(block_anchors.shape)}"
+            )
+        # Context position p is the sequence position p (no cache), so "strictly before the anchor" is p < anchor;
+        # an unused slot (-1) sees no context. Right padding lies after every anchor and is never visible.
+        positions = torch.arange(n_ctx, device=block_anchors.device)
+        return BlockwiseMask(positions < block_anchors.clamp(min=0)[..., None], block)
+
     # --------------------------------------------------------------------------------------------------- forward
     def forward(
         self,
@@ -343,6 +440,7 @@ class AdaFlashDrafter(AdaFlashPreTrainedModel):
         position_ids: torch.LongTensor | None = None,
         cache: Cache | None = None,
         use_cache: bool | None = None,
+        block_anchors: torch.LongTensor | None = None,
         **kwargs,
     ) -> AdaFlashDrafterOutput:
         r"""
@@ -354,6 +452,10 @@ class AdaFlashDrafter(AdaFlashPreTrainedModel):
         position_ids: `[B, N + Q]` absolute positions of the new context then the block rows.
         cache: a transformers ``Cache`` (e.g. ``DFlashCache``); it receives the new context and block K/V. The caller
             evicts the block rows before the next round (``cache.crop(-block_size)``), as the native generator does.
+        block_anchors: `[B, Q // block_size]` training layout instead of a 4-D mask: block b sees the context positions
+            strictly before ``block_anchors[:, b]`` (-1: none) and its own rows, never another block. Same result as
+            the dense mask of ``dflash_recipe.build_blocks`` at O(Q * (N + block_size)) attention cost instead of
+            O(Q * (N + Q)). Needs ``attention_mask=None`` and ``cache=None``.
         """
         batch, q_len, hidden = noise_embeds.shape
         block = self.config.block_size
@@ -371,6 +473,12 @@ class AdaFlashDrafter(AdaFlashPreTrainedModel):
             )
         n_ctx = context_hidden_states.shape[1]
         past = cache.get_seq_length() if cache is not None else 0
+        if block_anchors is None:
+            mask = self._attention_mask(
+                attention_mask, batch, q_len, past + n_ctx + q_len, noise_embeds.dtype, noise_embeds.device
+            )
+        else:
+            mask = self._blockwise_mask(block_anchors, attention_mask, cache, batch, q_len, n_ctx)
         if hasattr(cache, "set_previous_accepted_tokens"):
             cache.set_previous_accepted_tokens(n_ctx)
         if position_ids is None:
@@ -387,9 +495,6 @@ class AdaFlashDrafter(AdaFlashPreTrainedModel):
 
         context_hidden = self.hidden_norm(self.fc(context_hidden_states))
         position_embeddings = self.rotary_emb(hidden_states, position_ids)
-        mask = self._attention_mask(
-            attention_mask, batch, q_len, past + n_ctx + q_len, hidden_states.dtype, hidden_states.device
-        )
         for layer in self.layers:
             hidden_states = layer(hidden_states, context_hidden, position_embeddings, mask, cache, **kwargs)
         hidden_states = self.norm(hidden_states)
@@ -429,7 +534,10 @@ class AdaFlashDrafter(AdaFlashPreTrainedModel):
         if target_dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"target dtype: expected one of {SUPPORTED_DTYPES}, got {target_dtype}")
         if drafter_dtype != target_dtype:
-            raise TypeError(f"drafter dtype: expected the target's {target_dtype}, got {drafter_dtype}")
+            raise TypeError(
+                f"drafter dtype: expected the target's {target_dtype}, got {drafter_dtype} (cast it with "
+                f"drafter.to({target_dtype}); generate and AdaFlashEngine do that once for you)"
+            )
 
     # --------------------------------------------------------------------------------------------- save and load
     def save_pretrained(self, save_directory, *args, **kwargs):
