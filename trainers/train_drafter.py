@@ -44,14 +44,14 @@ def build_drafter(args: DrafterTrainingConfig, target, records: list[dict] | Non
         }
         if args.mask_token_id is not None:
             overrides["mask_token_id"] = args.mask_token_id
-        if args.draft_vocab_size is not None:
+        # trainers/opd.py builds its fresh drafter here too, from arguments without the offline-only fields.
+        draft_vocab_size = getattr(args, "draft_vocab_size", None)
+        if draft_vocab_size is not None:
             # FR-Spec / EAGLE-3: the most frequent tokens of the target's own responses; no new parameters.
             eos = target.config.get_text_config().eos_token_id
-            overrides["draft_token_ids"], coverage = build_draft_vocab(
-                records or [], args.draft_vocab_size, eos
-            )
+            overrides["draft_token_ids"], coverage = build_draft_vocab(records or [], draft_vocab_size, eos)
             logger.info(
-                f"draft vocabulary: {args.draft_vocab_size} tokens cover {coverage:.2%} of response tokens"
+                f"draft vocabulary: {draft_vocab_size} tokens cover {coverage:.2%} of response tokens"
             )
         config = AdaFlashConfig.for_target(target.config, **overrides)
         text = target.config.get_text_config()
@@ -64,7 +64,10 @@ def build_drafter(args: DrafterTrainingConfig, target, records: list[dict] | Non
             # 'target' starts from the scale the lm_head was trained with instead (SmolLM2: mean 1.8, not 0.31), which
             # AdamW would otherwise need thousands of steps to reach.
             target_norm = getattr(target.get_decoder(), "norm", None)
-            if args.final_norm_init == "target" and getattr(target_norm, "weight", None) is not None:
+            if (
+                getattr(args, "final_norm_init", "inverse_row_norm") == "target"
+                and getattr(target_norm, "weight", None) is not None
+            ):
                 drafter.norm.weight.copy_(target_norm.weight)
             else:
                 row_norm = target.get_output_embeddings().weight.norm(dim=-1).mean()
