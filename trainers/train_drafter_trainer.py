@@ -211,7 +211,7 @@ class DrafterTrainer(Trainer):
         )
         self.heldout_records, self.heldout_features, self.curve = [], [], None
         if args.heldout_corpus_dir:
-            self._load_heldout(model.config.target_layer_ids)
+            self._load_heldout(model)
             if args.curve_points_per_decade and args.eval_strategy == "no":
                 self.add_callback(LogSpacedEvaluation(args.curve_points_per_decade))
         self.eval_prompts = eval_prompts or []
@@ -255,7 +255,8 @@ class DrafterTrainer(Trainer):
             self.blocks_seen = int(logged[-1]) if logged else 0
         return self.blocks_seen
 
-    def _load_heldout(self, layer_ids: list[int]) -> None:
+    def _load_heldout(self, drafter: AdaFlashDrafter) -> None:
+        layer_ids = drafter.config.target_layer_ids
         self.heldout_records = read_corpus(self.args.heldout_corpus_dir, self.args.domains)
         features_dir = self.args.heldout_features_dir
         features = [
@@ -265,7 +266,7 @@ class DrafterTrainer(Trainer):
             if features[i] is None:  # no recorded features: one target forward, once
                 ids = torch.tensor([record["input_ids"]], device=self.target.device)
                 hidden = self.target(input_ids=ids, output_hidden_states=True).hidden_states
-                features[i] = torch.cat([hidden[j + 1][0, :-1] for j in layer_ids], dim=-1).to(torch.bfloat16)
+                features[i] = drafter.context_features(hidden)[0, :-1].to(torch.bfloat16)
         self.heldout_features = features
         self.curve = LearningCurve(
             self.args.learning_curve_dir or self.args.output_dir,
