@@ -1,10 +1,9 @@
 """Kernels for AdaFlash, one file per op: Triton kernel -> autograd.Function -> functional -> module.
 
 - ``clipped_kl``: fused lm_head + clipped reverse-KL + hard-CE distillation loss (training).
-- ``verify_packing``: packing geometry for a ragged verify batch (flat tokens, positions, cu_seqlens).
+- ``verify_packing``: geometry of one packed target forward on the engine's slot-pool K/V layout.
+- ``verify_attention``: the packed verify attention of that forward, each request to its own slot.
 - ``verify_accept``: greedy and speculative-sampling acceptance over the packed batch in one launch.
-- ``verify_attention``: packed verify attention (varlen, bottom-right causal) and its
-  ``transformers.AttentionInterface`` registration.
 
 Every op has a Triton path (CUDA, or CPU under ``TRITON_INTERPRET=1``) and a torch fallback behind one
 entry point; ``ADAFLASH_KERNELS=auto|torch|triton`` (or the ``impl=`` argument) picks one

@@ -1,8 +1,8 @@
 """Acceptance for a packed verify batch: greedy first-mismatch and speculative sampling, in one launch.
 
-Request i owns target rows ``cu_seqlens[i] .. cu_seqlens[i+1]-1`` of the packed logits (``k̂_i + 1`` rows, see
-``verify_packing``): row j scores draft ``d_{i,j}`` (j < k̂_i) and the last row the bonus token. Draft tokens
-are packed the same way without anchors, so request i's drafts start at ``cu_seqlens[i] - i``.
+Request i owns target rows ``cu_seqlens[i] .. cu_seqlens[i+1]-1`` of the packed logits (``k̂_i + 1`` rows: its
+anchor and drafts): row j scores draft ``d_{i,j}`` (j < k̂_i) and the last row the bonus token. Draft tokens are
+packed the same way without anchors, so request i's drafts start at ``cu_seqlens[i] - i``.
 
 - Greedy (temperature <= 0): accept while ``argmax(row j) == d_j``; the next token is the argmax of the first
   rejected row, or of the bonus row when all drafts are accepted. Ties go to the lowest index (torch.argmax).
@@ -240,7 +240,7 @@ def verify_accept(
     Args:
         target_logits: (T, V) processed target logits, rows packed by ``cu_seqlens``.
         draft_tokens: (D,) packed drafts, D = T - B; request i has ``cu_seqlens[i+1] - cu_seqlens[i] - 1``.
-        cu_seqlens: (B+1,) int32 or int64 prefix sums of ``k̂_i + 1`` (``VerifyBatch.cu_seqlens_q``).
+        cu_seqlens: (B+1,) int32 or int64 prefix sums of ``k̂_i + 1``.
         temperatures: (B,) per-request temperature; <= 0 (or None for all) means greedy.
         draft_probs: (D, V) the drafter's proposal distribution q per draft; None means one-hot proposals.
         accept_uniforms: (D,) U[0,1) per draft; sample_uniforms: (B,) U[0,1) per request. Drawn from

@@ -1,99 +1,121 @@
-"""Packing geometry for a ragged verify batch: requests with different draft lengths k̂_i in one flat batch.
+"""Packing geometry of one target forward on the engine's slot-pool layout: requests with different numbers of new
+tokens (a whole prompt for a prefill, ``[anchor, d_1 .. d_k̂]`` for a verify) in one packed row.
 
-Request i contributes ``k̂_i + 1`` tokens ``[anchor_i, d_i1 .. d_ik̂_i]`` (the last committed token, then its
-drafts) at positions ``start_i .. start_i + k̂_i``, where ``start_i`` is the anchor's absolute position
-(= the number of tokens already in request i's KV). Lengths follow the flash-attn varlen convention: int32
-``cu_seqlens_q = [0, cumsum(k̂_i + 1)]`` over the packed queries and ``cu_seqlens_k = [0, cumsum(start_i +
-k̂_i + 1)]`` over keys laid out per request as ``[cached_i; new_i]``. ``k̂_i = 0`` is allowed (the anchor
-alone yields one bonus token). Pure torch; host integers (``max_seqlen_*``, ``total``) come from the
-lengths, so building the geometry does not sync when the lengths are given as a list.
+Request i owns slot ``slots[i]`` of a K/V pool ``[slots, capacity, kv_heads, head_dim]`` (the key at absolute
+position p lives at ``[slot, p]``). It contributes ``lengths[i]`` tokens at positions ``starts[i] ..`` (``starts[i]``
+= the tokens already in its slot), packed at rows ``offsets[i] ..`` of the row. Its queries see its own slot's keys
+at positions up to their own: the prefix, then causal within its new tokens.
+
+``SlotPacking`` holds the host lists and the per-token write targets (``token_slots``, ``token_positions``); each
+attention path builds its own view on first use: ``groups`` (torch: requests with at most ``group_width`` new
+tokens, i.e. verifies, share one padded SDPA call, work proportional to each request's own length; each longer one,
+a prefill, gets its own call, since a dense mask over the concatenated keys of all requests would cost
+O(requests²)) and ``request_table`` (Triton: one int32 row ``(slot, start, offset, length)`` per request).
+Pure torch.
 """
 
-from dataclasses import dataclass
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
 
-@dataclass(frozen=True)
-class VerifyBatch:
-    """Packed verify inputs. T = Σ(k̂_i + 1) query tokens, D = Σ k̂_i draft tokens, B requests."""
+def _padded_causal_mask(query_positions: torch.Tensor, valid: torch.Tensor, length: int) -> torch.Tensor:
+    """[G, 1, Q, length] bool: a query sees its own slot's keys at positions <= its own. Padding queries see
+    key 0 only, so no row is empty (SDPA would return NaN), and their outputs are dropped."""
+    positions = torch.where(valid, query_positions, 0)
+    keys = torch.arange(length, device=positions.device)
+    return (keys[None, None, :] <= positions[:, :, None])[:, None]
 
-    input_ids: torch.Tensor  # (T,) int64: [anchor_i, drafts_i...] per request
-    position_ids: torch.Tensor  # (T,) int64: start_i + 0..k̂_i
-    request_index: torch.Tensor  # (T,) int64: which request each query token belongs to
-    cu_seqlens_q: torch.Tensor  # (B+1,) int32 over the packed queries
-    cu_seqlens_k: torch.Tensor  # (B+1,) int32 over keys laid out [cached_i; new_i] per request
-    draft_tokens: torch.Tensor  # (D,) int64, packed
-    draft_lengths: torch.Tensor  # (B,) int64, k̂_i
-    max_seqlen_q: int
-    max_seqlen_k: int
+
+@dataclass
+class AttentionGroup:
+    """Requests attended in one SDPA call: queries gathered from the packed row by ``query_index [G, Q]``."""
+
+    slots: torch.Tensor  # [G]
+    query_index: torch.Tensor  # [G, Q] rows of the packed sequence (padding repeats row 0)
+    query_valid: torch.Tensor  # [G, Q] bool
+    key_length: int
+    mask: torch.Tensor  # [G, 1, Q, key_length] bool
+
+    @classmethod
+    def build(cls, slots: list[int], starts: list[int], offsets: list[int], lengths: list[int], device):
+        width = max(lengths)
+        steps = torch.arange(width, device=device)
+        length_t = torch.tensor(lengths, device=device)
+        valid = steps[None, :] < length_t[:, None]
+        index = torch.where(valid, torch.tensor(offsets, device=device)[:, None] + steps[None, :], 0)
+        positions = torch.tensor(starts, device=device)[:, None] + steps[None, :]
+        key_length = max(s + n for s, n in zip(starts, lengths))
+        return cls(
+            slots=torch.tensor(slots, device=device),
+            query_index=index,
+            query_valid=valid,
+            key_length=key_length,
+            mask=_padded_causal_mask(positions, valid, key_length),
+        )
+
+
+@dataclass
+class SlotPacking:
+    """See the module docstring. Build with ``SlotPacking.build(slots, starts, lengths, group_width, device)``."""
+
+    slots: list[int]
+    starts: list[int]
+    lengths: list[int]
+    offsets: list[int]
+    group_width: int
+    device: torch.device
+    token_slots: torch.Tensor = field(repr=False)  # [T] slot of each packed token
+    token_positions: torch.Tensor = field(repr=False)  # [T] absolute position of each packed token
+
+    @classmethod
+    def build(cls, slots, starts, lengths, group_width: int, device) -> SlotPacking:
+        offsets = [0]
+        for n in lengths[:-1]:
+            offsets.append(offsets[-1] + n)
+        lengths_t = torch.tensor(lengths, device=device)
+        token_slots = torch.repeat_interleave(torch.tensor(slots, device=device), lengths_t)
+        within = torch.arange(int(lengths_t.sum()), device=device) - torch.repeat_interleave(
+            torch.tensor(offsets, device=device), lengths_t
+        )
+        token_positions = torch.repeat_interleave(torch.tensor(starts, device=device), lengths_t) + within
+        return cls(
+            list(slots),
+            list(starts),
+            list(lengths),
+            offsets,
+            group_width,
+            device,
+            token_slots,
+            token_positions,
+        )
 
     @property
-    def total(self) -> int:
-        return self.input_ids.shape[0]
+    def max_length(self) -> int:
+        return max(self.lengths)
 
-
-def _as_draft_list(draft_tokens, draft_lengths, batch: int) -> list[torch.Tensor]:
-    if isinstance(draft_tokens, (list, tuple)):
-        if draft_lengths is not None:
-            raise ValueError("draft_lengths is only used with a padded (B, K) draft_tokens tensor")
-        drafts = [torch.as_tensor(d, dtype=torch.long).reshape(-1) for d in draft_tokens]
-    else:
-        if draft_tokens.dim() != 2 or draft_tokens.shape[0] != batch or draft_lengths is None:
-            raise ValueError(
-                f"draft_tokens must be a list of B={batch} 1-D tensors, or a padded ({batch}, K) tensor with "
-                f"draft_lengths; got shape {tuple(draft_tokens.shape)}, draft_lengths={draft_lengths is not None}"
+    @cached_property
+    def groups(self) -> list[AttentionGroup]:
+        """The torch path's SDPA calls: all short requests together, then one per long request."""
+        short = [i for i, n in enumerate(self.lengths) if n <= self.group_width]
+        members = [short] if short else []
+        members += [[i] for i, n in enumerate(self.lengths) if n > self.group_width]
+        return [
+            AttentionGroup.build(
+                [self.slots[i] for i in m],
+                [self.starts[i] for i in m],
+                [self.offsets[i] for i in m],
+                [self.lengths[i] for i in m],
+                self.device,
             )
-        lengths = [int(n) for n in draft_lengths]
-        if any(n < 0 or n > draft_tokens.shape[1] for n in lengths):
-            raise ValueError(f"draft_lengths must be in [0, {draft_tokens.shape[1]}], got {lengths}")
-        drafts = [draft_tokens[i, :n].long() for i, n in enumerate(lengths)]
-    if len(drafts) != batch:
-        raise ValueError(f"draft_tokens must hold B={batch} requests, got {len(drafts)}")
-    return drafts
+            for m in members
+        ]
 
-
-def pack_verify_batch(
-    anchor_tokens: torch.Tensor,
-    draft_tokens: list[torch.Tensor] | torch.Tensor,
-    start_positions: torch.Tensor | list[int],
-    draft_lengths: torch.Tensor | list[int] | None = None,
-) -> VerifyBatch:
-    """Pack B requests for one verify forward.
-
-    Args:
-        anchor_tokens: (B,) the last committed token of each request.
-        draft_tokens: a list of B 1-D tensors (lengths k̂_i), or a padded (B, K) tensor with ``draft_lengths``.
-        start_positions: (B,) absolute position of each anchor (= tokens already cached for the request).
-    """
-    anchor_tokens = torch.as_tensor(anchor_tokens, dtype=torch.long).reshape(-1)
-    batch = anchor_tokens.shape[0]
-    device = anchor_tokens.device
-    starts = [int(s) for s in start_positions]
-    if len(starts) != batch or any(s < 0 for s in starts):
-        raise ValueError(f"start_positions must be B={batch} non-negative integers, got {starts}")
-    drafts = [d.to(device) for d in _as_draft_list(draft_tokens, draft_lengths, batch)]
-    lengths = [d.numel() for d in drafts]
-    q_lens = [n + 1 for n in lengths]
-    k_lens = [s + n for s, n in zip(starts, q_lens)]
-    pieces = [torch.cat([anchor_tokens[i : i + 1], drafts[i]]) for i in range(batch)]
-    input_ids = torch.cat(pieces) if pieces else anchor_tokens.new_empty(0)
-    q_len_t = torch.tensor(q_lens, dtype=torch.long, device=device)
-    request_index = torch.repeat_interleave(torch.arange(batch, device=device), q_len_t)
-    cu_q = torch.zeros(batch + 1, dtype=torch.int32, device=device)
-    cu_q[1:] = torch.cumsum(q_len_t, 0)
-    cu_k = torch.zeros(batch + 1, dtype=torch.int32, device=device)
-    cu_k[1:] = torch.cumsum(torch.tensor(k_lens, dtype=torch.long, device=device), 0)
-    offsets = torch.arange(input_ids.shape[0], device=device) - cu_q[:-1].long()[request_index]
-    start_t = torch.tensor(starts, dtype=torch.long, device=device)
-    return VerifyBatch(
-        input_ids=input_ids,
-        position_ids=start_t[request_index] + offsets,
-        request_index=request_index,
-        cu_seqlens_q=cu_q,
-        cu_seqlens_k=cu_k,
-        draft_tokens=torch.cat(drafts) if drafts else input_ids.new_empty(0),
-        draft_lengths=torch.tensor(lengths, dtype=torch.long, device=device),
-        max_seqlen_q=max(q_lens, default=0),
-        max_seqlen_k=max(k_lens, default=0),
-    )
+    @cached_property
+    def request_table(self) -> torch.Tensor:
+        """[B, 4] int32 ``(slot, start, offset, length)`` per request, for the Triton kernel."""
+        rows = list(zip(self.slots, self.starts, self.offsets, self.lengths))
+        return torch.tensor(rows, dtype=torch.int32, device=self.device)

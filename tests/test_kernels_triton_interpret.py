@@ -20,8 +20,8 @@ import torch
 
 from adaflash_hf.kernels.clipped_kl import clipped_distill_loss_reference, fused_clipped_distill_loss
 from adaflash_hf.kernels.verify_accept import verify_accept
-from adaflash_hf.kernels.verify_attention import packed_verify_attention
-from adaflash_hf.kernels.verify_packing import pack_verify_batch
+from adaflash_hf.kernels.verify_attention import slot_verify_attention
+from adaflash_hf.kernels.verify_packing import SlotPacking
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -93,20 +93,18 @@ def check_verify_accept(device: str) -> None:
         lengths = torch.randint(0, 17, (batch,), generator=g).tolist()
         lengths[0] = [0, 1, 15, 16][case % 4]
         drafts = [torch.randint(0, vocab, (k,), generator=g) for k in lengths]
-        packed = pack_verify_batch(torch.zeros(batch, dtype=torch.long), drafts, [0] * batch)
-        logits = torch.randn(packed.total, vocab, generator=g)
-        is_bonus = torch.zeros(packed.total, dtype=torch.bool)
-        is_bonus[packed.cu_seqlens_q[1:].long() - 1] = True
-        logits[~is_bonus, packed.draft_tokens] += 6 * torch.rand(packed.draft_tokens.numel(), generator=g)
+        draft_tokens = torch.cat(drafts)
+        cu_seqlens = torch.tensor([0, *[k + 1 for k in lengths]]).cumsum(0).int()
+        total = int(cu_seqlens[-1])
+        logits = torch.randn(total, vocab, generator=g)
+        is_bonus = torch.zeros(total, dtype=torch.bool)
+        is_bonus[cu_seqlens[1:].long() - 1] = True
+        logits[~is_bonus, draft_tokens] += 6 * torch.rand(draft_tokens.numel(), generator=g)
         temps = torch.where(torch.rand(batch, generator=g) < 0.4, 0.0, 0.5 + torch.rand(batch, generator=g))
-        q = (
-            torch.softmax(torch.randn(packed.draft_tokens.numel(), vocab, generator=g), -1)
-            if case % 2
-            else None
-        )
-        accept_u = torch.rand(packed.draft_tokens.numel(), generator=g)
+        q = torch.softmax(torch.randn(draft_tokens.numel(), vocab, generator=g), -1) if case % 2 else None
+        accept_u = torch.rand(draft_tokens.numel(), generator=g)
         sample_u = torch.rand(batch, generator=g)
-        args = (packed.draft_tokens, packed.cu_seqlens_q, temps, q, accept_u, sample_u)
+        args = (draft_tokens, cu_seqlens, temps, q, accept_u, sample_u)
         expected = verify_accept(logits, *args, impl="torch")
         moved = [None if a is None else a.to(device) for a in args]
         out = verify_accept(logits.to(device), *moved, impl="triton", block_v=128 if small else None)
@@ -118,24 +116,74 @@ def check_verify_attention(device: str) -> None:
     warnings.filterwarnings("ignore", category=RuntimeWarning)
     small = device == "cpu"
     g = torch.Generator().manual_seed(3)
-    q_lens = [1, 17, 5, 16, 2]
-    prefix_lens = [0, 40, 70, 3, 130] if small else [0, 1000, 4000, 3, 130]
+    # Verifies (k̂ + 1 <= 16 tokens) and two prefills (17, 70 tokens: more than one query tile) on the slot pool.
+    lengths = [1, 17, 5, 16, 2, 70]
+    starts = [0, 40, 70, 3, 130, 0] if small else [0, 1000, 4000, 3, 130, 0]
+    capacity = max(s + n for s, n in zip(starts, lengths)) + 8
     for heads, kv_heads, head_dim in [(4, 2, 24), (2, 2, 64)]:
-        k_lens = [p + n for p, n in zip(prefix_lens, q_lens)]
-        cu_q = torch.tensor([0, *q_lens]).cumsum(0).int()
-        cu_k = torch.tensor([0, *k_lens]).cumsum(0).int()
-        query = torch.randn(sum(q_lens), heads, head_dim, generator=g)
-        key = torch.randn(sum(k_lens), kv_heads, head_dim, generator=g)
-        value = torch.randn(sum(k_lens), kv_heads, head_dim, generator=g)
-        expected = packed_verify_attention(
-            query.double(), key.double(), value.double(), cu_q, cu_k, impl="torch"
+        slots = torch.randperm(len(lengths) + 2, generator=g)[: len(lengths)].tolist()
+        query = torch.randn(sum(lengths), heads, head_dim, generator=g)
+        key_pool = torch.randn(len(lengths) + 2, capacity, kv_heads, head_dim, generator=g)
+        value_pool = torch.randn(len(lengths) + 2, capacity, kv_heads, head_dim, generator=g)
+        reference = SlotPacking.build(slots, starts, lengths, 16, torch.device("cpu"))
+        expected = slot_verify_attention(
+            query.double(), key_pool.double(), value_pool.double(), reference, impl="torch"
         )
-        args = [x.to(device) for x in (query, key, value, cu_q, cu_k)]
-        out = packed_verify_attention(*args, max(q_lens), impl="triton")
+        packing = SlotPacking.build(slots, starts, lengths, 16, torch.device(device))
+        args = [x.to(device) for x in (query, key_pool, value_pool)]
+        out = slot_verify_attention(*args, packing, impl="triton")
         _close(out.cpu(), expected, 1e-5 if small else 5e-3)
 
 
-CHECKS = ["check_clipped_kl", "check_verify_accept", "check_verify_attention"]
+def check_engine_packed_forward(device: str) -> None:
+    """The engine's packed target forward (prefills and ragged verifies) with the Triton attention equals it with
+    the torch attention."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from adaflash_hf.serving.cache import RaggedBatch, SlotKVStore, packed_target_forward
+
+    warnings.filterwarnings("ignore", category=RuntimeWarning)
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
+    target = LlamaForCausalLM(config).eval().to(device)
+    rounds = [([5, 0, 2], [0, 0, 0], [7, 20, 3]), ([5, 0, 2, 1], [7, 20, 3, 0], [5, 1, 16, 18])]
+    logits = {}
+    previous = os.environ.get("ADAFLASH_KERNELS")
+    try:
+        for impl in ("torch", "triton"):
+            os.environ["ADAFLASH_KERNELS"] = impl  # the attention function reads it at every call
+            store = SlotKVStore(config.num_hidden_layers)
+            store.reserve(8, 64)
+            g = torch.Generator().manual_seed(0)
+            logits[impl] = []
+            for slots, starts, lengths in rounds:
+                ids = torch.randint(0, 128, (1, sum(lengths)), generator=g).to(device)
+                batch = RaggedBatch.build(store, slots, starts, lengths, 16, torch.device(device))
+                with torch.no_grad():
+                    logits[impl].append(packed_target_forward(target, ids, batch).logits.cpu())
+    finally:
+        if previous is None:
+            os.environ.pop("ADAFLASH_KERNELS", None)
+        else:
+            os.environ["ADAFLASH_KERNELS"] = previous
+    for expected, out in zip(logits["torch"], logits["triton"]):
+        _close(out, expected, 1e-5 if device == "cpu" else 5e-3)
+
+
+CHECKS = [
+    "check_clipped_kl",
+    "check_verify_accept",
+    "check_verify_attention",
+    "check_engine_packed_forward",
+]
 
 
 @pytest.mark.parametrize("check", CHECKS)

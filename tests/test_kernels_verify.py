@@ -1,18 +1,22 @@
-"""Varlen verify on the torch path: packing geometry, acceptance against a per-request reference, packed
-attention against per-request attention, and a packed verify through a Hugging Face Llama target."""
+"""Packed verify on the torch path: acceptance against a per-request reference, the slot-pool packing geometry,
+and the slot-pool attention against per-request attention."""
+
+from collections import namedtuple
 
 import pytest
 import torch
-from transformers import DynamicCache
 
 from adaflash_hf.kernels.verify_accept import verify_accept
-from adaflash_hf.kernels.verify_attention import (
-    ATTENTION_NAME,
-    packed_verify_attention,
-    register_packed_verify_attention,
-    segment_causal_mask,
-)
-from adaflash_hf.kernels.verify_packing import pack_verify_batch
+from adaflash_hf.kernels.verify_attention import slot_verify_attention
+from adaflash_hf.kernels.verify_packing import SlotPacking
+
+Packed = namedtuple("Packed", "draft_tokens cu_seqlens_q total")
+
+
+def pack_drafts(drafts: list[torch.Tensor]) -> Packed:
+    """The acceptance layout: request i has k̂_i draft rows and a bonus row, ``cu_seqlens_q`` over k̂_i + 1."""
+    cu = torch.tensor([0, *[d.numel() + 1 for d in drafts]]).cumsum(0).int()
+    return Packed(torch.cat(drafts).long(), cu, int(cu[-1]))
 
 
 def reference_accept(logits, drafts, temperatures, draft_probs, accept_uniforms, sample_uniforms):
@@ -58,7 +62,7 @@ def random_verify_case(g, vocab, max_batch=6, with_q=False, lengths=None):
     batch = len(lengths) if lengths is not None else int(torch.randint(1, max_batch + 1, (1,), generator=g))
     lengths = lengths if lengths is not None else torch.randint(0, 17, (batch,), generator=g).tolist()
     drafts = [torch.randint(0, vocab, (n,), generator=g) for n in lengths]
-    packed = pack_verify_batch(torch.zeros(batch, dtype=torch.long), drafts, [3] * batch)
+    packed = pack_drafts(drafts)
     logits = torch.randn(packed.total, vocab, generator=g) * 2
     # Every packed row but the last of each request scores a draft, in packed draft order.
     is_bonus_row = torch.zeros(packed.total, dtype=torch.bool)
@@ -74,46 +78,6 @@ def random_verify_case(g, vocab, max_batch=6, with_q=False, lengths=None):
     accept_u = torch.rand(packed.draft_tokens.numel(), generator=g)
     sample_u = torch.rand(batch, generator=g)
     return drafts, packed, logits, temperatures, draft_probs, accept_u, sample_u
-
-
-@pytest.mark.parametrize("lengths", [[0], [1], [15], [16], [0, 1, 15, 16], [16, 0, 0, 3]])
-def test_packing_geometry(lengths):
-    g = torch.Generator().manual_seed(0)
-    drafts = [torch.randint(0, 100, (n,), generator=g) for n in lengths]
-    anchors = torch.arange(len(lengths)) + 1000
-    starts = [5 * i + 2 for i in range(len(lengths))]
-    packed = pack_verify_batch(anchors, drafts, starts)
-    assert packed.cu_seqlens_q.dtype == torch.int32 and packed.cu_seqlens_k.dtype == torch.int32
-    assert packed.cu_seqlens_q.tolist() == [0] + torch.tensor(lengths).add(1).cumsum(0).tolist()
-    assert (
-        packed.cu_seqlens_k.tolist()
-        == [0] + torch.tensor([s + n + 1 for s, n in zip(starts, lengths)]).cumsum(0).tolist()
-    )
-    assert packed.max_seqlen_q == max(lengths) + 1
-    for i, n in enumerate(lengths):
-        lo, hi = packed.cu_seqlens_q[i], packed.cu_seqlens_q[i + 1]
-        assert packed.input_ids[lo:hi].tolist() == [1000 + i] + drafts[i].tolist()
-        assert packed.position_ids[lo:hi].tolist() == list(range(starts[i], starts[i] + n + 1))
-        assert packed.request_index[lo:hi].tolist() == [i] * (n + 1)
-    assert packed.draft_tokens.tolist() == torch.cat(drafts).tolist()
-    assert packed.draft_lengths.tolist() == lengths
-
-
-def test_padded_drafts_with_lengths_pack_like_a_list():
-    padded = torch.tensor([[5, 6, 7], [8, 9, 0], [1, 0, 0]])
-    from_padded = pack_verify_batch(torch.tensor([1, 2, 3]), padded, [0, 4, 9], draft_lengths=[3, 2, 0])
-    from_list = pack_verify_batch(
-        torch.tensor([1, 2, 3]), [torch.tensor([5, 6, 7]), torch.tensor([8, 9]), torch.tensor([])], [0, 4, 9]
-    )
-    assert from_padded.input_ids.tolist() == from_list.input_ids.tolist() == [1, 5, 6, 7, 2, 8, 9, 3]
-    assert from_padded.cu_seqlens_k.tolist() == from_list.cu_seqlens_k.tolist()
-
-
-def test_packing_errors_name_the_field():
-    with pytest.raises(ValueError, match="start_positions must be B=2"):
-        pack_verify_batch(torch.tensor([1, 2]), [torch.tensor([3]), torch.tensor([4])], [0])
-    with pytest.raises(ValueError, match=r"draft_lengths must be in \[0, 2\]"):
-        pack_verify_batch(torch.tensor([1]), torch.tensor([[3, 4]]), [0], draft_lengths=[3])
 
 
 @pytest.mark.parametrize("with_q", [False, True])
@@ -198,129 +162,69 @@ def test_acceptance_input_errors_name_the_field():
         )
 
 
-def per_request_attention(query, key, value, cu_q, cu_k):
+def test_packing_geometry_of_prefills_and_verifies():
+    slots, starts, lengths = [5, 0, 2, 7], [0, 40, 3, 19], [7, 1, 16, 9]
+    packing = SlotPacking.build(slots, starts, lengths, 16, torch.device("cpu"))
+    assert packing.offsets == [0, 7, 8, 24]
+    assert packing.token_slots.tolist() == [s for s, n in zip(slots, lengths) for _ in range(n)]
+    assert packing.token_positions.tolist() == [p for s, n in zip(starts, lengths) for p in range(s, s + n)]
+    assert packing.request_table.dtype == torch.int32
+    assert packing.request_table.tolist() == [[5, 0, 0, 7], [0, 40, 7, 1], [2, 3, 8, 16], [7, 19, 24, 9]]
+
+
+def test_short_requests_share_one_group_and_each_long_one_gets_its_own():
+    packing = SlotPacking.build([3, 1, 0], [10, 0, 4], [5, 23, 1], 16, torch.device("cpu"))
+    short, long = packing.groups
+    assert short.slots.tolist() == [3, 0] and short.key_length == 15
+    assert short.query_index.tolist() == [[0, 1, 2, 3, 4], [28, 0, 0, 0, 0]]
+    assert short.query_valid.sum(1).tolist() == [5, 1]
+    # A query sees its own slot up to its own position; padding queries see key 0 only.
+    assert short.mask[0, 0].sum(-1).tolist() == [11, 12, 13, 14, 15]
+    assert short.mask[1, 0].sum(-1).tolist() == [5, 1, 1, 1, 1]
+    assert long.slots.tolist() == [1] and long.key_length == 23 and long.query_index.shape == (1, 23)
+
+
+def per_request_attention(query, key_pool, value_pool, packing):
+    """One request at a time, float64: its queries against its own slot, causal from its start position."""
     outputs = []
-    groups = query.shape[1] // key.shape[1]
-    for i in range(cu_q.numel() - 1):
-        q = query[cu_q[i] : cu_q[i + 1]].double().transpose(0, 1)
-        k = key[cu_k[i] : cu_k[i + 1]].double().transpose(0, 1).repeat_interleave(groups, 0)
-        v = value[cu_k[i] : cu_k[i + 1]].double().transpose(0, 1).repeat_interleave(groups, 0)
-        len_q, len_k = q.shape[1], k.shape[1]
-        allowed = torch.arange(len_k)[None] <= torch.arange(len_q)[:, None] + len_k - len_q
+    groups = query.shape[1] // key_pool.shape[2]
+    for slot, start, offset, length in zip(packing.slots, packing.starts, packing.offsets, packing.lengths):
+        q = query[offset : offset + length].double().transpose(0, 1)
+        k = key_pool[slot, : start + length].double().transpose(0, 1).repeat_interleave(groups, 0)
+        v = value_pool[slot, : start + length].double().transpose(0, 1).repeat_interleave(groups, 0)
+        allowed = torch.arange(start + length)[None] <= torch.arange(length)[:, None] + start
         scores = (q @ k.transpose(1, 2) / q.shape[-1] ** 0.5).masked_fill(~allowed, float("-inf"))
         outputs.append((scores.softmax(-1) @ v).transpose(0, 1))
     return torch.cat(outputs)
 
 
-def random_attention_case(g, q_lens, prefix_lens, heads=4, kv_heads=2, head_dim=24):
-    k_lens = [p + n for p, n in zip(prefix_lens, q_lens)]
-    cu_q = torch.tensor([0, *q_lens]).cumsum(0).int()
-    cu_k = torch.tensor([0, *k_lens]).cumsum(0).int()
-    query = torch.randn(sum(q_lens), heads, head_dim, generator=g)
-    key = torch.randn(sum(k_lens), kv_heads, head_dim, generator=g)
-    value = torch.randn(sum(k_lens), kv_heads, head_dim, generator=g)
-    return query, key, value, cu_q, cu_k
+def random_slot_case(g, lengths, starts, heads=4, kv_heads=2, head_dim=24, capacity=128):
+    """Distinct slots per request; every pool entry random, so unmasked stale keys would show."""
+    slots = torch.randperm(len(lengths) + 2, generator=g)[: len(lengths)].tolist()
+    packing = SlotPacking.build(slots, starts, lengths, 16, torch.device("cpu"))
+    query = torch.randn(sum(lengths), heads, head_dim, generator=g)
+    key_pool = torch.randn(len(lengths) + 2, capacity, kv_heads, head_dim, generator=g)
+    value_pool = torch.randn(len(lengths) + 2, capacity, kv_heads, head_dim, generator=g)
+    return query, key_pool, value_pool, packing
 
 
-def test_packed_attention_matches_per_request_attention():
+def test_slot_attention_matches_per_request_attention():
     g = torch.Generator().manual_seed(0)
     for _ in range(20):
         batch = int(torch.randint(1, 7, (1,), generator=g))
-        q_lens = (torch.randint(0, 17, (batch,), generator=g) + 1).tolist()
-        prefix_lens = torch.randint(0, 60, (batch,), generator=g).tolist()
-        query, key, value, cu_q, cu_k = random_attention_case(g, q_lens, prefix_lens)
-        out = packed_verify_attention(query, key, value, cu_q, cu_k, impl="torch")
-        expected = per_request_attention(query, key, value, cu_q, cu_k)
+        lengths = (torch.randint(0, 17, (batch,), generator=g) + 1).tolist()
+        lengths[0] = int(torch.randint(1, 40, (1,), generator=g))  # sometimes a prefill, alone in its group
+        starts = torch.randint(0, 60, (batch,), generator=g).tolist()
+        query, key_pool, value_pool, packing = random_slot_case(g, lengths, starts)
+        out = slot_verify_attention(query, key_pool, value_pool, packing, impl="torch")
+        expected = per_request_attention(query, key_pool, value_pool, packing)
         assert (out.double() - expected).abs().max().item() < 1e-5
 
 
-def test_segment_mask_hides_rejected_keys():
-    mask = segment_causal_mask(
-        torch.tensor([0, 1]),
-        torch.tensor([2, 1]),
-        torch.tensor([0, 0, -1, 1, 1]),
-        torch.tensor([0, 1, 2, 0, 1]),
-    )
-    assert mask.tolist() == [[True, True, False, False, False], [False, False, False, True, True]]
-
-
-def test_register_is_idempotent_and_rejects_flash_names():
-    assert register_packed_verify_attention() == register_packed_verify_attention() == ATTENTION_NAME
-    with pytest.raises(ValueError, match="must not contain 'flash'"):
-        register_packed_verify_attention("adaflash_verify")
-
-
-@pytest.fixture
-def llama_verify_setup(target_factory):
-    model = target_factory("llama")
+def test_slot_attention_errors_name_the_shapes():
     g = torch.Generator().manual_seed(0)
-    prefix_lens, draft_lens = [7, 12, 3], [4, 0, 16]
-    prefixes = [torch.randint(0, 512, (n,), generator=g) for n in prefix_lens]
-    anchors = torch.randint(0, 512, (3,), generator=g)
-    drafts = [torch.randint(0, 512, (n,), generator=g) for n in draft_lens]
-    with torch.no_grad():
-        expected = [
-            model(torch.cat([prefixes[i], anchors[i : i + 1], drafts[i]])[None]).logits[0, prefix_lens[i] :]
-            for i in range(3)
-        ]
-    model.set_attn_implementation(register_packed_verify_attention())
-    return model, prefixes, anchors, drafts, torch.cat(expected)
-
-
-def test_hf_packed_verify_without_cache_equals_per_request_forwards(llama_verify_setup):
-    # Layout: every request's prefix + anchor + drafts in one row, positions restarting per request.
-    model, prefixes, anchors, drafts, expected = llama_verify_setup
-    rows = [torch.cat([prefixes[i], anchors[i : i + 1], drafts[i]]) for i in range(3)]
-    lengths = [r.numel() for r in rows]
-    cu = torch.tensor([0, *lengths]).cumsum(0).int()
-    positions = torch.cat([torch.arange(n) for n in lengths])
-    with torch.no_grad():
-        logits = model(
-            torch.cat(rows)[None],
-            position_ids=positions[None],
-            cu_seq_lens_q=cu,
-            cu_seq_lens_k=cu,
-            max_length_q=max(lengths),
-            max_length_k=max(lengths),
-        ).logits[0]
-    verify_rows = torch.cat([torch.arange(cu[i] + prefixes[i].numel(), cu[i + 1]) for i in range(3)])
-    assert (logits[verify_rows] - expected).abs().max().item() < 1e-4
-
-
-def test_hf_packed_verify_on_a_packed_cache_equals_per_request_forwards(llama_verify_setup):
-    # Layout: a batch-1 DynamicCache holding all prefixes (packed prefill), then the verify tokens of all
-    # requests appended; a segment mask keeps each request to its own keys.
-    model, prefixes, anchors, drafts, expected = llama_verify_setup
-    prefix_lens = [p.numel() for p in prefixes]
-    cu = torch.tensor([0, *prefix_lens]).cumsum(0).int()
-    prefix_positions = torch.cat([torch.arange(n) for n in prefix_lens])
-    prefix_segments = torch.repeat_interleave(torch.arange(3), torch.tensor(prefix_lens))
-    cache = DynamicCache()
-    packed = pack_verify_batch(anchors, drafts, prefix_lens)
-    mask = segment_causal_mask(
-        packed.request_index,
-        packed.position_ids,
-        torch.cat([prefix_segments, packed.request_index]),
-        torch.cat([prefix_positions, packed.position_ids]),
-    )
-    with torch.no_grad():
-        model(
-            torch.cat(prefixes)[None],
-            position_ids=prefix_positions[None],
-            cache=cache,
-            cu_seq_lens_q=cu,
-            cu_seq_lens_k=cu,
-        )
-        logits = model(
-            packed.input_ids[None],
-            position_ids=packed.position_ids[None],
-            cache=cache,
-            attention_mask=mask[None, None],
-        ).logits[0]
-    assert (logits - expected).abs().max().item() < 1e-4
-
-
-def test_hf_attention_without_layout_raises(llama_verify_setup):
-    model = llama_verify_setup[0]
-    with pytest.raises(ValueError, match="needs cu_seq_lens_q and cu_seq_lens_k"):
-        model(torch.tensor([[1, 2, 3]]))
+    query, key_pool, value_pool, packing = random_slot_case(g, [3], [0], heads=3)
+    with pytest.raises(ValueError, match="multiple of key heads"):
+        slot_verify_attention(query, key_pool, value_pool, packing)
+    with pytest.raises(ValueError, match="key/value pools"):
+        slot_verify_attention(query, key_pool[0], value_pool[0], packing)

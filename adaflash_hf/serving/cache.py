@@ -11,10 +11,10 @@ Target forward. All requests' new tokens (a whole prompt for a prefill, ``[ancho
 through the Hugging Face target as ONE packed row ``[1, T]`` with per-token absolute positions. The target runs
 with the ``"ada_ragged"`` attention (registered with ``transformers.AttentionInterface``) and ``use_cache=False``:
 the attention function receives the new keys/values of the layer, scatters them into the pool, and attends
-each request's queries to that request's own slot (prefix + causal within its new tokens). On CPU the verify
-requests are one padded SDPA call ([requests, max k̂+1] queries against [requests, max length] keys, work
-proportional to each request's own length), and each prefill is its own call; a dense varlen mask over the
-concatenated keys of all requests would cost O(requests²).
+each request's queries to that request's own slot (prefix + causal within its new tokens) with
+``adaflash_hf.kernels.verify_attention.slot_verify_attention``: on CUDA a Triton kernel that reads each request's
+keys from its slot; on CPU the verify requests are one padded SDPA call ([requests, max k̂+1] queries against
+[requests, max length] keys) and each prefill is its own call (``kernels/verify_packing.py``).
 
 Drafter. ``DrafterSlotCache`` is the ``Cache`` given to the drafter's batched forward ([requests, block]
 queries): it writes each request's new context K/V at its positions and its block K/V right after them (block
@@ -27,9 +27,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache
+
+from adaflash_hf.kernels.verify_attention import slot_verify_attention
+from adaflash_hf.kernels.verify_packing import SlotPacking
 
 ATTENTION_NAME = "ada_ragged"
 
@@ -83,108 +85,45 @@ class SlotKVStore:
         return keys[slots, :length].transpose(1, 2), values[slots, :length].transpose(1, 2)
 
 
-def _padded_causal_mask(query_positions: torch.Tensor, valid: torch.Tensor, length: int) -> torch.Tensor:
-    """[G, 1, Q, length] bool: a query sees its own slot's keys at positions <= its own. Padding queries see
-    key 0 only, so no row is empty (SDPA would return NaN), and their outputs are dropped."""
-    positions = torch.where(valid, query_positions, 0)
-    keys = torch.arange(length, device=positions.device)
-    return (keys[None, None, :] <= positions[:, :, None])[:, None]
-
-
-@dataclass
-class AttentionGroup:
-    """Requests attended in one SDPA call: queries gathered from the packed row by ``query_index [G, Q]``."""
-
-    slots: torch.Tensor  # [G]
-    query_index: torch.Tensor  # [G, Q] rows of the packed sequence (padding repeats row 0)
-    query_valid: torch.Tensor  # [G, Q] bool
-    key_length: int
-    mask: torch.Tensor  # [G, 1, Q, key_length] bool
-
-    @classmethod
-    def build(cls, slots: list[int], starts: list[int], offsets: list[int], lengths: list[int], device):
-        width = max(lengths)
-        steps = torch.arange(width, device=device)
-        length_t = torch.tensor(lengths, device=device)
-        valid = steps[None, :] < length_t[:, None]
-        index = torch.where(valid, torch.tensor(offsets, device=device)[:, None] + steps[None, :], 0)
-        positions = torch.tensor(starts, device=device)[:, None] + steps[None, :]
-        key_length = max(s + n for s, n in zip(starts, lengths))
-        return cls(
-            slots=torch.tensor(slots, device=device),
-            query_index=index,
-            query_valid=valid,
-            key_length=key_length,
-            mask=_padded_causal_mask(positions, valid, key_length),
-        )
-
-
 @dataclass
 class RaggedBatch:
-    """Geometry of one packed target forward, handed to the attention function as the ``ragged`` kwarg.
+    """One packed target forward, handed to the attention function as the ``ragged`` kwarg: the target pool and
+    the packing geometry (``adaflash_hf.kernels.verify_packing.SlotPacking``).
 
-    Request i contributes ``lengths[i]`` tokens at positions ``starts[i] ..``, packed at ``offsets[i]``.
-    Requests with at most ``group_width`` new tokens (verifies) share one padded attention call; longer ones
+    Request i contributes ``lengths[i]`` tokens at positions ``starts[i] ..`` of slot ``slots[i]``. Requests with at
+    most ``group_width`` new tokens (verifies) share one padded attention call on the torch path; longer ones
     (prefills) get one call each.
     """
 
     store: SlotKVStore
-    token_slots: torch.Tensor  # [T]
-    token_positions: torch.Tensor  # [T]
-    groups: list[AttentionGroup]
+    packing: SlotPacking
 
     @classmethod
     def build(cls, store, slots, starts, lengths, group_width: int, device) -> RaggedBatch:
-        offsets = [0]
-        for n in lengths[:-1]:
-            offsets.append(offsets[-1] + n)
-        lengths_t = torch.tensor(lengths, device=device)
-        token_slots = torch.repeat_interleave(torch.tensor(slots, device=device), lengths_t)
-        within = torch.arange(int(lengths_t.sum()), device=device) - torch.repeat_interleave(
-            torch.tensor(offsets, device=device), lengths_t
-        )
-        token_positions = torch.repeat_interleave(torch.tensor(starts, device=device), lengths_t) + within
-        short = [i for i, n in enumerate(lengths) if n <= group_width]
-        members = [short] if short else []
-        members += [[i] for i, n in enumerate(lengths) if n > group_width]
-        groups = [
-            AttentionGroup.build(
-                [slots[i] for i in m],
-                [starts[i] for i in m],
-                [offsets[i] for i in m],
-                [lengths[i] for i in m],
-                device,
-            )
-            for m in members
-        ]
-        return cls(store, token_slots, token_positions, groups)
+        return cls(store, SlotPacking.build(slots, starts, lengths, group_width, device))
+
+    @property
+    def token_positions(self) -> torch.Tensor:
+        return self.packing.token_positions
 
 
 def ragged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """``AttentionInterface`` function: query/key/value ``[1, heads, T, head_dim]`` of the packed row."""
+    """``AttentionInterface`` function: query/key/value ``[1, heads, T, head_dim]`` of the packed row. Writes the
+    layer's new keys/values into the pool, then ``slot_verify_attention`` over it."""
     ragged: RaggedBatch | None = kwargs.get("ragged")
     if ragged is None or query.shape[0] != 1:
         raise ValueError(
             f"{ATTENTION_NAME} attention: expected a packed row (batch 1) and the engine's `ragged` forward kwarg, "
             f"got batch {query.shape[0]} and ragged={ragged!r}"
         )
-    layer = module.layer_idx
-    ragged.store.write(
-        layer, key[0].transpose(0, 1), value[0].transpose(0, 1), ragged.token_slots, ragged.token_positions
+    layer, packing = module.layer_idx, ragged.packing
+    store = ragged.store
+    store.write(
+        layer, key[0].transpose(0, 1), value[0].transpose(0, 1), packing.token_slots, packing.token_positions
     )
-    packed_query = query[0].transpose(0, 1)  # [T, heads, head_dim]
-    out = torch.empty_like(packed_query)
-    for group in ragged.groups:
-        keys, values = ragged.store.read(layer, group.slots, group.key_length)
-        attended = F.scaled_dot_product_attention(
-            packed_query[group.query_index].transpose(1, 2),
-            keys.to(query.dtype),
-            values.to(query.dtype),
-            attn_mask=group.mask,
-            scale=scaling,
-            enable_gqa=query.shape[1] != keys.shape[1],
-        ).transpose(1, 2)
-        out[group.query_index[group.query_valid]] = attended[group.query_valid]
+    out = slot_verify_attention(
+        query[0].transpose(0, 1), store.keys[layer], store.values[layer], packing, scaling
+    )
     return out[None], None
 
 
