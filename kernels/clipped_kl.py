@@ -59,6 +59,67 @@ if triton_available():
     import triton.language as tl
 
     @triton.jit
+    def _load_tile(z_row, t_row, start, V, BLOCK_V: tl.constexpr):
+        """One vocabulary tile of a row: offsets, in-bounds mask, valid columns (finite target logit), z and t."""
+        offs = start + tl.arange(0, BLOCK_V)
+        inb = offs < V
+        t = tl.load(t_row + offs, mask=inb, other=-float("inf")).to(tl.float32)
+        z = tl.load(z_row + offs, mask=inb, other=0.0).to(tl.float32)
+        valid = inb & (t != -float("inf"))
+        return offs, inb, valid, z, t
+
+    @triton.jit
+    def _row_normalisers(z_row, t_row, V, inv_temp, BLOCK_V: tl.constexpr):
+        """Pass 1: online (max, sum) for z/T, z and t/T; argmax of t (label) and of z (prediction).
+        Returns (lse(z/T), lse(z), lse(t/T), row has a valid column, label, prediction)."""
+        # Finite start for the running max so an all-masked block gives exp(-inf) = 0, never nan.
+        m_zt = -1e30
+        d_zt = 0.0
+        m_z = -1e30
+        d_z = 0.0
+        m_tt = -1e30
+        d_tt = 0.0
+        best_t = -float("inf")
+        label = 0
+        best_z = -float("inf")
+        pred = 0
+        for start in range(0, V, BLOCK_V):
+            offs, inb, valid, z, t = _load_tile(z_row, t_row, start, V, BLOCK_V)
+            z1 = tl.where(valid, z, -float("inf"))
+            zs = z1 * inv_temp
+            ts = tl.where(valid, t * inv_temp, -float("inf"))
+            new_m = tl.maximum(m_zt, tl.max(zs, axis=0))
+            d_zt = d_zt * tl.exp(m_zt - new_m) + tl.sum(tl.exp(zs - new_m), axis=0)
+            m_zt = new_m
+            new_m = tl.maximum(m_z, tl.max(z1, axis=0))
+            d_z = d_z * tl.exp(m_z - new_m) + tl.sum(tl.exp(z1 - new_m), axis=0)
+            m_z = new_m
+            new_m = tl.maximum(m_tt, tl.max(ts, axis=0))
+            d_tt = d_tt * tl.exp(m_tt - new_m) + tl.sum(tl.exp(ts - new_m), axis=0)
+            m_tt = new_m
+            # Strict ">" keeps the earlier block on ties: first index wins, like torch.argmax.
+            blk_t, blk_t_idx = tl.max(tl.where(valid, t, -float("inf")), axis=0, return_indices=True)
+            label = tl.where(blk_t > best_t, start + blk_t_idx, label)
+            best_t = tl.maximum(best_t, blk_t)
+            blk_z, blk_z_idx = tl.max(z1, axis=0, return_indices=True)
+            pred = tl.where(blk_z > best_z, start + blk_z_idx, pred)
+            best_z = tl.maximum(best_z, blk_z)
+        lse_zt = m_zt + tl.log(d_zt)
+        lse_z = m_z + tl.log(d_z)
+        lse_tt = m_tt + tl.log(d_tt)
+        return lse_zt, lse_z, lse_tt, d_tt > 0.0, label, pred
+
+    @triton.jit
+    def _reverse_kl_tile(z_row, t_row, start, V, inv_temp, lse_zt, lse_tt, BLOCK_V: tl.constexpr):
+        """Passes 2 and 3, one tile: q = softmax(z/T), diff = log q - log p (0 off the valid columns) and
+        g = q (1 + diff), the per-entry gradient of q log(q/p) w.r.t. log q."""
+        offs, inb, valid, z, t = _load_tile(z_row, t_row, start, V, BLOCK_V)
+        a = tl.where(valid, z * inv_temp - lse_zt, -float("inf"))
+        q = tl.exp(a)
+        diff = tl.where(valid, a - (t * inv_temp - lse_tt), 0.0)
+        return offs, inb, valid, z, q, diff, q * (1.0 + diff)
+
+    @triton.jit
     def _clipped_kl_rows_kernel(
         z_ptr,
         t_ptr,
@@ -81,47 +142,7 @@ if triton_available():
         row = tl.program_id(0).to(tl.int64)
         z_row = z_ptr + row * stride_z
         t_row = t_ptr + row * stride_t
-        # Pass 1: online (max, sum) for z/T, z and t/T; argmax of t (label) and of z (prediction).
-        # Finite start for the running max so an all-masked block gives exp(-inf) = 0, never nan.
-        m_zt = -1e30
-        d_zt = 0.0
-        m_z = -1e30
-        d_z = 0.0
-        m_tt = -1e30
-        d_tt = 0.0
-        best_t = -float("inf")
-        label = 0
-        best_z = -float("inf")
-        pred = 0
-        for start in range(0, V, BLOCK_V):
-            offs = start + tl.arange(0, BLOCK_V)
-            inb = offs < V
-            t = tl.load(t_row + offs, mask=inb, other=-float("inf")).to(tl.float32)
-            z = tl.load(z_row + offs, mask=inb, other=0.0).to(tl.float32)
-            valid = inb & (t != -float("inf"))
-            z1 = tl.where(valid, z, -float("inf"))
-            zs = z1 * inv_temp
-            ts = tl.where(valid, t * inv_temp, -float("inf"))
-            new_m = tl.maximum(m_zt, tl.max(zs, axis=0))
-            d_zt = d_zt * tl.exp(m_zt - new_m) + tl.sum(tl.exp(zs - new_m), axis=0)
-            m_zt = new_m
-            new_m = tl.maximum(m_z, tl.max(z1, axis=0))
-            d_z = d_z * tl.exp(m_z - new_m) + tl.sum(tl.exp(z1 - new_m), axis=0)
-            m_z = new_m
-            new_m = tl.maximum(m_tt, tl.max(ts, axis=0))
-            d_tt = d_tt * tl.exp(m_tt - new_m) + tl.sum(tl.exp(ts - new_m), axis=0)
-            m_tt = new_m
-            # Strict ">" keeps the earlier block on ties: first index wins, like torch.argmax.
-            blk_t, blk_t_idx = tl.max(tl.where(valid, t, -float("inf")), axis=0, return_indices=True)
-            label = tl.where(blk_t > best_t, start + blk_t_idx, label)
-            best_t = tl.maximum(best_t, blk_t)
-            blk_z, blk_z_idx = tl.max(z1, axis=0, return_indices=True)
-            pred = tl.where(blk_z > best_z, start + blk_z_idx, pred)
-            best_z = tl.maximum(best_z, blk_z)
-        row_ok = d_tt > 0.0
-        lse_zt = m_zt + tl.log(d_zt)
-        lse_z = m_z + tl.log(d_z)
-        lse_tt = m_tt + tl.log(d_tt)
+        lse_zt, lse_z, lse_tt, row_ok, label, pred = _row_normalisers(z_row, t_row, V, inv_temp, BLOCK_V)
 
         # Pass 2: KL terms and G = Σ_y g_y (the softmax-Jacobian coupling; needs the whole row).
         kl_raw = 0.0
@@ -130,16 +151,10 @@ if triton_available():
         n_cols = 0.0
         g_sum = 0.0
         for start in range(0, V, BLOCK_V):
-            offs = start + tl.arange(0, BLOCK_V)
-            inb = offs < V
-            t = tl.load(t_row + offs, mask=inb, other=-float("inf")).to(tl.float32)
-            z = tl.load(z_row + offs, mask=inb, other=0.0).to(tl.float32)
-            valid = inb & (t != -float("inf"))
-            a = tl.where(valid, z * inv_temp - lse_zt, -float("inf"))
-            q = tl.exp(a)
-            diff = tl.where(valid, a - (t * inv_temp - lse_tt), 0.0)
+            _, _, valid, _, q, diff, g = _reverse_kl_tile(
+                z_row, t_row, start, V, inv_temp, lse_zt, lse_tt, BLOCK_V
+            )
             tau = q * diff
-            g = q * (1.0 + diff)
             kl_raw += tl.sum(tau, axis=0)
             n_cols += tl.sum(valid.to(tl.float32), axis=0)
             if ROW_CLIP:
@@ -168,15 +183,9 @@ if triton_available():
                 kl_scale = tl.where(kl_raw * tl.load(inv_total_ptr) < delta, kl_scale, 0.0)
             g_row = grad_ptr + row * stride_g
             for start in range(0, V, BLOCK_V):
-                offs = start + tl.arange(0, BLOCK_V)
-                inb = offs < V
-                t = tl.load(t_row + offs, mask=inb, other=-float("inf")).to(tl.float32)
-                z = tl.load(z_row + offs, mask=inb, other=0.0).to(tl.float32)
-                valid = inb & (t != -float("inf"))
-                a = tl.where(valid, z * inv_temp - lse_zt, -float("inf"))
-                q = tl.exp(a)
-                diff = tl.where(valid, a - (t * inv_temp - lse_tt), 0.0)
-                g = q * (1.0 + diff)
+                offs, inb, valid, z, q, diff, g = _reverse_kl_tile(
+                    z_row, t_row, start, V, inv_temp, lse_zt, lse_tt, BLOCK_V
+                )
                 if not ROW_CLIP:
                     g = tl.where(valid & (q * diff >= delta), 0.0, g)
                 softmax_z = tl.exp(tl.where(valid, z - lse_z, -float("inf")))
