@@ -31,7 +31,7 @@ from adaflash_hf.online.weights import load_state, publishable_state
 from adaflash_hf.serving import MODES, AdaFlashEngine, AdmissionConfig, SamplingParams
 from adaflash_hf.trainers.opd_config import OPDConfig
 from adaflash_hf.trainers.opd_trainer import OPDTrainer
-from adaflash_hf.trainers.train_drafter import build_drafter
+from adaflash_hf.trainers.drafter_setup import build_drafter
 
 logger = logging.get_logger(__name__)
 

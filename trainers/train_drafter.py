@@ -15,7 +15,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import datasets
-import torch
 from accelerate import PartialState
 from transformers.utils import logging
 from trl import TrlParser
@@ -23,57 +22,13 @@ from trl import TrlParser
 from adaflash_hf.assets import chat_prompt_ids, load_target
 from adaflash_hf.corpus import read_corpus
 from adaflash_hf.data import load_domain
-from adaflash_hf.draft_vocab import build_draft_vocab
-from adaflash_hf.modeling import AdaFlashConfig, AdaFlashDrafter
-from adaflash_hf.modeling.configuration_adaflash import build_target_layer_ids
+from adaflash_hf.modeling import AdaFlashDrafter
+from adaflash_hf.trainers.drafter_setup import build_drafter
 from adaflash_hf.trainers.train_drafter_config import DrafterTrainingConfig
 from adaflash_hf.trainers.train_drafter_trainer import DrafterTrainer
 from adaflash_hf.training_data import build_sequences, read_sequences
 
 logger = logging.get_logger(__name__)
-
-
-def build_drafter(args: DrafterTrainingConfig, target, records: list[dict] | None = None) -> AdaFlashDrafter:
-    if args.drafter_init:
-        drafter = AdaFlashDrafter.from_pretrained(args.drafter_init, dtype=target.dtype)
-    else:
-        overrides = {
-            "num_hidden_layers": args.drafter_layers,
-            "block_size": args.block_size,
-            "length_head_variant": args.length_head_variant,
-        }
-        if args.mask_token_id is not None:
-            overrides["mask_token_id"] = args.mask_token_id
-        # trainers/opd.py builds its fresh drafter here too, from arguments without the offline-only fields.
-        draft_vocab_size = getattr(args, "draft_vocab_size", None)
-        if draft_vocab_size is not None:
-            # FR-Spec / EAGLE-3: the most frequent tokens of the target's own responses; no new parameters.
-            eos = target.config.get_text_config().eos_token_id
-            overrides["draft_token_ids"], coverage = build_draft_vocab(records or [], draft_vocab_size, eos)
-            logger.info(
-                f"draft vocabulary: {draft_vocab_size} tokens cover {coverage:.2%} of response tokens"
-            )
-        config = AdaFlashConfig.for_target(target.config, **overrides)
-        text = target.config.get_text_config()
-        config.target_layer_ids = build_target_layer_ids(text.num_hidden_layers, args.drafter_target_layers)
-        config.name_or_path = ""
-        drafter = AdaFlashDrafter(config).to(target.dtype)
-        with torch.no_grad():
-            # The drafter's states go through the target's lm_head. A unit final-norm scale makes the first logits
-            # spread by the head's row norm (about 3 for SmolLM2: CE ~ 20); 1/row-norm starts them near unit scale.
-            # 'target' starts from the scale the lm_head was trained with instead (SmolLM2: mean 1.8, not 0.31), which
-            # AdamW would otherwise need thousands of steps to reach.
-            target_norm = getattr(target.get_decoder(), "norm", None)
-            if (
-                getattr(args, "final_norm_init", "inverse_row_norm") == "target"
-                and getattr(target_norm, "weight", None) is not None
-            ):
-                drafter.norm.weight.copy_(target_norm.weight)
-            else:
-                row_norm = target.get_output_embeddings().weight.norm(dim=-1).mean()
-                drafter.norm.weight.fill_(float(1.0 / row_norm))
-    drafter.check_target(target)
-    return drafter
 
 
 def training_rows(args: DrafterTrainingConfig) -> list[dict]:

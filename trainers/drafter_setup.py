@@ -1,0 +1,60 @@
+"""The drafter a training script starts from (``trainers/train_drafter.py`` and ``trainers/opd.py``): loaded from a
+checkpoint, or built fresh for the target with its final-norm initialisation and optional draft vocabulary."""
+
+from __future__ import annotations
+
+import torch
+from transformers.utils import logging
+
+from adaflash_hf.draft_vocab import build_draft_vocab
+from adaflash_hf.modeling import AdaFlashConfig, AdaFlashDrafter
+from adaflash_hf.modeling.configuration_adaflash import build_target_layer_ids
+
+logger = logging.get_logger(__name__)
+
+
+def build_drafter(args, target, records: list[dict] | None = None) -> AdaFlashDrafter:
+    """The drafter a training script starts from: ``args.drafter_init`` loaded in the target's dtype, or a fresh one
+    for ``target`` (``drafter_layers``, ``drafter_target_layers``, ``block_size``, ``length_head_variant``,
+    ``mask_token_id``; with ``draft_vocab_size`` a reduced draft vocabulary from ``records``). ``args`` is a
+    ``DrafterTrainingConfig`` or OPD's script arguments. Checked against the target before it is returned."""
+    if args.drafter_init:
+        drafter = AdaFlashDrafter.from_pretrained(args.drafter_init, dtype=target.dtype)
+    else:
+        overrides = {
+            "num_hidden_layers": args.drafter_layers,
+            "block_size": args.block_size,
+            "length_head_variant": args.length_head_variant,
+        }
+        if args.mask_token_id is not None:
+            overrides["mask_token_id"] = args.mask_token_id
+        # trainers/opd.py builds its fresh drafter here too, from arguments without the offline-only fields.
+        draft_vocab_size = getattr(args, "draft_vocab_size", None)
+        if draft_vocab_size is not None:
+            # FR-Spec / EAGLE-3: the most frequent tokens of the target's own responses; no new parameters.
+            eos = target.config.get_text_config().eos_token_id
+            overrides["draft_token_ids"], coverage = build_draft_vocab(records or [], draft_vocab_size, eos)
+            logger.info(
+                f"draft vocabulary: {draft_vocab_size} tokens cover {coverage:.2%} of response tokens"
+            )
+        config = AdaFlashConfig.for_target(target.config, **overrides)
+        text = target.config.get_text_config()
+        config.target_layer_ids = build_target_layer_ids(text.num_hidden_layers, args.drafter_target_layers)
+        config.name_or_path = ""
+        drafter = AdaFlashDrafter(config).to(target.dtype)
+        with torch.no_grad():
+            # The drafter's states go through the target's lm_head. A unit final-norm scale makes the first logits
+            # spread by the head's row norm (about 3 for SmolLM2: CE ~ 20); 1/row-norm starts them near unit scale.
+            # 'target' starts from the scale the lm_head was trained with instead (SmolLM2: mean 1.8, not 0.31), which
+            # AdamW would otherwise need thousands of steps to reach.
+            target_norm = getattr(target.get_decoder(), "norm", None)
+            if (
+                getattr(args, "final_norm_init", "inverse_row_norm") == "target"
+                and getattr(target_norm, "weight", None) is not None
+            ):
+                drafter.norm.weight.copy_(target_norm.weight)
+            else:
+                row_norm = target.get_output_embeddings().weight.norm(dim=-1).mean()
+                drafter.norm.weight.fill_(float(1.0 / row_norm))
+    drafter.check_target(target)
+    return drafter
