@@ -199,7 +199,7 @@ def run_variant(
     if done:
         logger.info(f"{variant}: {run_dir}/metrics.csv already has {config['max_rounds']} rounds, not rerun")
         return run_dir
-    from adaflash_hf.cli import launch_command, trainer_script
+    from adaflash_hf.launch import launch_command, trainer_script
 
     launcher = argparse.Namespace(accelerate_config=None, num_processes=1)
     command = launch_command(

@@ -1,0 +1,30 @@
+"""Launching the training scripts: where an installation keeps them and the ``accelerate launch`` command line.
+
+Used by ``adaflash train|opd`` and by benchmarks that run a training script in a subprocess (``bench opd``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from importlib import resources
+from pathlib import Path
+
+
+def trainer_script(filename: str) -> Path | None:
+    """The installed path of ``adaflash_hf/trainers/<filename>``, or None when this installation lacks it."""
+    try:
+        path = resources.files("adaflash_hf.trainers") / filename
+    except ModuleNotFoundError:
+        return None
+    return Path(str(path)) if path.is_file() else None
+
+
+def launch_command(script: Path, launcher_args: argparse.Namespace, script_args: list[str]) -> list[str]:
+    """``accelerate launch [launcher options] SCRIPT ARGS...`` as an argv list for the current interpreter."""
+    command = [sys.executable, "-m", "accelerate.commands.launch"]
+    if launcher_args.accelerate_config:
+        command += ["--config_file", launcher_args.accelerate_config]
+    if launcher_args.num_processes is not None:
+        command += ["--num_processes", str(launcher_args.num_processes)]
+    return [*command, str(script), *script_args]
