@@ -16,7 +16,7 @@ draft over the full vocabulary; import (and our loader) reads it back.
 ``dflash_config.thresh_head_*`` flags of the official AdaFlash checkpoint (served by SGLang PR #34171).
 
 ``import_checkpoint`` reads any layout ``AdaFlashDrafter.from_pretrained`` understands (ours, z-lab DFlash, official
-AdaFlash, Muse-Glimmer), plus the sidecar and ``mask_embedding.pt`` when present, and saves ours; export then import
+AdaFlash, Muse-Glimmer, and an export with its sidecar and ``mask_embedding.pt``) and saves ours; export then import
 round-trips bitwise. Both accept a target config and refuse a drafter recorded for another target.
 
 CLI: ``adaflash export --format dflash PATH OUT`` and ``adaflash import PATH OUT`` (see ``adaflash_hf.cli``).
@@ -26,43 +26,33 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import tempfile
-import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 import transformers
 from huggingface_hub import snapshot_download
-from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoConfig, PreTrainedConfig
-from transformers.initialization import no_init_weights
 from transformers.utils import logging
 
 import adaflash_hf
 from adaflash_hf.modeling import AdaFlashConfig, AdaFlashDrafter
 from adaflash_hf.modeling.configuration_adaflash import TARGET_FINGERPRINT
-from adaflash_hf.modeling.modeling_adaflash import LENGTH_HEAD_ATTRIBUTE, MUSE_GLIMMER_KEY_MAPPING
+from adaflash_hf.modeling.modeling_adaflash import (
+    LENGTH_HEAD_ATTRIBUTE,
+    MASK_EMBEDDING_FILE,
+    SIDECAR_CONFIG,
+    SIDECAR_CONFIG_FIELDS,
+    SIDECAR_FORMAT_VERSION,
+    SIDECAR_WEIGHTS,
+)
 
 logger = logging.get_logger(__name__)
 
 EXPORT_FORMATS = ("dflash", "adaflash-official")
-SIDECAR_WEIGHTS = "adaflash_length_head.safetensors"
-SIDECAR_CONFIG = "adaflash_length_head.json"
-SIDECAR_FORMAT_VERSION = 1
-MASK_EMBEDDING_FILE = "mask_embedding.pt"
-# drafter config field -> target text-config attribute it must equal
-_SIDECAR_CONFIG_FIELDS = (
-    "length_head_variant",
-    "length_head_bottleneck",
-    "length_head_gamma",
-    "length_head_min_len",
-    "learned_mask_embedding",
-    *TARGET_FINGERPRINT,
-)
 _DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", MASK_EMBEDDING_FILE]
 
 
@@ -133,90 +123,12 @@ def resolve_checkpoint(source: str | os.PathLike, revision: str | None = None) -
         ) from error
 
 
-def _load_mask_embedding(path: Path, hidden_size: int) -> torch.Tensor:
-    value = torch.load(path, map_location="cpu", weights_only=True)
-    if isinstance(value, dict):
-        value = value.get("mask_embedding", value.get("embedding", next(iter(value.values()), None)))
-    if not isinstance(value, torch.Tensor) or value.numel() != hidden_size:
-        shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-        raise ValueError(f"{path.name}: expected a tensor of {hidden_size} values (hidden_size), got {shape}")
-    return value.reshape(hidden_size)
-
-
-def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
-    files = sorted(p for p in folder.glob("*.safetensors") if p.name != SIDECAR_WEIGHTS)
-    if not files:
-        raise FileNotFoundError(f"{folder}: expected model.safetensors (or shards), got no .safetensors file")
-    tensors: dict[str, torch.Tensor] = {}
-    for file in files:
-        with safe_open(file, framework="pt") as handle:
-            tensors.update({key: handle.get_tensor(key) for key in handle.keys()})
-    for pattern, replacement in MUSE_GLIMMER_KEY_MAPPING.items():
-        tensors = {re.sub(pattern, replacement, key): value for key, value in tensors.items()}
-    return tensors
-
-
 def load_drafter(source: AdaFlashDrafter | str | os.PathLike, revision: str | None = None) -> AdaFlashDrafter:
-    """Load a drafter from any supported layout, restoring the AdaFlash sidecar and ``mask_embedding.pt`` if present."""
+    """A drafter, or one loaded by ``AdaFlashDrafter.from_pretrained`` (every layout, the export's sidecar and
+    ``mask_embedding.pt`` included) from a folder or a Hub repo id."""
     if isinstance(source, AdaFlashDrafter):
         return source
-    folder = resolve_checkpoint(source, revision)
-    sidecar = folder / SIDECAR_CONFIG
-    mask_file = folder / MASK_EMBEDDING_FILE
-    if not sidecar.is_file() and not mask_file.is_file():
-        return AdaFlashDrafter.from_pretrained(folder).eval()
-
-    config = AdaFlashConfig.from_pretrained(folder)
-    extra: dict[str, torch.Tensor] = {}
-    if sidecar.is_file():
-        meta = json.loads(sidecar.read_text())
-        if meta.get("format_version") != SIDECAR_FORMAT_VERSION:
-            raise ValueError(
-                f"{SIDECAR_CONFIG}: format_version expected {SIDECAR_FORMAT_VERSION}, got {meta.get('format_version')!r}"
-            )
-        for field in _SIDECAR_CONFIG_FIELDS:
-            if field in meta:
-                setattr(config, field, meta[field])
-        if (folder / SIDECAR_WEIGHTS).is_file():
-            with safe_open(folder / SIDECAR_WEIGHTS, framework="pt") as handle:
-                extra = {key: handle.get_tensor(key) for key in handle.keys()}
-    if "mask_embedding" not in extra and mask_file.is_file():
-        config.learned_mask_embedding = True
-        extra["mask_embedding"] = _load_mask_embedding(mask_file, config.hidden_size)
-    config.validate_architecture()
-
-    tensors = _read_safetensors(folder) | extra
-    dtype = tensors["fc.weight"].dtype if "fc.weight" in tensors else torch.get_default_dtype()
-    if "mask_embedding" in tensors:
-        tensors["mask_embedding"] = tensors["mask_embedding"].to(dtype)
-    with no_init_weights():
-        drafter = AdaFlashDrafter(config).to(dtype)
-    expected = set(drafter.state_dict())
-    head_keys = set(drafter.length_head_parameter_names())
-    missing, unexpected = expected - set(tensors), set(tensors) - expected
-    fresh_head = bool(head_keys) and head_keys <= missing and not sidecar.is_file()
-    if fresh_head:
-        missing -= head_keys
-    if missing or unexpected:
-        raise ValueError(
-            f"checkpoint {folder}: expected exactly the tensors of a {config.source_layout} drafter "
-            f"(plus {SIDECAR_WEIGHTS}/{MASK_EMBEDDING_FILE}), got missing keys {sorted(missing)}, "
-            f"unexpected keys {sorted(unexpected)}"
-        )
-    shapes = {name: tuple(tensor.shape) for name, tensor in drafter.state_dict().items()}
-    for key, value in tensors.items():
-        if tuple(value.shape) != shapes[key]:
-            raise ValueError(f"{key}: expected shape {shapes[key]}, got {tuple(value.shape)}")
-    drafter.load_state_dict(tensors, strict=not fresh_head)
-    if fresh_head:
-        drafter.length_head.apply(drafter._init_weights)
-        warnings.warn(
-            f"{source} has no length head: the {config.length_head_variant!r} head was freshly initialised and "
-            "predicts nothing useful until trained.",
-            UserWarning,
-            stacklevel=2,
-        )
-    return drafter.eval()
+    return AdaFlashDrafter.from_pretrained(resolve_checkpoint(source, revision)).eval()
 
 
 # ---------------------------------------------------------------------------------------------- writing
@@ -355,7 +267,7 @@ def export_dflash(
             "mask_token_id": config.mask_token_id,
             "length_head_module": LENGTH_HEAD_ATTRIBUTE[config.length_head_variant],
             "tensors": sorted(sidecar_tensors),
-            **{field: getattr(config, field) for field in _SIDECAR_CONFIG_FIELDS},
+            **{field: getattr(config, field) for field in SIDECAR_CONFIG_FIELDS},
         }
         (staging / SIDECAR_CONFIG).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
         if mask_embedding is not None:

@@ -3,6 +3,7 @@ official AdaFlash checkpoint, transformers' Muse-Glimmer assistant) load strictl
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -11,7 +12,6 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from transformers import AutoModel, MuseGlimmerAssistantConfig, MuseGlimmerAssistantModel
 
@@ -204,11 +204,23 @@ def test_loading_refuses_ignore_mismatched_sizes(tmp_path, qwen3_target, drafter
         AdaFlashDrafter.from_pretrained(tmp_path, ignore_mismatched_sizes=True)
 
 
-def test_loading_a_truncated_safetensors_file_raises(tmp_path, qwen3_target, drafter_factory):
+def test_loading_a_truncated_safetensors_file_names_the_file(tmp_path, qwen3_target, drafter_factory):
     path = saved_checkpoint(tmp_path, qwen3_target, drafter_factory)
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])
-    with pytest.raises(SafetensorError, match="incomplete|not fully covered"):
+    with pytest.raises(
+        ValueError,
+        match=rf"^{re.escape(str(path))}: expected a complete safetensors file, got one that cannot be read",
+    ):
+        AdaFlashDrafter.from_pretrained(tmp_path)
+
+
+def test_folder_without_config_json_names_the_missing_file(tmp_path, qwen3_target, drafter_factory):
+    saved_checkpoint(tmp_path, qwen3_target, drafter_factory)
+    (tmp_path / "config.json").unlink()
+    with pytest.raises(
+        FileNotFoundError, match=r"expected a drafter checkpoint folder with config.json, got no config.json"
+    ):
         AdaFlashDrafter.from_pretrained(tmp_path)
 
 

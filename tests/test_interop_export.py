@@ -2,6 +2,7 @@
 round trips, and clear errors for bad inputs."""
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -92,15 +93,40 @@ def test_export_then_import_round_trips_bitwise(target_factory, drafter_factory,
     _assert_same_drafter(original, AdaFlashDrafter.from_pretrained(tmp_path / "ours"))
 
 
-def test_exported_folder_loads_directly_as_a_zlab_checkpoint(drafter, tmp_path):
+def test_exported_folder_loads_completely_with_from_pretrained(target_factory, drafter_factory, tmp_path):
+    # from_pretrained is the one loader: the sidecar's head and settings and mask_embedding.pt are restored, silently.
+    drafter = drafter_factory(target_factory("llama"), learned_mask_embedding=True, length_head_gamma=1.7)
     export_dflash(drafter, tmp_path / "dflash")
-    with pytest.warns(UserWarning, match="without a length head"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         loaded = AdaFlashDrafter.from_pretrained(tmp_path / "dflash")
     assert loaded.config.source_layout == "dflash"
+    assert loaded.config.length_head_gamma == 1.7 and loaded.config.learned_mask_embedding
+    assert loaded.state_dict().keys() == drafter.state_dict().keys()
+    for name, tensor in drafter.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+
+
+def test_exported_folder_without_its_sidecar_loads_as_zlab_with_a_fresh_head_warning(drafter, tmp_path):
+    out = export_dflash(drafter, tmp_path / "dflash")
+    (out / SIDECAR_CONFIG).unlink()
+    (out / SIDECAR_WEIGHTS).unlink()
+    with pytest.warns(UserWarning, match="without a length head"):
+        loaded = AdaFlashDrafter.from_pretrained(out)
     head = set(drafter.length_head_parameter_names())
     for name, tensor in drafter.state_dict().items():
         if name not in head:
             assert torch.equal(loaded.state_dict()[name], tensor), name
+
+
+def test_truncated_sidecar_names_the_file(drafter, tmp_path):
+    out = export_dflash(drafter, tmp_path / "dflash")
+    data = (out / SIDECAR_WEIGHTS).read_bytes()
+    (out / SIDECAR_WEIGHTS).write_bytes(data[: len(data) // 2])
+    with pytest.raises(
+        ValueError, match=rf"{SIDECAR_WEIGHTS}: expected a complete safetensors file, got one"
+    ):
+        AdaFlashDrafter.from_pretrained(out)
 
 
 def test_learned_mask_embedding_goes_to_mask_embedding_pt_with_a_warning(
@@ -119,7 +145,7 @@ def test_import_reads_a_bare_mask_embedding_pt_as_learned_mask(target_factory, d
     out = export_dflash(drafter, tmp_path / "dflash")
     (out / SIDECAR_CONFIG).unlink()
     (out / SIDECAR_WEIGHTS).unlink()
-    with pytest.warns(UserWarning, match="no length head"):
+    with pytest.warns(UserWarning, match="without a length head"):
         loaded = load_drafter(out)
     assert loaded.config.learned_mask_embedding
     assert torch.equal(loaded.mask_embedding, drafter.mask_embedding)

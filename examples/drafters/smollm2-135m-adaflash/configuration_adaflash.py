@@ -6,6 +6,7 @@ transformers' Muse-Glimmer assistant) so that ``AdaFlashDrafter.from_pretrained`
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from huggingface_hub.dataclasses import strict
@@ -256,6 +257,12 @@ class AdaFlashConfig(PreTrainedConfig):
     # AdaFlash) or use transformers' Muse-Glimmer assistant schema; both are translated into our fields here.
     @classmethod
     def get_config_dict(cls, pretrained_model_name_or_path, **kwargs):
+        folder = os.path.join(str(pretrained_model_name_or_path), kwargs.get("subfolder") or "")
+        if os.path.isdir(folder) and not os.path.isfile(os.path.join(folder, "config.json")):
+            raise FileNotFoundError(
+                f"{folder}: expected a drafter checkpoint folder with config.json, got no config.json "
+                f"(files: {sorted(os.listdir(folder))[:8]})"
+            )
         config_dict, kwargs = super().get_config_dict(pretrained_model_name_or_path, **kwargs)
         return translate_foreign_config(config_dict), kwargs
 

@@ -5,7 +5,8 @@ The drafter has no embedding and no lm_head: it reads the target's raw embedding
 from target hidden states (outputs of ``config.target_layer_ids``), fused by ``hidden_norm(fc(concat(...)))`` and
 turned into extra keys/values by every layer's own k/v projections. Queries come only from the block, and attention is
 bidirectional inside it. Checkpoint names follow z-lab's DFlash (``layers.{i}``, ``fc``, ``hidden_norm``, ``norm``) and
-the official AdaFlash head (``thresh_head_two_model``), so published drafters load as they are.
+the official AdaFlash head (``thresh_head_two_model``), so published drafters load as they are; so do folders written
+by ``adaflash export --format dflash``, whose length head and learned mask embedding sit beside the z-lab weights.
 
 The forward follows transformers' native DFlash drafter contract (``DFlashTokenCandidateGenerator``), so
 ``target.generate(ids, assistant_model=drafter, speculation_type="dflash")`` runs it as a fixed-length baseline.
@@ -14,7 +15,10 @@ This file imports only ``.configuration_adaflash`` so it also works as Hub remot
 
 from __future__ import annotations
 
+import copy
+import json
 import math
+import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,18 +26,35 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from safetensors import SafetensorError, safe_open
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
+from transformers.utils import cached_file
 
-from .configuration_adaflash import AdaFlashConfig, check_draft_token_ids
+from .configuration_adaflash import TARGET_FINGERPRINT, AdaFlashConfig, check_draft_token_ids
 
 SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 # Muse-Glimmer names the context projection ``encoder.*``; everything else is shared with z-lab DFlash.
 MUSE_GLIMMER_KEY_MAPPING = {r"^encoder\.fc\.": "fc.", r"^encoder\.output_norm_enc\.": "hidden_norm."}
+# What z-lab's layout has no slot for, written beside it by ``adaflash export --format dflash``: the length head and
+# its settings (the sidecar), and a learned mask embedding (also as a bare tensor, which vLLM's DFlash loader reads).
+SIDECAR_WEIGHTS = "adaflash_length_head.safetensors"
+SIDECAR_CONFIG = "adaflash_length_head.json"
+SIDECAR_FORMAT_VERSION = 1
+MASK_EMBEDDING_FILE = "mask_embedding.pt"
+SIDECAR_CONFIG_FIELDS = (
+    "length_head_variant",
+    "length_head_bottleneck",
+    "length_head_gamma",
+    "length_head_min_len",
+    "learned_mask_embedding",
+    *TARGET_FINGERPRINT,
+)
+_HUB_KWARGS = ("cache_dir", "force_download", "proxies", "token", "revision", "local_files_only", "subfolder")
 
 
 class AdaFlashRMSNorm(nn.Module):
@@ -277,6 +298,78 @@ class AdaFlashDrafterOutput(BaseModelOutputWithPast):
     acceptance_prob: torch.FloatTensor | None = None
 
 
+# ------------------------------------------------------------------------------------------------ loading helpers
+def _optional_file(pretrained, filename: str, kwargs: dict) -> str | None:
+    """``filename`` of a local folder or Hub repo (through the Hub cache), or None where it has none."""
+    hub = {key: kwargs[key] for key in _HUB_KWARGS if key in kwargs}
+    return cached_file(
+        str(pretrained),
+        filename,
+        _raise_exceptions_for_missing_entries=False,
+        _raise_exceptions_for_connection_errors=False,
+        **hub,
+    )
+
+
+def _read_safetensors(path, keys: bool = True) -> dict[str, torch.Tensor]:
+    try:
+        with safe_open(path, framework="pt") as handle:
+            return {key: handle.get_tensor(key) for key in handle.keys()} if keys else {}
+    except SafetensorError as error:
+        raise ValueError(
+            f"{path}: expected a complete safetensors file, got one that cannot be read ({error})"
+        ) from error
+
+
+def _read_mask_embedding(path) -> torch.Tensor:
+    value = torch.load(path, map_location="cpu", weights_only=True)
+    if isinstance(value, dict):
+        value = value.get("mask_embedding", value.get("embedding", next(iter(value.values()), None)))
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"{path}: expected a tensor of hidden_size values, got {type(value).__name__}")
+    return value
+
+
+def _read_sidecar(pretrained, kwargs: dict) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Config values and tensors an exported folder keeps beside its z-lab weights ({} and {} without any)."""
+    overrides: dict = {}
+    tensors: dict[str, torch.Tensor] = {}
+    meta_file = _optional_file(pretrained, SIDECAR_CONFIG, kwargs)
+    if meta_file is not None:
+        with open(meta_file) as handle:
+            meta = json.load(handle)
+        if meta.get("format_version") != SIDECAR_FORMAT_VERSION:
+            raise ValueError(
+                f"{SIDECAR_CONFIG}: format_version expected {SIDECAR_FORMAT_VERSION}, got {meta.get('format_version')!r}"
+            )
+        overrides = {field: meta[field] for field in SIDECAR_CONFIG_FIELDS if field in meta}
+        weights = _optional_file(pretrained, SIDECAR_WEIGHTS, kwargs)
+        if weights is not None:
+            tensors = _read_safetensors(weights)
+    mask_file = _optional_file(pretrained, MASK_EMBEDDING_FILE, kwargs)
+    if "mask_embedding" not in tensors and mask_file is not None:
+        overrides["learned_mask_embedding"] = True
+        tensors["mask_embedding"] = _read_mask_embedding(mask_file)
+    return overrides, tensors
+
+
+def _load_sidecar_tensors(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    state = model.state_dict()
+    unexpected = sorted(set(tensors) - set(state))
+    if unexpected:
+        raise ValueError(
+            f"{SIDECAR_WEIGHTS}: expected length-head and mask_embedding tensors of this drafter, got unexpected "
+            f"keys {unexpected}"
+        )
+    for key, value in tensors.items():
+        if key == "mask_embedding" and value.numel() == state[key].numel():
+            value = value.reshape(state[key].shape)  # mask_embedding.pt may hold [1, hidden]
+        if tuple(value.shape) != tuple(state[key].shape):
+            raise ValueError(f"{key}: expected shape {tuple(state[key].shape)}, got {tuple(value.shape)}")
+        with torch.no_grad():
+            state[key].copy_(value)
+
+
 class AdaFlashPreTrainedModel(PreTrainedModel):
     config: AdaFlashConfig
     config_class = AdaFlashConfig
@@ -304,6 +397,10 @@ class AdaFlashPreTrainedModel(PreTrainedModel):
 
 class AdaFlashDrafter(AdaFlashPreTrainedModel):
     """DFlash-compatible block drafter plus the adaptive length head. See the module docstring."""
+
+    # Set by adaflash_hf's generate hook: the AdaFlashStats of the last AdaFlash generate call with this drafter
+    # (None before any, and after a call that failed before drafting).
+    last_stats = None
 
     def __init__(self, config: AdaFlashConfig):
         super().__init__(config)
@@ -352,6 +449,18 @@ class AdaFlashDrafter(AdaFlashPreTrainedModel):
 
     def can_generate(self) -> bool:
         return False
+
+    def __getattr__(self, name: str):
+        if name == "generation_config":
+            # transformers' generic assisted decoding reads the assistant's generation_config: reached only when the
+            # adaflash_hf hook is not installed. Say how to run the drafter instead of a bare AttributeError.
+            raise AttributeError(
+                "generation_config: expected the adaflash_hf generate hook for generate(assistant_model=drafter) "
+                "(import adaflash_hf, or adaflash_hf.enable() after adaflash_hf.disable()), got no hook; without it "
+                "pass speculation_type='dflash' to run the drafter through transformers' native DFlash path "
+                "(fixed length)"
+            )
+        return super().__getattr__(name)
 
     # --------------------------------------------------------------------------------------------------- helpers
     def context_features(self, hidden_states: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> torch.Tensor:
@@ -555,25 +664,46 @@ class AdaFlashDrafter(AdaFlashPreTrainedModel):
         finally:
             self.config.source_layout = source_layout
 
+    def _adjust_missing_and_unexpected_keys(self, loading_info) -> None:
+        super()._adjust_missing_and_unexpected_keys(loading_info)
+        # from_pretrained judges these itself (restored from an export's sidecar, or a fresh head with its own warning,
+        # or an error): keep them for it, out of transformers' load report, which would call them newly initialised.
+        self._missing_on_load = set(loading_info.missing_keys)
+        own = {*self.length_head_parameter_names(), "mask_embedding"}
+        loading_info.missing_keys = {key for key in loading_info.missing_keys if key not in own}
+
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
-        """Load our format, z-lab DFlash, the official AdaFlash checkpoint or Muse-Glimmer naming, strictly.
+        """Load our format, z-lab DFlash, the official AdaFlash checkpoint, Muse-Glimmer naming or an exported folder
+        (z-lab weights plus the length-head sidecar and ``mask_embedding.pt``), strictly and completely.
 
-        Missing, unexpected or wrong-shaped tensors raise; the only exception is a DFlash or Muse-Glimmer checkpoint,
-        which has no length head: the head is freshly initialised and a warning says so.
+        Missing, unexpected or wrong-shaped tensors raise; the only exception is a DFlash or Muse-Glimmer checkpoint
+        without a sidecar, which has no length head: the head is freshly initialised and a warning says so.
         """
+        path = pretrained_model_name_or_path
         want_info = kwargs.pop("output_loading_info", False)
         if kwargs.get("ignore_mismatched_sizes"):
             raise ValueError("ignore_mismatched_sizes: expected False (drafter loading is strict), got True")
         kwargs.setdefault("key_mapping", MUSE_GLIMMER_KEY_MAPPING)
+        folder = os.path.join(str(path), kwargs.get("subfolder") or "")
+        if os.path.isdir(folder):  # name a truncated file before transformers' nameless error can
+            for name in sorted(os.listdir(folder)):
+                if name.endswith(".safetensors"):
+                    _read_safetensors(os.path.join(folder, name), keys=False)
+        overrides, sidecar = _read_sidecar(path, kwargs)
+        if isinstance(kwargs.get("config"), AdaFlashConfig):
+            kwargs["config"] = copy.deepcopy(kwargs["config"])
+            for field, value in overrides.items():
+                setattr(kwargs["config"], field, value)
+        else:  # config.json's values, then the sidecar's, then the caller's overrides
+            kwargs = overrides | kwargs
         # Let transformers list wrong-shaped tensors in the loading info (its own error names none of them); every
         # mismatch is turned into a ValueError below, so nothing is silently re-initialised.
         kwargs["ignore_mismatched_sizes"] = True
-        model, info = super().from_pretrained(
-            pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs
-        )
+        model, info = super().from_pretrained(path, *model_args, output_loading_info=True, **kwargs)
+        _load_sidecar_tensors(model, sidecar)
         head_keys = set(model.length_head_parameter_names())
-        missing = set(info.get("missing_keys") or ())
+        missing = model.__dict__.pop("_missing_on_load", set(info.get("missing_keys") or ())) - set(sidecar)
         fresh_head = (
             model.config.source_layout in ("dflash", "muse_glimmer") and head_keys and head_keys <= missing
         )
@@ -590,12 +720,13 @@ class AdaFlashDrafter(AdaFlashPreTrainedModel):
             problems.append(f"errors {info['error_msgs']}")
         if problems:
             raise ValueError(
-                f"checkpoint {pretrained_model_name_or_path}: expected exactly the tensors of a "
-                f"{model.config.source_layout} drafter, got " + "; ".join(problems)
+                f"checkpoint {path}: expected exactly the tensors of a {model.config.source_layout} drafter "
+                f"(plus {SIDECAR_WEIGHTS} / {MASK_EMBEDDING_FILE} beside an export), got "
+                + "; ".join(problems)
             )
         if fresh_head:
             warnings.warn(
-                f"{pretrained_model_name_or_path} is a {model.config.source_layout} checkpoint without a length head: "
+                f"{path} is a {model.config.source_layout} checkpoint without a length head: "
                 f"the {model.config.length_head_variant!r} length head was freshly initialised and predicts nothing "
                 "useful until trained; use length_mode='fixed' or train the head.",
                 UserWarning,
