@@ -33,7 +33,8 @@ def heldout_acceptance(
     features: list[torch.Tensor],
     max_anchors: int = 256,
 ) -> dict[str, dict]:
-    """Per domain (and ``"all"``): first-position acceptance, τ of the full block, acceptance per position, blocks.
+    """Per domain (and ``"all"``): first-position acceptance, τ of the full block, acceptance per position, blocks, and
+    the length head's mean |â - a*| (``head_mae``) and mean â.
 
     ``records``: corpus records (``input_ids``, ``prompt_length``, ``domain``) of held-out prompts; ``features``: their
     context features [len - 1, n_layers * H] (``corpus.load_features``). Anchors are the response positions whose whole
@@ -47,6 +48,7 @@ def heldout_acceptance(
     lm_head = target.get_output_embeddings()
     dtype = next(drafter.parameters()).dtype
     accepted_by_domain: dict[str, list[torch.Tensor]] = defaultdict(list)
+    predicted_by_domain: dict[str, list[torch.Tensor]] = defaultdict(list)
     for record, feature in zip(records, features):
         ids = torch.tensor(record["input_ids"])
         first, last = record["prompt_length"], len(ids) - block  # anchor a needs tokens a+1 .. a+block-1
@@ -68,25 +70,34 @@ def heldout_acceptance(
         states = out.last_hidden_state.view(anchors.numel(), block, -1)[:, 1:]
         drafts = draft_tokens(states.to(lm_head.weight.dtype), lm_head, drafter.draft_token_ids)
         labels = ids[anchors[:, None] + offsets[1:]]
-        accepted_by_domain[record["domain"]].append((drafts.cpu() == labels).long().cumprod(-1).sum(-1))
+        accepted = (drafts.cpu() == labels).long().cumprod(-1).sum(-1)
+        predicted = out.acceptance_prob.detach().float().reshape(-1).cpu()
+        accepted_by_domain[record["domain"]].append(accepted)
+        predicted_by_domain[record["domain"]].append(predicted)
     drafter.train(was_training)
     results = {
-        domain: _summary(torch.cat(values), block) for domain, values in sorted(accepted_by_domain.items())
+        domain: _summary(torch.cat(values), torch.cat(predicted_by_domain[domain]), block)
+        for domain, values in sorted(accepted_by_domain.items())
     }
     if accepted_by_domain:
         results["all"] = _summary(
-            torch.cat([v for values in accepted_by_domain.values() for v in values]), block
+            torch.cat([v for values in accepted_by_domain.values() for v in values]),
+            torch.cat([v for values in predicted_by_domain.values() for v in values]),
+            block,
         )
     return results
 
 
-def _summary(accepted: torch.Tensor, block: int) -> dict:
+def _summary(accepted: torch.Tensor, predicted: torch.Tensor, block: int) -> dict:
+    """``head_mae``: the length head's mean |â - a*| against the exact realised fraction a* = accepted / (k-1)."""
     per_position = [float((accepted >= j).float().mean()) for j in range(1, block)]
     return {
         "blocks": int(accepted.numel()),
         "first_position": per_position[0],
         "tau_fixed": 1.0 + float(accepted.float().mean()),
         "acceptance_per_position": per_position,
+        "head_mae": float((predicted - accepted.float() / (block - 1)).abs().mean()),
+        "head_mean_predicted": float(predicted.mean()),
     }
 
 
@@ -118,14 +129,25 @@ def plot_learning_curve(json_path: str | Path, png_path: str | Path) -> None:
     data = json.loads(Path(json_path).read_text())
     points = [p for p in data["points"] if p["blocks_seen"] > 0]
     domains = sorted({d for p in points for d in p["metrics"] if d != "all"})
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    panels = [
+        ("tau_fixed", "held-out τ (full block, greedy)"),
+        ("first_position", "held-out first-position acceptance"),
+    ]
+    if any(
+        "head_mae" in m for p in points for m in p["metrics"].values()
+    ):  # curves from before it was recorded
+        panels.append(("head_mae", "length head mean |â - a*| (held out)"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4))
     for domain in domains:
-        xs = [p["blocks_seen"] for p in points if domain in p["metrics"]]
-        for axis, key in zip(axes, ("tau_fixed", "first_position")):
+        for axis, (key, _) in zip(axes, panels):
+            shown = [p for p in points if key in p["metrics"].get(domain, {})]
             axis.plot(
-                xs, [p["metrics"][domain][key] for p in points if domain in p["metrics"]], "o-", label=domain
+                [p["blocks_seen"] for p in shown],
+                [p["metrics"][domain][key] for p in shown],
+                "o-",
+                label=domain,
             )
-    for axis, title in zip(axes, ("held-out τ (full block, greedy)", "held-out first-position acceptance")):
+    for axis, (_, title) in zip(axes, panels):
         axis.set_xscale("log")
         axis.set_xlabel("training blocks seen")
         axis.set_title(title)

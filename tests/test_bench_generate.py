@@ -75,6 +75,21 @@ def test_adaflash_fixed_verifies_full_blocks_capped_by_the_budget(results, tiny_
                 committed += accepted + 1
 
 
+def test_length_head_figures_count_diffusion_rounds_and_score_only_uncensored_ones():
+    stats = {
+        "block_size": 4,
+        "verify_lengths": [3, 1, 2, 3, 2],
+        "accepted_lengths": [1, 1, 0, 3, 2],
+        "predicted_acceptance": [0.5, 0.9, 0.2, 1.0, 0.6],
+        "sources": ["diffusion", "diffusion", "diffusion", "diffusion", "lookup"],
+    }
+    figures = bench.length_head_figures([stats])
+    assert figures["k_hat_histogram"] == [0, 1, 1, 2]  # the lookup round is not a k̂ choice
+    # Rounds 0 and 2 rejected a verified draft (a* exact); rounds 1 and 3 accepted all they verified (censored).
+    assert figures["head_abs_error"] == pytest.approx((abs(0.5 - 1 / 3) + abs(0.2 - 0)) / 2)
+    assert figures["head_censored"] == pytest.approx(0.5)
+
+
 def test_decode_rounds_reads_commits_from_cache_growth():
     # prompt of 12 (prefill), then rounds verifying 7, 7, 2 drafts; final length 40
     calls = [(12, 0), (8, 12), (8, 20), (3, 24)]
@@ -167,8 +182,15 @@ def test_main_writes_json_table_and_plots(offline_main):
     hybrid = [r for r in results["summary"] if r["method"] == "adaflash_hybrid"]
     assert hybrid and all(0 <= r["lookup_share"] <= 1 for r in hybrid)
     assert "lookup rounds" in (out / "table.md").read_text()
-    for name in ("acceptance_per_position.png", "acceptance_hist.png", "source_share.png"):
+    for name in (
+        "acceptance_per_position.png",
+        "acceptance_hist.png",
+        "source_share.png",
+        "k_hat_distribution.png",
+    ):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    adaptive = [r for r in results["summary"] if r["method"] == "adaflash_adaptive"]
+    assert all(sum(r["k_hat_histogram"]) > 0 for r in adaptive)
 
 
 def test_main_exits_nonzero_when_an_output_differs(offline_main, monkeypatch):

@@ -57,7 +57,7 @@ def test_batched_teacher_forced_acceptance_equals_one_block_at_a_time(
                 record["input_ids"][i] = token
     metrics = heldout_acceptance(drafter, target, records, features)
 
-    accepted = []
+    accepted, predicted = [], []
     for record, feature in zip(records, features):
         ids = record["input_ids"]
         for anchor in range(record["prompt_length"], len(ids) - 4 + 1):
@@ -70,7 +70,11 @@ def test_batched_teacher_forced_acceptance_equals_one_block_at_a_time(
             drafts = (out.last_hidden_state[0, 1:] @ lm_weight.T).argmax(-1)
             right = (drafts == torch.tensor(ids[anchor + 1 : anchor + 4])).long().cumprod(0)
             accepted.append(int(right.sum()))
+            predicted.append(float(out.acceptance_prob.reshape(-1)[0]))
     accepted = torch.tensor(accepted)
+    head_error = (torch.tensor(predicted) - accepted.float() / 3).abs().mean().item()
+    assert metrics["all"]["head_mae"] == pytest.approx(head_error, abs=1e-5)
+    assert metrics["all"]["head_mean_predicted"] == pytest.approx(sum(predicted) / len(predicted), abs=1e-5)
     assert metrics["all"]["blocks"] == accepted.numel()
     assert metrics["all"]["tau_fixed"] == 1.0 + accepted.float().mean().item()
     assert metrics["all"]["first_position"] == (accepted >= 1).float().mean().item()

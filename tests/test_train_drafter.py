@@ -17,6 +17,7 @@ from transformers import PreTrainedTokenizerFast
 from adaflash_hf.trainers import DrafterTrainer, DrafterTrainingConfig
 from adaflash_hf.trainers.dflash_recipe import (
     IGNORE,
+    BlockBatch,
     block_ce_and_head_loss,
     build_blocks,
     position_weights,
@@ -371,6 +372,62 @@ def test_draft_vocab_ce_ignores_labels_outside_it_and_counts_them_as_wrong_draft
     torch.testing.assert_close(ce, (rows_ce * weights).sum() / weights.sum())
     ce.backward()
     assert torch.count_nonzero(hidden.grad[0, 5]) == 0  # no CE term for the out-of-vocabulary label
+
+
+@pytest.mark.parametrize("draft_vocab", [False, True])
+def test_loss_positions_limits_the_ce_and_keeps_the_realised_acceptance_exact(draft_vocab):
+    vocab, positions = 64, 4
+    gen = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(0, vocab - 1, (2, 50), generator=gen)
+    loss_mask = torch.ones_like(input_ids)
+    loss_mask[:, :5] = 0
+    anchors = torch.tensor([[5, 20, 44], [8, 30, -1]])  # 44: runs past the end
+    blocks = build_blocks(input_ids, loss_mask, anchors, BLOCK, vocab - 1, 2.0, dense_mask=False)
+    labels = blocks.labels
+    lm_head = torch.eye(vocab)
+    # States whose argmax is the label on a chosen prefix of each block, random elsewhere: block (0, 0) is right on
+    # every row (so its late rows decide its acceptance), (0, 1) on rows 1..positions only, (1, 0) on rows 1..2.
+    hidden = torch.randn(2, labels.shape[1], vocab, generator=gen)
+    right = {(0, 0): range(1, BLOCK), (0, 1): range(1, positions + 1), (1, 0): range(1, 3)}
+    for (b, n), rows in right.items():
+        for j in rows:
+            hidden[b, n * BLOCK + j] = 10.0 * torch.nn.functional.one_hot(labels[b, n * BLOCK + j], vocab)
+    hidden.requires_grad_()
+    acceptance = torch.full((2, 3), 0.3)
+    draft_ids = torch.arange(0, vocab, 2).unique() if draft_vocab else None
+    if draft_ids is not None:  # keep the labels of the right rows in the draft vocabulary
+        draft_ids = torch.cat(
+            [draft_ids, labels[0, : 2 * BLOCK].clamp(min=0), labels[1, :BLOCK].clamp(min=0)]
+        )
+        draft_ids = draft_ids.unique()
+
+    full_ce, full_head, full = block_ce_and_head_loss(hidden, acceptance, lm_head, blocks, BLOCK, draft_ids)
+    ce, head, limited = block_ce_and_head_loss(
+        hidden, acceptance, lm_head, blocks, BLOCK, draft_ids, loss_positions=positions
+    )
+    assert limited["accept_len"] == full["accept_len"]
+    torch.testing.assert_close(head, full_head)
+    assert (
+        full["accept_len"] > (15 + positions + 2) / 5 - 1e-4
+    )  # block (0, 0)'s acceptance came from its late rows
+
+    # The CE is the full recipe's with the weights of rows after `positions` set to zero.
+    trimmed = BlockBatch(**{**blocks.__dict__})
+    offset = torch.arange(labels.shape[1]) % BLOCK
+    trimmed.weights = blocks.weights * (offset <= positions)
+    trimmed.labels = torch.where(offset <= positions, labels, torch.full_like(labels, IGNORE))
+    expected, _, _ = block_ce_and_head_loss(hidden, acceptance, lm_head, trimmed, BLOCK, draft_ids)
+    torch.testing.assert_close(ce, expected)
+    ce.backward()
+    late_rows = hidden.grad[:, offset > positions]
+    assert torch.count_nonzero(late_rows) == 0 and torch.count_nonzero(hidden.grad[:, offset == 1]) > 0
+
+
+def test_loss_positions_is_validated():
+    with pytest.raises(
+        ValueError, match=r"loss_positions: expected None or 1..block_size - 1 \(15\), got 16"
+    ):
+        DrafterTrainingConfig(output_dir="unused", use_cpu=True, report_to="none", loss_positions=16)
 
 
 def test_draft_vocab_size_must_match_the_drafters_draft_vocabulary():

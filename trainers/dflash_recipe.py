@@ -122,6 +122,7 @@ def block_ce_and_head_loss(
     blocks: BlockBatch,
     block_size: int,
     draft_token_ids: torch.Tensor | None = None,
+    loss_positions: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
     """Weighted same-position CE of the drafter and the length head's MSE against realised acceptance.
 
@@ -129,21 +130,32 @@ def block_ce_and_head_loss(
     supervised rows, and only over ``draft_token_ids`` (sorted target ids, a reduced draft vocabulary) when given:
     a label outside it has no CE term (EAGLE-3) but still counts as a wrong draft in the accuracy and in the realised
     acceptance the length head learns, as it would at inference. Log-softmax and CE run in float32 whatever the
-    logits' dtype (bf16 under autocast). Returns (ce, head_mse, metrics).
+    logits' dtype (bf16 under autocast).
+
+    ``loss_positions`` N limits the CE (and so the lm_head projection, the step's largest cost) to rows 1..N of each
+    block; the rest weigh ``exp(-(j-1)/gamma)``, little under a short decay. The realised acceptance stays exact: the
+    rows after N are projected (without gradient) only for blocks whose first N drafts were all correct, the only
+    blocks where they decide it. ``accuracy`` is then over rows 1..N. Returns (ce, head_mse, metrics).
     """
     labels = blocks.labels
     rows = labels != IGNORE
+    late = None
+    if loss_positions is not None and loss_positions < block_size - 1:
+        offset = torch.arange(labels.shape[1], device=labels.device) % block_size
+        late = rows & (offset > loss_positions)
+        rows = rows & (offset <= loss_positions)
     if not rows.any():
         zero = drafter_hidden.sum() * 0.0
         return zero, acceptance_prob.sum() * 0.0, {"ce": 0.0, "accuracy": 0.0, "head_mse": 0.0, "blocks": 0}
     row_labels = labels[rows]
     weights = blocks.weights[rows]
     extra = {}
+    head = lm_head_weight if draft_token_ids is None else lm_head_weight[draft_token_ids]
     if draft_token_ids is None:
-        logits = drafter_hidden[rows] @ lm_head_weight.T  # [R, V]
+        logits = drafter_hidden[rows] @ head.T  # [R, V]
         targets = row_labels
     else:
-        logits = drafter_hidden[rows] @ lm_head_weight[draft_token_ids].T  # [R, N]
+        logits = drafter_hidden[rows] @ head.T  # [R, N]
         slot = torch.searchsorted(draft_token_ids, row_labels).clamp(max=draft_token_ids.numel() - 1)
         in_vocab = draft_token_ids[slot] == row_labels
         targets = torch.where(in_vocab, slot, torch.full_like(slot, IGNORE))
@@ -161,12 +173,23 @@ def block_ce_and_head_loss(
     correct[rows] = predicted == row_labels
     per_block = correct.view(labels.shape[0], -1, block_size)[..., 1:]  # [B, n, k-1]
     accepted = per_block.long().cumprod(dim=-1).sum(-1)
+    if late is not None:
+        # Blocks that accepted all N scored rows: project their later rows too, without gradient.
+        full = (accepted == loss_positions).repeat_interleave(block_size, dim=1) & late
+        if full.any():
+            with torch.no_grad():
+                late_predicted = (drafter_hidden[full] @ head.T).argmax(-1)
+                if draft_token_ids is not None:
+                    late_predicted = draft_token_ids[late_predicted]
+            correct[full] = late_predicted == labels[full]
+            per_block = correct.view(labels.shape[0], -1, block_size)[..., 1:]
+            accepted = per_block.long().cumprod(dim=-1).sum(-1)
     realised = accepted.float() / (block_size - 1)
     valid_blocks = blocks.anchors >= 0
     head_mse = F.mse_loss(acceptance_prob[valid_blocks].float(), realised[valid_blocks])
     metrics = {
         "ce": float(ce.detach()),
-        "accuracy": float(correct[rows].float().mean()),
+        "accuracy": float((predicted == row_labels).float().mean()),
         "head_mse": float(head_mse.detach()),
         "accept_len": float(accepted[valid_blocks].float().mean()),
         "blocks": int(valid_blocks.sum()),

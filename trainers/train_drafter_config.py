@@ -133,6 +133,14 @@ class DrafterTrainingConfig(TrainingArguments):
     loss_decay_gamma: float = field(
         default=7.0, metadata={"help": "Position decay of the CE weight, exp(-(j-1)/gamma) (7 for k=16)."}
     )
+    loss_positions: int | None = field(
+        default=None,
+        metadata={
+            "help": "CE only on drafted positions 1..N of each block (None: all block_size - 1). The lm_head "
+            "projection is the step's largest cost and later positions weigh exp(-(j-1)/gamma), little under a short "
+            "decay; the length head's realised acceptance stays exact."
+        },
+    )
     length_head_variant: str = field(
         default="two_model", metadata={"help": "'two_model' (official) or 'paper'."}
     )
@@ -189,6 +197,10 @@ class DrafterTrainingConfig(TrainingArguments):
             raise ValueError(f"curve_points_per_decade: expected >= 0, got {self.curve_points_per_decade}")
         if self.max_train_sequences is not None and self.max_train_sequences < 1:
             raise ValueError(f"max_train_sequences: expected None or >= 1, got {self.max_train_sequences}")
+        if self.loss_positions is not None and not 1 <= self.loss_positions <= self.block_size - 1:
+            raise ValueError(
+                f"loss_positions: expected None or 1..block_size - 1 ({self.block_size - 1}), got {self.loss_positions}"
+            )
         if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
             raise ValueError(f"draft_vocab_size: expected None or >= 1, got {self.draft_vocab_size}")
         if self.length_head_variant not in ("two_model", "paper"):

@@ -44,7 +44,7 @@ def recipe_loss(
     """One training forward of the recipe and its loss ``ce + length_head_loss_weight * head_mse``.
 
     ``model`` is the drafter (or its DDP wrapper), ``config`` its ``AdaFlashConfig``; ``args`` supplies
-    ``loss_decay_gamma``, ``length_head_loss_weight`` and ``attention_layout``. Shared by ``DrafterTrainer`` and
+    ``loss_decay_gamma``, ``length_head_loss_weight``, ``attention_layout`` and ``loss_positions``. Shared by ``DrafterTrainer`` and
     ``adaflash bench train`` so the benchmark times the trainer's own step. Returns (loss, drafter output, metrics).
     """
     split = args.attention_layout == "split"
@@ -68,7 +68,13 @@ def recipe_loss(
     if acceptance.dim() == 1:
         acceptance = acceptance[:, None]
     ce, head_mse, metrics = block_ce_and_head_loss(
-        out.last_hidden_state, acceptance, lm_head_weight, blocks, config.block_size, draft_token_ids
+        out.last_hidden_state,
+        acceptance,
+        lm_head_weight,
+        blocks,
+        config.block_size,
+        draft_token_ids,
+        loss_positions=getattr(args, "loss_positions", None),
     )
     return ce + args.length_head_loss_weight * head_mse, out, metrics
 

@@ -390,7 +390,34 @@ def _summarise(records: list[dict]) -> dict:
         row["lookup_share"] = len(lookup) / rounds if rounds else None
         verified = sum(k for k, _ in lookup)
         row["lookup_acceptance"] = sum(a for _, a in lookup) / verified if verified else None
+        row.update(length_head_figures([r["stats"] for r in records]))
     return row
+
+
+def length_head_figures(stats: list[dict]) -> dict:
+    """The diffusion rounds' k̂ histogram (``k_hat_histogram[k]``: rounds that verified k drafts) and the length
+    head's mean |â - a*|, where a* = accepted / (block_size - 1) is the realised fraction of the whole block. a* is
+    known exactly only in rounds that rejected a verified draft (a round that accepted all k̂ would have accepted
+    k̂ or more of the full block), so the error is over those rounds; ``head_censored`` is the share of the others.
+    """
+    block = stats[0]["block_size"]
+    rounds = [
+        (k, a, p)
+        for s in stats
+        for k, a, p, source in zip(
+            s["verify_lengths"], s["accepted_lengths"], s["predicted_acceptance"], s["sources"]
+        )
+        if source == "diffusion"
+    ]
+    histogram = [0] * block
+    for k, _, _ in rounds:
+        histogram[k] += 1
+    exact = [abs(p - a / (block - 1)) for k, a, p in rounds if a < k]
+    return {
+        "k_hat_histogram": histogram,
+        "head_abs_error": statistics.fmean(exact) if exact else None,
+        "head_censored": 1 - len(exact) / len(rounds) if rounds else None,
+    }
 
 
 # ------------------------------------------------------------------------------------------------------- outputs
@@ -406,8 +433,8 @@ def markdown_table(results: dict) -> str:
         f"{settings['threads']} threads; prompts per domain: {settings['prompts_per_domain']}.",
         "",
         "| domain | method | τ | τ (stats) | tokens/s | speed-up | mean verify len | acceptance | lookup rounds "
-        "| lookup acceptance | lossless |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| lookup acceptance | length head mean abs(â - a*) | lossless |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for row in results["summary"]:
         lines.append(
@@ -415,7 +442,8 @@ def markdown_table(results: dict) -> str:
             f"{_fmt(row['tokens_per_s'], '.1f')} | {_fmt(row['speedup'], '.2f', 'x')} | "
             f"{_fmt(row['mean_verify_length'])} | {_fmt(row['acceptance_rate'])} | "
             f"{_fmt(None if row['lookup_share'] is None else 100 * row['lookup_share'], '.0f', '%')} | "
-            f"{_fmt(row['lookup_acceptance'])} | {'yes' if row['lossless'] else 'NO'} |"
+            f"{_fmt(row['lookup_acceptance'])} | {_fmt(row.get('head_abs_error'))} | "
+            f"{'yes' if row['lossless'] else 'NO'} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -502,6 +530,47 @@ def plot_source_share(results: dict, path: Path) -> None:
     _finish(figure, axes, "share of rounds", path)
 
 
+def plot_k_hat_distribution(results: dict, path: Path) -> None:
+    """Per domain, the share of diffusion rounds that verified k̂ drafts, per AdaFlash method (fixed-length is one
+    bar at its length; the adaptive bars are the length head's choices), with the head's mean |â - a*| in the legend."""
+    from matplotlib.figure import Figure
+
+    domains = results["settings"]["domains"]
+    methods = [m for m in results["settings"]["methods"] if m in ADAFLASH_METHODS]
+    figure = Figure(figsize=(4.5 * len(domains), 3.6), layout="constrained")
+    axes = figure.subplots(1, len(domains), squeeze=False)[0]
+    rows = {(r["domain"], r["method"]): r for r in results["summary"]}
+    width = 0.8 / max(len(methods), 1)
+    for ax, domain in zip(axes, domains):
+        for i, method in enumerate(methods):
+            histogram = rows[domain, method].get("k_hat_histogram") or []
+            total = sum(histogram)
+            if not total:
+                continue
+            error = rows[domain, method].get("head_abs_error")
+            ax.bar(
+                [k + (i - (len(methods) - 1) / 2) * width for k in range(len(histogram))],
+                [n / total for n in histogram],
+                width=width,
+                color=_color(method),
+                label=method,
+            )
+            if error is not None:
+                ax.text(
+                    0.98,
+                    0.95 - 0.08 * i,
+                    f"{method}: |â-a*| {error:.2f}",
+                    transform=ax.transAxes,
+                    ha="right",
+                    va="top",
+                    fontsize="x-small",
+                    color=_color(method),
+                )
+        ax.set(title=domain, xlabel="k̂ (drafts verified per diffusion round)")
+        ax.grid(alpha=0.3)
+    _finish(figure, axes, "share of diffusion rounds", path)
+
+
 def write_outputs(results: dict, output_dir: Path) -> None:
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "results.json").write_text(json.dumps(results, indent=1) + "\n")
@@ -510,6 +579,7 @@ def write_outputs(results: dict, output_dir: Path) -> None:
     plot_acceptance_hist(results, output_dir / "acceptance_hist.png")
     if set(results["settings"]["methods"]) & set(ADAFLASH_METHODS):
         plot_source_share(results, output_dir / "source_share.png")
+        plot_k_hat_distribution(results, output_dir / "k_hat_distribution.png")
 
 
 # ---------------------------------------------------------------------------------------------------------- CLI

@@ -55,8 +55,27 @@ VARIANTS = {
     "split-256-bf16-dv": {"num_anchors": 256, "bf16": True, "draft_vocab": True},
     # The recipe of the shipped SmolLM2 drafter (examples/configs/train_smollm2.yaml): every position an anchor.
     "split-512-dv-1layer": {"num_anchors": 512, "draft_vocab": True, "drafter_layers": 1},
+    # The same with CE on the first 6 or 3 drafted positions only (loss_positions).
+    "split-512-dv-1layer-lp6": {
+        "num_anchors": 512,
+        "draft_vocab": True,
+        "drafter_layers": 1,
+        "loss_positions": 6,
+    },
+    "split-512-dv-1layer-lp3": {
+        "num_anchors": 512,
+        "draft_vocab": True,
+        "drafter_layers": 1,
+        "loss_positions": 3,
+    },
 }
-VARIANT_DEFAULTS = {"attention_layout": "split", "bf16": False, "draft_vocab": False, "drafter_layers": 2}
+VARIANT_DEFAULTS = {
+    "attention_layout": "split",
+    "bf16": False,
+    "draft_vocab": False,
+    "drafter_layers": 2,
+    "loss_positions": None,
+}
 # SmolLM2-135M-Instruct, the default target of trainers/train_drafter.py, and the trainer's default batch.
 SHAPES = {
     "real": {
@@ -132,6 +151,7 @@ def _setup(variant: str, shape: dict, context_layers: int):
         attention_layout=spec["attention_layout"],
         bf16=spec["bf16"],
         draft_vocab_size=shape["draft_vocab"] if spec["draft_vocab"] else None,
+        loss_positions=spec["loss_positions"],
     )
     return spec, drafter, args
 
@@ -198,6 +218,7 @@ def measure_variant(
         "bf16": spec["bf16"],
         "draft_vocab_size": args.draft_vocab_size,
         "drafter_layers": spec["drafter_layers"],
+        "loss_positions": spec["loss_positions"],
         "seconds_per_step": statistics.median(seconds),
         "blocks_per_s": statistics.median(rates),
         "peak_rss_mib": peak / 2**20,
@@ -257,17 +278,18 @@ def format_table(results: dict) -> str:
         f"{s['seq']} tokens, hidden {s['hidden_size']}, vocabulary {s['vocab_size']}, {s['context_layers']} context "
         f"layers, block {s['block_size']}; {s['threads']} thread(s), median of {s['steps']} steps",
         "",
-        "| variant | layout | anchors | blocks/step | bf16 | draft vocab | layers | s/step | blocks/s | speed-up vs today "
-        "| peak RSS MiB | step MiB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| variant | layout | anchors | blocks/step | bf16 | draft vocab | layers | CE positions | s/step | blocks/s "
+        "| speed-up vs today | peak RSS MiB | step MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for e in results["variants"]:
         if "error" in e:
-            lines.append(f"| {e['variant']} | {e['error']} |" + " |" * 10)
+            lines.append(f"| {e['variant']} | {e['error']} |" + " |" * 11)
             continue
         lines.append(
             f"| {e['variant']} | {e['attention_layout']} | {e['num_anchors']} | {e['blocks_per_step']:.0f} | "
             f"{'yes' if e['bf16'] else 'no'} | {e['draft_vocab_size'] or 'full'} | {e['drafter_layers']} | "
+            f"{e.get('loss_positions') or 'all'} | "
             f"{_fmt(e['seconds_per_step'], 3)} | {_fmt(e['blocks_per_s'])} | {_fmt(e['speedup_vs_today'], 2)} | "
             f"{_fmt(e['peak_rss_mib'], 0)} | {_fmt(e['step_mib'], 0)} |"
         )
