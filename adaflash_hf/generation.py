@@ -6,8 +6,9 @@ and ``_get_candidate_generator`` (returns ``AdaFlashCandidateGenerator`` for an 
 other assistant goes to the original methods untouched. The upstream loop keeps doing verification, speculative
 sampling, cache cropping, EOS/length handling and streaming.
 
-Knobs live on the generation config (``GenerationConfig(adaflash_length_mode="fixed", ...)`` or
-``target.generation_config.adaflash_gamma = 1.3``):
+Knobs live on the generation config (``GenerationConfig(adaflash_length_mode="fixed", ...)``,
+``target.generation_config.adaflash_gamma = 1.3``, or ``generate(..., adaflash_gamma=1.3)`` like any generation-config
+field); an unknown ``adaflash_*`` name is an error that names the closest knob:
 
 - ``adaflash_length_mode``: ``"adaptive"`` (default: the length head truncates the draft) or ``"fixed"`` (always
   ``block_size - 1`` drafts, i.e. DFlash);
@@ -20,14 +21,19 @@ Knobs live on the generation config (``GenerationConfig(adaflash_length_mode="fi
 
 A drafter with ``draft_token_ids`` drafts over that subset only (``adaflash_hf.draft_vocab``), in both proposal modes.
 
-After each call ``drafter.last_stats`` holds an ``AdaFlashStats``; ``drafter.round_recorder`` (a callable, default
-None) receives a ``RoundRecord`` per drafting round.
+``drafter.last_stats`` describes the last AdaFlash ``generate`` call with that drafter: an ``AdaFlashStats``, or
+None before any call and after a call that failed before it drafted. ``drafter.round_recorder`` (a callable,
+default None) receives a ``RoundRecord`` per drafting round. A drafter block with a non-finite state verifies no
+drafts that round (lossless either way); it is counted in ``AdaFlashStats.nonfinite_blocks`` and warned about once
+per call.
 """
 
 from __future__ import annotations
 
+import difflib
 import functools
 import inspect
+import math
 import time
 from typing import Any
 
@@ -55,7 +61,14 @@ logger = logging.get_logger(__name__)
 TESTED_TRANSFORMERS = ("5.24.0", "5.25.0")  # [low, high)
 LENGTH_MODES = ("adaptive", "fixed")
 PROPOSAL_MODES = ("argmax", "sample")
-_HOOKED = ("_get_candidate_generator", "_validate_generation_mode")
+KNOBS = (
+    "adaflash_length_mode",
+    "adaflash_gamma",
+    "adaflash_min_len",
+    "adaflash_proposal",
+    "adaflash_draft_source",
+)
+_HOOKED = ("_get_candidate_generator", "_validate_generation_mode", "_prepare_generation_config")
 
 
 def _version_tuple(version: str) -> tuple[int, ...]:
@@ -107,10 +120,23 @@ def align_drafter_dtype(drafter: AdaFlashDrafter, target) -> None:
         drafter.to(target_dtype)
 
 
+def check_knob_names(generation_config) -> None:
+    """Raise on an ``adaflash_*`` field that is no knob: a misspelt knob would otherwise be ignored silently."""
+    for name in sorted(vars(generation_config)):
+        if name.startswith("adaflash_") and name not in KNOBS:
+            closest = difflib.get_close_matches(name, KNOBS, n=1, cutoff=0.0)[0]
+            raise ValueError(
+                f"generation_config.{name}: expected one of the AdaFlash knobs {KNOBS}, got the unknown name "
+                f"{name!r} (did you mean {closest!r}?)"
+            )
+
+
 def validate_adaflash_generation(
     target, drafter: AdaFlashDrafter, generation_mode, generation_config
 ) -> None:
-    """All checks that must fail before any forward pass of an AdaFlash ``generate`` call."""
+    """All checks that must fail before any forward pass of an AdaFlash ``generate`` call (the prompt's are in
+    ``AdaFlashCandidateGenerator.__init__``, the first place that sees it, still before any forward)."""
+    check_knob_names(generation_config)
     align_drafter_dtype(drafter, target)
     drafter.check_target(target)
     if generation_config.num_beams > 1 or generation_mode in (
@@ -167,6 +193,15 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
                 f"input_ids: expected batch size 1 for generate(assistant_model=...) (use adaflash_hf.serving's "
                 f"AdaFlashEngine for batches), got {input_ids.shape[0]}"
             )
+        if input_ids.shape[1] == 0:
+            raise ValueError("input_ids: expected at least one token, got an empty prompt")
+        max_positions = getattr(target.config.get_text_config(), "max_position_embeddings", None) or 1 << 62
+        if generation_config.max_length > max_positions:
+            prompt = input_ids.shape[1]
+            raise ValueError(
+                f"prompt length + max_new_tokens: expected <= the target's max_position_embeddings={max_positions}, "
+                f"got {prompt} + {generation_config.max_length - prompt}"
+            )
         cache = model_kwargs.get("cache")
         if cache is not None and not getattr(cache, "is_croppable", True):
             raise ValueError(f"cache: expected a croppable cache, got {type(cache).__name__}")
@@ -182,9 +217,6 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
         self.logits_processor = logits_processor
         self.do_sample = generation_config.do_sample
         self.max_length = generation_config.max_length
-        self.max_positions = (
-            getattr(target.config.get_text_config(), "max_position_embeddings", None) or 1 << 62
-        )
         self.length_mode = _setting(generation_config, "length_mode", "adaptive", LENGTH_MODES)
         self.proposal = _setting(generation_config, "proposal", "argmax", PROPOSAL_MODES)
         self.gamma = _setting(generation_config, "gamma", self.config.length_head_gamma)
@@ -222,9 +254,9 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
         self.context_buffer = (
             new_context if self.context_buffer is None else torch.cat([self.context_buffer, new_context], 1)
         )
-        # Never verify drafts that could not be kept: the bonus token needs one slot of max_length, and the
-        # verify forward must stay inside the target's positions.
-        room = max(0, min(self.block_size - 1, self.max_length - cur_len - 1, self.max_positions - cur_len))
+        # Never verify drafts that could not be kept: the bonus token needs one slot of max_length (which __init__
+        # keeps inside the target's positions).
+        room = max(0, min(self.block_size - 1, self.max_length - cur_len - 1))
         proposal = None
         if self.draft_source == "hybrid":
             self.lookup_index.extend(input_ids[0, len(self.lookup_index) :].tolist())
@@ -258,10 +290,16 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
         self.block_in_cache = True
 
         predicted = float(out.acceptance_prob.float().reshape(-1)[0])
+        finite = math.isfinite(predicted) and bool(torch.isfinite(out.last_hidden_state).all())
+        if not finite:
+            self._count_nonfinite_block()
+            predicted = 0.0
         self.last_acceptance = predicted
         if proposal is not None and choose_lookup(proposal, self.lookup_record, predicted, self.block_size):
             return self._lookup_round(input_ids, proposal, started)
-        if self.length_mode == "fixed":
+        if not finite:
+            length = 0
+        elif self.length_mode == "fixed":
             length = self.block_size - 1
         else:
             length = int(
@@ -298,6 +336,14 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
             # An empty draft must be (input_ids, None): zero-length logits crash transformers' speculative sampling.
             return input_ids, None
         return candidate_ids, candidate_logits
+
+    def _count_nonfinite_block(self) -> None:
+        if not self.stats.nonfinite_blocks:
+            logger.warning(
+                "drafter: non-finite block states (NaN/inf weights or inputs?); such rounds verify no drafts, "
+                "output unchanged. Counted in drafter.last_stats.nonfinite_blocks; warned once per call."
+            )
+        self.stats.nonfinite_blocks += 1
 
     def _lookup_round(self, input_ids, proposal, started):
         """Verify the lookup continuation: one-hot q under sampling (accepted with probability p(x), resampled from
@@ -409,6 +455,9 @@ def _wrap_validate_generation_mode(original):
         bound = signature.bind(self, *args, **kwargs).arguments
         assistant = (bound.get("generation_mode_kwargs") or {}).get("assistant_model")
         if isinstance(assistant, AdaFlashDrafter):
+            assistant.last_stats = (
+                None  # until this call's generator exists: a failed call leaves no stale stats
+            )
             validate_adaflash_generation(
                 self, assistant, bound["generation_mode"], bound["generation_config"]
             )
@@ -417,9 +466,23 @@ def _wrap_validate_generation_mode(original):
     return _validate_generation_mode
 
 
+def _wrap_prepare_generation_config(original):
+    @functools.wraps(original)
+    def _prepare_generation_config(self, generation_config, **kwargs):
+        # transformers keeps only kwargs naming existing GenerationConfig fields; ours become fields too, as they
+        # would inside a GenerationConfig, instead of failing as unused model kwargs.
+        generation_config, model_kwargs = original(self, generation_config, **kwargs)
+        for name in [key for key in model_kwargs if key.startswith("adaflash_")]:
+            setattr(generation_config, name, model_kwargs.pop(name))
+        return generation_config, model_kwargs
+
+    return _prepare_generation_config
+
+
 _WRAPPERS = {
     "_get_candidate_generator": _wrap_get_candidate_generator,
     "_validate_generation_mode": _wrap_validate_generation_mode,
+    "_prepare_generation_config": _wrap_prepare_generation_config,
 }
 
 

@@ -45,6 +45,7 @@ class AdaFlashStats:
     sources: list[str] = field(default_factory=list)  # per round: "diffusion" or "lookup"
     drafter_seconds: float = 0.0
     verify_seconds: float = 0.0
+    nonfinite_blocks: int = 0  # drafter blocks with a NaN/inf state: those rounds verified no drafts
 
     def __post_init__(self):
         slots = self.block_size - 1
@@ -127,4 +128,5 @@ class AdaFlashStats:
             f"mean_verify_len={self.mean_verify_length:.2f} acceptance_rate={self.acceptance_rate:.2f} "
             f"predicted/realised acceptance={mean_pred:.2f}/{mean_real:.2f} "
             f"drafter/verify s={self.drafter_seconds:.3f}/{self.verify_seconds:.3f}"
+            + (f" nonfinite_blocks={self.nonfinite_blocks}" if self.nonfinite_blocks else "")
         )

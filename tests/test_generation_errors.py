@@ -122,3 +122,76 @@ def test_untested_transformers_version_fails_clearly(monkeypatch):
     monkeypatch.setattr(transformers, "__version__", "6.0.0")
     with pytest.raises(RuntimeError, match=r"transformers version: expected >=5.24.0,<5.25.0 .*got 6.0.0"):
         check_transformers_support()
+
+
+def test_knobs_passed_as_generate_kwargs_take_effect(target_factory, drafter_factory):
+    target = target_factory("qwen3")
+    drafter = drafter_factory(target)
+    plain = target.generate(PROMPT, max_new_tokens=20, do_sample=False)
+    out = target.generate(
+        PROMPT, assistant_model=drafter, max_new_tokens=20, do_sample=False, adaflash_length_mode="fixed"
+    )
+    assert torch.equal(out, plain)
+    assert drafter.last_stats.verify_lengths[0] == drafter.config.block_size - 1
+
+
+@pytest.mark.parametrize("where", ["generation_config", "kwargs"])
+def test_misspelt_knob_names_the_closest_knob_before_any_forward(watched, where):
+    target, drafter, calls = watched
+    if where == "kwargs":
+        call = dict(max_new_tokens=5, adaflash_lenght_mode="fixed")
+    else:
+        call = dict(generation_config=GenerationConfig(max_new_tokens=5, adaflash_lenght_mode="fixed"))
+    with pytest.raises(
+        ValueError,
+        match=r"^generation_config.adaflash_lenght_mode: expected one of the AdaFlash knobs .*got the unknown "
+        r"name 'adaflash_lenght_mode' \(did you mean 'adaflash_length_mode'\?\)",
+    ):
+        target.generate(PROMPT, assistant_model=drafter, **call)
+    assert calls == []
+
+
+def test_prompt_past_the_target_positions_is_rejected_before_any_forward(target_factory, drafter_factory):
+    target = target_factory("qwen3", max_position_embeddings=64)
+    drafter = drafter_factory(target)
+    calls = []
+    target.register_forward_pre_hook(lambda *_: calls.append(1))
+    with pytest.raises(
+        ValueError,
+        match=r"^prompt length \+ max_new_tokens: expected <= the target's max_position_embeddings=64, got 60 \+ 8",
+    ):
+        target.generate(torch.ones(1, 60, dtype=torch.long), assistant_model=drafter, max_new_tokens=8)
+    assert calls == []
+
+
+def test_empty_prompt_is_rejected_before_any_forward(watched):
+    target, drafter, calls = watched
+    with pytest.raises(ValueError, match=r"^input_ids: expected at least one token, got an empty prompt"):
+        target.generate(PROMPT[:, :0], assistant_model=drafter, max_new_tokens=5)
+    assert calls == []
+
+
+def test_without_the_hook_generate_says_to_enable_it_or_use_native_dflash(watched):
+    target, drafter, calls = watched
+    adaflash_hf.disable()
+    try:
+        with pytest.raises(
+            AttributeError,
+            match=r"^generation_config: expected the adaflash_hf generate hook .*adaflash_hf.enable\(\).*"
+            r"got no hook; .*speculation_type='dflash'",
+        ):
+            target.generate(PROMPT, assistant_model=drafter, max_new_tokens=5)
+    finally:
+        adaflash_hf.enable()
+    assert calls == []
+
+
+def test_last_stats_describes_the_last_adaflash_call_only(target_factory, drafter_factory):
+    target = target_factory("qwen3")
+    drafter = drafter_factory(target)
+    assert drafter.last_stats is None
+    target.generate(PROMPT, assistant_model=drafter, max_new_tokens=6, do_sample=False)
+    assert drafter.last_stats.drafting_rounds > 0
+    with pytest.raises(ValueError, match="adaflash_gamma"):
+        target.generate(PROMPT, assistant_model=drafter, max_new_tokens=6, adaflash_gamma=-1.0)
+    assert drafter.last_stats is None

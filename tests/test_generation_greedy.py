@@ -195,3 +195,17 @@ def test_drafter_sees_exactly_the_committed_context(target_factory, drafter_fact
             ).last_hidden_state
         expected = (states[0, 1:] @ lm_weight.T).argmax(-1).tolist()
         assert record.drafted_tokens == expected
+
+
+def test_nan_drafter_stays_lossless_warns_once_and_counts_in_stats(target_factory, drafter_factory, caplog):
+    target = target_factory("qwen3")
+    drafter = drafter_factory(target)
+    with torch.no_grad():
+        drafter.fc.weight[0, 0] = float("nan")
+    reference = greedy(target, PROMPT, 20)
+    assert torch.equal(greedy(target, PROMPT, 20, assistant_model=drafter), reference)
+    stats = drafter.last_stats
+    assert stats.nonfinite_blocks == stats.drafting_rounds > 1
+    assert set(stats.verify_lengths) == {0}
+    assert caplog.text.count("non-finite block states") == 1
+    assert f"nonfinite_blocks={stats.nonfinite_blocks}" in stats.summary()

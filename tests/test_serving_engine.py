@@ -189,3 +189,28 @@ def test_stream_deltas_and_step_stats(setup):
     assert second.verifies == 3 and second.verify_tokens == second.draft_tokens + 3
     assert second.tau == second.committed / 3 and second.committed >= 3
     assert all(s.drafter_fallbacks == 0 for s in engine.stats)
+
+
+def test_abort_streams_one_final_output_per_request(setup):
+    target, drafter = setup
+    prompts = random_prompts(3, seed=5)
+    engine = AdaFlashEngine(target, drafter)
+    ids = [engine.add_request(p, SamplingParams(max_new_tokens=12)) for p in prompts]
+    engine.step()
+    engine.abort(ids[1])
+    engine.abort(ids[2])
+    finals = [out for out in engine.stream() if out.finished]
+    assert sorted(out.request_id for out in finals) == sorted(ids)
+    assert {out.request_id: out.finish_reason for out in finals if out.request_id != ids[0]} == {
+        ids[1]: "abort",
+        ids[2]: "abort",
+    }
+    assert all(out.new_tokens == [] for out in finals if out.finish_reason == "abort")
+
+
+def test_abort_of_the_last_request_still_yields_its_final_output(setup):
+    target, drafter = setup
+    engine = AdaFlashEngine(target, drafter)
+    rid = engine.add_request(random_prompts(1, seed=6)[0], SamplingParams(max_new_tokens=12))
+    engine.abort(rid)
+    assert [(o.request_id, o.finished, o.finish_reason) for o in engine.stream()] == [(rid, True, "abort")]

@@ -98,7 +98,7 @@ def test_sliding_window_target_is_refused(target_factory, drafter_factory):
         AdaFlashEngine(target, drafter_factory(target))
 
 
-def test_nan_from_the_drafter_falls_back_to_no_drafts_for_that_request_only(setup, monkeypatch):
+def test_nan_from_the_drafter_falls_back_to_no_drafts_for_that_request_only(setup, monkeypatch, caplog):
     target, drafter = setup
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 500, (n,), generator=g) for n in (6, 9, 4)]
@@ -119,4 +119,25 @@ def test_nan_from_the_drafter_falls_back_to_no_drafts_for_that_request_only(setu
         pass
     assert [engine.requests[i].output for i in ids] == [reference(target, p, 12) for p in prompts]
     assert poisoned.drafted == 0 and engine.requests[ids[0]].drafted > 0
-    assert sum(s.drafter_fallbacks for s in engine.stats) == poisoned.verify_rounds
+    assert sum(s.drafter_fallbacks for s in engine.stats) == poisoned.verify_rounds > 1
+    assert poisoned.drafter_fallbacks == poisoned.verify_rounds
+    # One warning for the request, not one per step.
+    assert caplog.text.count("non-finite drafter block") == 1
+    assert f"{poisoned.request_id}: non-finite drafter block" in caplog.text
+
+
+def test_engine_loads_a_drafter_given_as_a_path(setup, tmp_path):
+    target, drafter = setup
+    drafter.save_pretrained(tmp_path)
+    engine = AdaFlashEngine(target, str(tmp_path))
+    assert isinstance(engine.drafter, type(drafter))
+    assert torch.equal(engine.drafter.fc.weight, drafter.fc.weight)
+
+
+def test_engine_refuses_a_drafter_of_another_type(setup):
+    target, _ = setup
+    with pytest.raises(
+        TypeError,
+        match=r"^drafter: expected an AdaFlashDrafter or a checkpoint folder / Hub repo id, got int",
+    ):
+        AdaFlashEngine(target, 3)

@@ -22,7 +22,11 @@ oldest evicted) and a request takes the longer of its own match and its match th
 Lossless: greedy requests commit exactly the target's argmax chain; sampling requests use speculative sampling
 with one-hot proposals (the drafter's argmax) and uniforms from their own generator, so each request's output
 is distributed as the target's and does not depend on the rest of the batch. A drafter block with a non-finite
-state gives that request k̂ = 0 for the step (plain decoding), logged and counted in the step stats.
+state gives that request k̂ = 0 for the step (plain decoding), counted in the step stats and the request's
+``drafter_fallbacks`` and warned about once per request.
+
+``abort(request_id)`` ends a request between steps; the next ``step()`` (and so ``stream()``) yields its final
+output, with no new tokens and ``finish_reason="abort"``, so a client sees one final event per request.
 
 Online learning: ``engine.round_recorder`` (a callable, default None) receives ``(request, RoundRecord)`` after each
 verify round, once the request's state is updated (``request.finish_reason`` is set on its last round). The record
@@ -35,6 +39,7 @@ it costs an lm_head row per unverified draft). ``predicted_acceptance`` is NaN (
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -47,6 +52,7 @@ from adaflash_hf.draft_vocab import draft_tokens
 from adaflash_hf.generation import align_drafter_dtype
 from adaflash_hf.kernels.verify_accept import verify_accept
 from adaflash_hf.lookup import LookupIndex, check_draft_source, choose_lookup
+from adaflash_hf.modeling import AdaFlashDrafter
 from adaflash_hf.serving.admission import AdmissionConfig, AdmissionController
 from adaflash_hf.serving.cache import (
     DrafterBatch,
@@ -142,6 +148,14 @@ class AdaFlashEngine:
             )
         if mode != "plain" and drafter is None:
             raise ValueError(f"drafter: expected an AdaFlashDrafter for mode={mode!r}, got None")
+        if isinstance(drafter, (str, os.PathLike)):
+            from adaflash_hf.interop import load_drafter
+
+            drafter = load_drafter(drafter)
+        if drafter is not None and not isinstance(drafter, AdaFlashDrafter):
+            raise TypeError(
+                f"drafter: expected an AdaFlashDrafter or a checkpoint folder / Hub repo id, got {type(drafter).__name__}"
+            )
         text_config = target.config.get_text_config()
         if getattr(text_config, "sliding_window", None) and getattr(text_config, "use_sliding_window", True):
             raise ValueError(
@@ -179,6 +193,7 @@ class AdaFlashEngine:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.aborted: list[RequestOutput] = []  # final outputs of aborted requests, yielded by the next step
         self.stats: list[StepStats] = []
         self.round_recorder = None
         self.record_full_drafts = False
@@ -244,10 +259,12 @@ class AdaFlashEngine:
             self.running.remove(request)
         request.finish_reason = "abort"
         self._release(request)
+        self.aborted.append(RequestOutput(request_id, [], True, "abort"))
         return True
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Requests still waiting or running, or aborted ones whose final output ``step()`` has not yielded."""
+        return bool(self.waiting or self.running or self.aborted)
 
     def stream(self) -> Iterator[RequestOutput]:
         """Step until every request is done, yielding each step's per-request deltas."""
@@ -285,6 +302,7 @@ class AdaFlashEngine:
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         started = time.perf_counter()
+        aborted, self.aborted = self.aborted, []
         admitted = self.admission.admit(self.waiting, self.running)
         for request in admitted:
             self.waiting.popleft()
@@ -292,7 +310,7 @@ class AdaFlashEngine:
             self._assign_slot(request)
         decoding = list(self.running)
         if not decoding and not admitted:
-            return []
+            return aborted
         self.running.extend(admitted)
         prefill_tokens = sum(len(r.prompt) for r in admitted)
 
@@ -336,7 +354,7 @@ class AdaFlashEngine:
                 lookup_accepted=sum(a for a, s in zip(accepted[len(admitted) :], sources) if s == "lookup"),
             )
         )
-        return outputs
+        return aborted + outputs
 
     def _draft(self, decoding: list[Request], gamma: float):
         """Per-request draft lengths; the block states of one batched drafter forward (None without one); each
@@ -370,9 +388,13 @@ class AdaFlashEngine:
         for row, i in enumerate(drafting):
             request = decoding[i]
             if not finite[row]:
-                logger.warning(
-                    f"{request.request_id}: non-finite drafter block, verifying no block drafts this step"
-                )
+                request.drafter_fallbacks += 1
+                if request.drafter_fallbacks == 1:
+                    logger.warning(
+                        f"{request.request_id}: non-finite drafter block, verifying no block drafts in such steps "
+                        "(output unchanged; counted in StepStats.drafter_fallbacks and the request's "
+                        "drafter_fallbacks; warned once per request)"
+                    )
             if proposals[i] is not None and choose_lookup(
                 proposals[i], request.lookup, request.last_acceptance, self.block_size
             ):

@@ -75,6 +75,7 @@ class Request:
     drafted: int = 0  # verified drafts over the request's life, and how many of them were accepted
     accepted: int = 0
     verify_rounds: int = 0
+    drafter_fallbacks: int = 0  # steps whose drafter block was non-finite (k̂ = 0)
     lookup_index: LookupIndex | None = None  # hybrid only: the committed tokens, for lookup proposals
     lookup: LookupRecord = field(default_factory=LookupRecord)  # the request's lookup rounds so far
     last_acceptance: float | None = None  # the length head's newest â for this request
