@@ -10,12 +10,14 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
 from transformers import PreTrainedTokenizerFast, TrainerCallback
 
+from adaflash_hf.online.config import OnlineConfig
 from adaflash_hf.online.loop import MetricsLogger, TrafficSource, run_online
 from adaflash_hf.serving import AdaFlashEngine, SamplingParams
 from adaflash_hf.trainers.opd_config import OPDConfig
@@ -69,10 +71,19 @@ class SlowTraining(TrainerCallback):
         self.served_during_training.append(len(self.engine.stats) - self.begin)
 
 
+def test_the_buffer_settings_are_the_loops_with_the_papers_threshold():
+    assert OnlineConfig().train_threshold == 128
+    assert "train_threshold" not in OPDConfig.__dataclass_fields__
+
+
+@pytest.mark.parametrize("field,value", [("train_threshold", 0), ("max_staleness", -1)])
+def test_bad_buffer_settings_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        OnlineConfig(**{field: value})
+
+
 def _online(target, drafter, tmp_path, max_rounds):
-    args = OPDConfig(
-        output_dir=str(tmp_path / "opd"), use_cpu=True, disable_tqdm=True, train_threshold=3, max_staleness=8
-    )
+    args = OPDConfig(output_dir=str(tmp_path / "opd"), use_cpu=True, disable_tqdm=True)
     trainer = OPDTrainer(
         copy.deepcopy(drafter), copy.deepcopy(target), args, processing_class=tiny_tokenizer()
     )
@@ -83,12 +94,12 @@ def _online(target, drafter, tmp_path, max_rounds):
         trainer,
         engine,
         synthetic_traffic(),
+        OnlineConfig(max_rounds=max_rounds, concurrency=3, train_threshold=3, max_staleness=8),
         weights_dir=tmp_path / "weights",
         checkpoint_dir=tmp_path / "checkpoints",
         metrics=MetricsLogger(tmp_path / "metrics.csv"),
-        max_rounds=max_rounds,
-        concurrency=3,
         params=SamplingParams(max_new_tokens=12),
+        disable_tqdm=True,
     )
     return rows, trainer, engine, slow
 

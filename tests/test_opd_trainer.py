@@ -10,11 +10,11 @@ from tokenizers.models import WordLevel
 from transformers import PreTrainedTokenizerFast, TrainerCallback
 
 from adaflash_hf.kernels.clipped_kl import clipped_distill_loss_reference, fused_clipped_distill_loss
-from adaflash_hf.online.buffer import EngineRecorder, ReplayBuffer
+from adaflash_hf.online.buffer import EngineRecorder, ReplayBuffer, TrajectoryDataset
 from adaflash_hf.serving import AdaFlashEngine, SamplingParams
 from adaflash_hf.trainers.dflash_recipe import IGNORE, build_blocks
 from adaflash_hf.trainers.opd_config import OPDConfig
-from adaflash_hf.trainers.opd_trainer import OPDTrainer, TrajectoryCollator, TrajectoryDataset
+from adaflash_hf.trainers.opd_trainer import OPDTrainer, TrajectoryCollator
 
 
 def tiny_tokenizer(vocab_size=512):
@@ -63,7 +63,7 @@ def test_defaults_are_the_papers_and_cpu_safe(tmp_path):
         2,
         2,
     )
-    assert (args.train_threshold, args.bf16, args.gradient_checkpointing) == (128, False, False)
+    assert (args.bf16, args.gradient_checkpointing) == (False, False)
     assert args.lr_scheduler_type == "constant"
 
 

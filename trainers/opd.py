@@ -26,12 +26,13 @@ from trl import ModelConfig, TrlParser
 
 from adaflash_hf.assets import load_target
 from adaflash_hf.modeling.modeling_adaflash import LENGTH_HEAD_ATTRIBUTE
+from adaflash_hf.online.config import OnlineConfig
 from adaflash_hf.online.loop import MetricsLogger, TrafficSource, run_online
 from adaflash_hf.online.weights import load_state, publishable_state
 from adaflash_hf.serving import MODES, AdaFlashEngine, AdmissionConfig, SamplingParams
+from adaflash_hf.trainers.drafter_setup import build_drafter
 from adaflash_hf.trainers.opd_config import OPDConfig
 from adaflash_hf.trainers.opd_trainer import OPDTrainer
-from adaflash_hf.trainers.drafter_setup import build_drafter
 
 logger = logging.get_logger(__name__)
 
@@ -40,7 +41,7 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 @dataclass
 class OPDScriptArguments:
-    """The online system around the trainer: target, drafter, traffic and serving."""
+    """The system around the trainer and the loop: target, drafter, traffic and serving."""
 
     target_model: str = field(
         default="smollm2-135m-instruct",
@@ -67,32 +68,11 @@ class OPDScriptArguments:
     )
     prompts_per_domain: int = field(default=64, metadata={"help": "Held-out prompts per domain phase."})
     max_prompt_tokens: int = field(default=512, metadata={"help": "Longer prompts keep their last tokens."})
-    concurrency: int = field(default=8, metadata={"help": "Requests kept in flight by the traffic source."})
     max_new_tokens: int = field(default=256, metadata={"help": "Tokens generated per request."})
     serving_temperature: float = field(default=0.0, metadata={"help": "Serving temperature (0 = greedy)."})
     serving_mode: str = field(default="adaflash", metadata={"help": f"Engine mode, one of {MODES}."})
     gamma: float | None = field(
         default=None, metadata={"help": "Length-head γ (None: the drafter config's)."}
-    )
-    max_rounds: int = field(default=10, metadata={"help": "Training rounds (buffer fills) before stopping."})
-    checkpoint_every: int = field(
-        default=1, metadata={"help": "Atomic checkpoint every N rounds (0 = never)."}
-    )
-    resume: bool = field(
-        default=True, metadata={"help": "Resume from the newest complete checkpoint, if any."}
-    )
-    online_updates: bool = field(
-        default=True,
-        metadata={
-            "help": "False: the no-update baseline (serve and log the same rounds, train and publish nothing)."
-        },
-    )
-    serving_backpressure: bool = field(
-        default=False,
-        metadata={
-            "help": "Stop admitting new traffic while a full buffer waits for the trainer, so every served request "
-            "is trained on (comparable experiments); off = serve at full speed, the buffer drops its oldest."
-        },
     )
 
 
@@ -109,7 +89,12 @@ def lora_config(model_args: ModelConfig, drafter):
     )
 
 
-def main(script_args: OPDScriptArguments, training_args: OPDConfig, model_args: ModelConfig) -> list[dict]:
+def main(
+    script_args: OPDScriptArguments,
+    online_args: OnlineConfig,
+    training_args: OPDConfig,
+    model_args: ModelConfig,
+) -> list[dict]:
     state = PartialState()
     if state.num_processes != 1:
         raise ValueError(
@@ -171,23 +156,19 @@ def main(script_args: OPDScriptArguments, training_args: OPDConfig, model_args: 
         trainer,
         engine,
         traffic,
+        online_args,
         weights_dir=output_dir / "weights",
         checkpoint_dir=output_dir / "checkpoints",
         metrics=metrics,
-        max_rounds=script_args.max_rounds,
-        concurrency=script_args.concurrency,
         params=params,
-        checkpoint_every=script_args.checkpoint_every,
-        resume=script_args.resume,
-        train=script_args.online_updates,
-        backpressure=script_args.serving_backpressure,
+        disable_tqdm=training_args.disable_tqdm,
     )
     trainer.accelerator.unwrap_model(trainer.model).save_pretrained(output_dir / "drafter")
     return rows
 
 
 def make_parser(subparsers=None) -> TrlParser:
-    dataclass_types = (OPDScriptArguments, OPDConfig, ModelConfig)
+    dataclass_types = (OPDScriptArguments, OnlineConfig, OPDConfig, ModelConfig)
     if subparsers is not None:
         return subparsers.add_parser(
             "opd", help="Online on-policy distillation.", dataclass_types=dataclass_types

@@ -1,4 +1,5 @@
-"""OPDConfig: every setting of AdaFlash online on-policy distillation (``trainers/opd.py``, ``OPDTrainer``)."""
+"""OPDConfig: every setting of the AdaFlash online on-policy distillation trainer (``OPDTrainer``); the loop around
+it (rounds, replay buffer, checkpoints) is ``adaflash_hf.online.config.OnlineConfig``."""
 
 from dataclasses import dataclass, field
 
@@ -9,7 +10,7 @@ CLIP_MODES = ("entry", "row")
 
 @dataclass
 class OPDConfig(DistillationConfig):
-    """DistillationConfig plus the AdaFlash OPD loss, the replay buffer and the online loop.
+    """DistillationConfig plus the AdaFlash OPD loss and the trainer's guards.
 
     Loss: ``alpha · CE(drafter, target top-1) + (1 - alpha) · Σ_y min(q·log(q/p), delta)`` over the drafter's own
     serving blocks, plus ``length_head_loss_weight ·`` MSE of the length head (detached input) against the realised
@@ -52,16 +53,6 @@ class OPDConfig(DistillationConfig):
         metadata={
             "help": "Training stops after this many consecutive optimizer steps skipped for a non-finite loss or "
             "gradient (each skipped step leaves parameters and optimizer state unchanged)."
-        },
-    )
-    train_threshold: int = field(
-        default=128,
-        metadata={"help": "Buffered trajectories that trigger a training round (the paper: 128)."},
-    )
-    max_staleness: int = field(
-        default=4,
-        metadata={
-            "help": "Trajectories drafted more than this many versions before the trainer's are dropped."
         },
     )
 
@@ -108,7 +99,3 @@ class OPDConfig(DistillationConfig):
             raise ValueError(f"max_anchors_per_sample: expected >= 1, got {self.max_anchors_per_sample}")
         if self.max_nonfinite_steps < 1:
             raise ValueError(f"max_nonfinite_steps: expected >= 1, got {self.max_nonfinite_steps}")
-        if self.train_threshold < 1:
-            raise ValueError(f"train_threshold: expected >= 1, got {self.train_threshold}")
-        if self.max_staleness < 0:
-            raise ValueError(f"max_staleness: expected >= 0, got {self.max_staleness}")

@@ -26,18 +26,18 @@ Hooks overridden (everything else, incl. teacher preparation, the vocabulary che
   which then changes neither parameters nor AdamW state; ``max_nonfinite_steps`` such steps in a row stop training
   and set ``diverged``.
 
-Online-loop helpers: ``publish_weights`` (versioned, atomic) and ``save_opd_checkpoint`` / ``load_opd_checkpoint``
-(atomic, resumable: drafter tensors, optimizer state, version and loop state).
+The online loop (``adaflash_hf.online.loop``, which publishes and checkpoints) drives it through ``train_round``
+(one buffer in, the round's metrics out, the next weights version on success), ``publishable_state``,
+``learner_state`` and ``restore``.
 """
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
+import math
+import time
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 from torch.utils.data import Dataset
 from transformers import GenerationConfig, Trainer
 from transformers.utils import logging
@@ -45,34 +45,26 @@ from trl import DistillationTrainer
 
 from adaflash_hf.draft_vocab import draft_tokens
 from adaflash_hf.kernels.clipped_kl import fused_clipped_distill_loss
-from adaflash_hf.online.buffer import Trajectory
-from adaflash_hf.online.weights import (
-    base_drafter,
-    load_state,
-    publish_weights,
-    publishable_state,
-    save_checkpoint,
-    verify_checkpoint,
-)
+from adaflash_hf.online.buffer import Trajectory, TrajectoryDataset
+from adaflash_hf.online.weights import LearnerState, base_drafter, load_state, publishable_state
 from adaflash_hf.trainers.dflash_recipe import IGNORE, build_blocks
 from adaflash_hf.trainers.optim import clip_each_group, split_drafter_and_head, two_group_adamw
 
 logger = logging.get_logger(__name__)
 
 BATCH_KEYS = ["input_ids", "attention_mask", "loss_mask", "anchors", "versions"]
-
-
-class TrajectoryDataset(Dataset):
-    """A buffer's trajectories as a map-style dataset (items are ``Trajectory`` objects)."""
-
-    def __init__(self, trajectories: list[Trajectory]):
-        self.trajectories = list(trajectories)
-
-    def __len__(self) -> int:
-        return len(self.trajectories)
-
-    def __getitem__(self, index: int) -> Trajectory:
-        return self.trajectories[index]
+# Logged per optimizer step; a round reports their means.
+LOSS_KEYS = (
+    "loss",
+    "ce",
+    "rkl_clipped",
+    "rkl_raw",
+    "clip_ratio",
+    "accuracy",
+    "head_mse",
+    "accept_len",
+    "staleness",
+)
 
 
 class TrajectoryCollator:
@@ -190,8 +182,7 @@ class OPDTrainer(DistillationTrainer):
             output_hidden_states=[i + 1 for i in layer_ids],
             logits_to_keep=positions,
         )
-        features = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)
-        return features, out.logits
+        return self.drafter.context_features(out.hidden_states), out.logits
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         drafter = self.drafter
@@ -327,52 +318,48 @@ class OPDTrainer(DistillationTrainer):
             )
         return norms["drafter"]
 
-    # ------------------------------------------------------------------------------ publishing and checkpoints
+    # ------------------------------------------------------------------------------------------- the online seam
+    def train_round(self, trajectories: list[Trajectory]) -> dict[str, float]:
+        """Train on one buffer (``num_train_epochs`` passes) and take the next weights version. Returns the round's
+        mean losses, optimizer steps, seconds and skipped steps, or ``{"diverged": 1}`` (version unchanged) when
+        ``max_nonfinite_steps`` non-finite steps in a row stopped training."""
+        self.train_dataset = TrajectoryDataset(trajectories)
+        started = time.perf_counter()
+        self.train()
+        train_seconds = time.perf_counter() - started
+        if self.diverged:
+            return {"diverged": 1}
+        self.weights_version += 1
+        return {
+            **_round_losses(self.state.log_history),
+            "train_seconds": train_seconds,
+            "skipped_steps": self.skipped_steps,
+        }
+
     def publishable_state(self) -> dict[str, torch.Tensor]:
         return publishable_state(self.accelerator.unwrap_model(self.model))
 
-    def publish_weights(self, directory: str | Path, keep: int = 3) -> int:
-        """Publish the drafter (and head) as the next version, atomically; returns the version."""
-        self.weights_version += 1
-        if self.accelerator.is_main_process:
-            publish_weights(directory, self.publishable_state(), self.weights_version, keep=keep)
-        self.accelerator.wait_for_everyone()
-        return self.weights_version
-
-    def save_opd_checkpoint(self, root: str | Path, loop_state: dict | None = None) -> Path | None:
-        """An atomic checkpoint ``root/checkpoint-v{version}``: drafter tensors, optimizer state, version, loop state."""
-        if not self.accelerator.is_main_process:
-            return None
-        tensors = {n: t.detach().to("cpu").contiguous() for n, t in self.publishable_state().items()}
+    def learner_state(self) -> LearnerState:
         optimizer = self.optimizer.state_dict() if self.optimizer is not None else None
-
-        def write(directory: Path) -> None:
-            save_file(tensors, str(directory / "drafter.safetensors"))
-            if optimizer is not None:
-                torch.save(optimizer, directory / "optimizer.pt")
-
-        state = {
-            "version": self.weights_version,
-            "skipped_steps": self.skipped_steps,
-            "loop": loop_state or {},
-        }
-        return save_checkpoint(root, f"checkpoint-v{self.weights_version:06d}", write, state)
-
-    def load_opd_checkpoint(self, path: str | Path) -> dict:
-        """Restore a checkpoint written by ``save_opd_checkpoint``; returns its loop state. Refuses incomplete ones."""
-        path = Path(path)
-        state = verify_checkpoint(path)
-        if state is None:
-            raise ValueError(
-                f"checkpoint {path}: expected a complete checkpoint (manifest and matching sha256), got none"
-            )
-        load_state(self.accelerator.unwrap_model(self.model), load_file(str(path / "drafter.safetensors")))
-        if (path / "optimizer.pt").is_file():
-            self.create_optimizer()
-            self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
-        self.weights_version = int(state["version"])
-        self.skipped_steps = int(state.get("skipped_steps", 0))
-        logger.info(
-            f"resumed OPD checkpoint {path}: version {self.weights_version}, loop {json.dumps(state['loop'])}"
+        return LearnerState(
+            self.publishable_state(), optimizer, self.weights_version, {"skipped_steps": self.skipped_steps}
         )
-        return state["loop"]
+
+    def restore(self, state: LearnerState) -> None:
+        load_state(self.accelerator.unwrap_model(self.model), state.tensors)
+        if state.optimizer is not None:
+            self.create_optimizer()
+            self.optimizer.load_state_dict(state.optimizer)
+        self.weights_version = state.version
+        self.skipped_steps = int(state.counters.get("skipped_steps", 0))
+
+
+def _round_losses(log_history: list[dict]) -> dict[str, float]:
+    steps = [entry for entry in log_history if "loss" in entry]
+    out = {}
+    for key in LOSS_KEYS:
+        values = [e[key] for e in steps if isinstance(e.get(key), (int, float)) and math.isfinite(e[key])]
+        if values:
+            out[key] = sum(values) / len(values)
+    out["optimizer_steps"] = len(steps)
+    return out

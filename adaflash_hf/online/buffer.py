@@ -12,7 +12,8 @@ Two recorders feed the buffer without touching the hot path beyond a per-round a
 
 ``ReplayBuffer.take`` hands the trainer ``train_threshold`` fresh samples (128 in the paper) once that many are in;
 samples whose version lags the trainer's by more than ``max_staleness`` are dropped and counted, and so are the
-oldest samples past ``capacity`` when serving outruns training.
+oldest samples past ``capacity`` when serving outruns training. ``TrajectoryDataset`` is one such batch as the map-style
+dataset a trainer trains on.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
+from torch.utils.data import Dataset
 
 from adaflash_hf.stats import RoundRecord
 
@@ -87,14 +89,32 @@ def _trajectory(prompt, committed, rounds: list[RoundRecord], domain: str) -> Tr
     )
 
 
+class TrajectoryDataset(Dataset):
+    """A buffer's trajectories as a map-style dataset (items are ``Trajectory`` objects)."""
+
+    def __init__(self, trajectories: list[Trajectory]):
+        self.trajectories = list(trajectories)
+
+    def __len__(self) -> int:
+        return len(self.trajectories)
+
+    def __getitem__(self, index: int) -> Trajectory:
+        return self.trajectories[index]
+
+
+def check_buffer_settings(train_threshold: int, max_staleness: int) -> None:
+    """Raise ``ValueError`` naming the field for a ``train_threshold`` below 1 or a negative ``max_staleness``."""
+    if train_threshold < 1:
+        raise ValueError(f"train_threshold: expected >= 1, got {train_threshold}")
+    if max_staleness < 0:
+        raise ValueError(f"max_staleness: expected >= 0, got {max_staleness}")
+
+
 class ReplayBuffer:
     """Thread-safe FIFO of trajectories. See the module docstring for the trigger, staleness and capacity rules."""
 
     def __init__(self, train_threshold: int = 128, max_staleness: int = 4, capacity: int | None = None):
-        if train_threshold < 1:
-            raise ValueError(f"train_threshold: expected >= 1, got {train_threshold}")
-        if max_staleness < 0:
-            raise ValueError(f"max_staleness: expected >= 0, got {max_staleness}")
+        check_buffer_settings(train_threshold, max_staleness)
         capacity = 4 * train_threshold if capacity is None else capacity
         if capacity < train_threshold:
             raise ValueError(f"capacity: expected >= train_threshold={train_threshold}, got {capacity}")

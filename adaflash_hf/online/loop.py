@@ -1,13 +1,16 @@
-"""The asynchronous online loop: a traffic source, the serving engine in its own thread, and the OPD trainer.
+"""The asynchronous online loop: a traffic source, the serving engine in its own thread, and a trainer.
 
-    rows = run_online(trainer, engine, TrafficSource(phases), weights_dir=..., checkpoint_dir=..., max_rounds=10)
+    rows = run_online(trainer, engine, TrafficSource(phases), OnlineConfig(max_rounds=10), weights_dir=...,
+                      checkpoint_dir=..., metrics=MetricsLogger("metrics.csv"))
 
 Serving thread (``ServingWorker``): keeps ``concurrency`` requests in the engine, steps it, polls the hot reloader
 between steps, and records every finished request's trajectory into the replay buffer. It never waits for training.
-Trainer (the calling thread): waits for a full buffer, trains on it (``num_train_epochs`` passes), publishes the new
-drafter version atomically and writes an atomic checkpoint. One such cycle is a round; after each round a metrics row
-(τ per domain, acceptance, verify length, tokens/s, the round's mean losses, buffer and reload counters) goes to the
-CSV and to the ``report_to`` trackers with the round as the step.
+Trainer (the calling thread): waits for a full buffer, trains on it (``trainer.train_round``), publishes the new
+drafter version atomically and writes an atomic checkpoint (``weights``). One such cycle is a round; after each round
+a metrics row (τ per domain, acceptance, verify length, tokens/s, the round's mean losses, buffer and reload counters)
+goes to the CSV and to the ``report_to`` trackers with the round as the step.
+
+The trainer is given by the caller (``OPDTrainer`` in ``trainers/opd.py``) and is used only through ``OnlineLearner``.
 
 The traffic source streams held-out prompts phase by phase (e.g. chat, then code, then math) and starts over after the
 last phase, so the drafter meets domain shifts.
@@ -22,27 +25,45 @@ import time
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Protocol
 
+import torch
 from tqdm.auto import tqdm
 from transformers.utils import logging
 
 from adaflash_hf.online.buffer import EngineRecorder, ReplayBuffer, Trajectory
-from adaflash_hf.online.weights import HotReloader, atomic_write, latest_checkpoint, publish_weights
+from adaflash_hf.online.config import OnlineConfig
+from adaflash_hf.online.weights import (
+    HotReloader,
+    LearnerState,
+    atomic_write,
+    latest_checkpoint,
+    load_online_checkpoint,
+    publish_weights,
+    save_online_checkpoint,
+)
 from adaflash_hf.serving import AdaFlashEngine, SamplingParams
 
 logger = logging.get_logger(__name__)
 
-LOSS_KEYS = (
-    "loss",
-    "ce",
-    "rkl_clipped",
-    "rkl_raw",
-    "clip_ratio",
-    "accuracy",
-    "head_mse",
-    "accept_len",
-    "staleness",
-)
+
+class OnlineLearner(Protocol):
+    """What the loop uses of its trainer (``OPDTrainer`` is one)."""
+
+    weights_version: int  # the version of the weights it holds: 0 at the start, +1 per successful round
+
+    def train_round(self, trajectories: list[Trajectory]) -> dict[str, float]:
+        """Train on one buffer; on success take the next version and return the round's metrics, else return
+        ``{"diverged": 1}`` (training stopped on non-finite steps; the version is unchanged)."""
+
+    def publishable_state(self) -> dict[str, torch.Tensor]:
+        """The tensors that are published and hot-reloaded."""
+
+    def learner_state(self) -> LearnerState:
+        """Everything a checkpoint keeps of the trainer."""
+
+    def restore(self, state: LearnerState) -> None:
+        """Continue from a checkpoint's ``LearnerState``."""
 
 
 class TrafficSource:
@@ -256,83 +277,70 @@ class MetricsLogger:
             tracker.finish()
 
 
-def _round_losses(log_history: list[dict]) -> dict[str, float]:
-    steps = [entry for entry in log_history if "loss" in entry]
-    out = {}
-    for key in LOSS_KEYS:
-        values = [e[key] for e in steps if isinstance(e.get(key), (int, float)) and math.isfinite(e[key])]
-        if values:
-            out[key] = sum(values) / len(values)
-    out["optimizer_steps"] = len(steps)
-    return out
+def _resume(trainer: OnlineLearner, checkpoint_dir, weights_dir) -> int:
+    """Restore the newest complete checkpoint (if any) and republish its weights; returns the rounds it had done."""
+    checkpoint = latest_checkpoint(checkpoint_dir)
+    if checkpoint is None:
+        return 0
+    state, loop_state = load_online_checkpoint(checkpoint)
+    trainer.restore(state)
+    publish_weights(weights_dir, trainer.publishable_state(), trainer.weights_version)
+    return int(loop_state.get("round", 0))
 
 
 def run_online(
-    trainer,
+    trainer: OnlineLearner,
     engine: AdaFlashEngine,
     traffic: TrafficSource,
+    config: OnlineConfig,
     *,
     weights_dir: str | Path,
     checkpoint_dir: str | Path,
     metrics: MetricsLogger,
-    max_rounds: int,
-    concurrency: int = 8,
     params: SamplingParams | None = None,
-    checkpoint_every: int = 1,
-    resume: bool = True,
-    train: bool = True,
-    backpressure: bool = False,
+    disable_tqdm: bool = False,
 ) -> list[dict]:
-    """Serve, learn and hot-reload for ``max_rounds`` training rounds (see the module docstring); returns the rows.
+    """Serve, learn and hot-reload for ``config.max_rounds`` training rounds (see the module docstring); returns the
+    rows.
 
-    With ``resume`` the newest complete checkpoint in ``checkpoint_dir`` restores the drafter, optimizer, version and
-    round counter, and its weights are republished so serving starts on them. ``train=False`` is the no-update
-    baseline: every round still drains one buffer and logs its serving metrics, but nothing is trained or published.
-    ``backpressure=True`` stops admitting new traffic while a full buffer waits for the trainer (requests in flight
-    finish), so every served request is trained on and runs are comparable prompt for prompt; the default keeps
-    serving at full speed and lets the buffer drop its oldest samples.
+    With ``config.resume`` the newest complete checkpoint in ``checkpoint_dir`` restores the trainer (drafter,
+    optimizer, version) and the round counter, and its weights are republished so serving starts on them.
+    ``online_updates=False`` is the no-update baseline: every round still drains one buffer and logs its serving
+    metrics, but nothing is trained or published. ``serving_backpressure=True`` stops admitting new traffic while a
+    full buffer waits for the trainer (requests in flight finish), so every served request is trained on and runs are
+    comparable prompt for prompt; the default keeps serving at full speed and lets the buffer drop its oldest samples.
     """
-    from adaflash_hf.trainers.opd_trainer import TrajectoryDataset
-
-    args = trainer.args
-    buffer = ReplayBuffer(args.train_threshold, args.max_staleness)
+    buffer = ReplayBuffer(config.train_threshold, config.max_staleness)
     reloader = HotReloader(engine.drafter, weights_dir)
-    start = 0
-    checkpoint = latest_checkpoint(checkpoint_dir) if resume else None
-    if checkpoint is not None:
-        start = int(trainer.load_opd_checkpoint(checkpoint).get("round", 0))
-        publish_weights(weights_dir, trainer.publishable_state(), trainer.weights_version)
+    start = _resume(trainer, checkpoint_dir, weights_dir) if config.resume else 0
     worker = ServingWorker(
-        engine, traffic, buffer, reloader, concurrency, params or SamplingParams(), backpressure=backpressure
+        engine,
+        traffic,
+        buffer,
+        reloader,
+        config.concurrency,
+        params or SamplingParams(),
+        backpressure=config.serving_backpressure,
     )
     worker.start()
     rows = []
     try:
-        for round_index in tqdm(range(start, max_rounds), desc="OPD rounds", disable=args.disable_tqdm):
+        for round_index in tqdm(range(start, config.max_rounds), desc="OPD rounds", disable=disable_tqdm):
             batch = buffer.take(trainer.weights_version, stop=worker.done)
             if batch is None:
                 break
-            training = {}
-            if train:
-                trainer.train_dataset = TrajectoryDataset(batch)
-                started = time.perf_counter()
-                trainer.train()
-                train_seconds = time.perf_counter() - started
-                if trainer.diverged:
-                    logger.error(f"round {round_index + 1}: training diverged; nothing published, stopping")
-                    row = {"round": round_index + 1, "diverged": 1, **worker.metrics.snapshot()}
-                    metrics.log(row, step=round_index + 1)
-                    break
-                trainer.publish_weights(weights_dir)
-                if checkpoint_every and (round_index + 1) % checkpoint_every == 0:
-                    trainer.save_opd_checkpoint(checkpoint_dir, {"round": round_index + 1})
-                training = {
-                    **_round_losses(trainer.state.log_history),
-                    "train_seconds": train_seconds,
-                    "skipped_steps": trainer.skipped_steps,
-                }
+            done = round_index + 1
+            training = trainer.train_round(batch) if config.online_updates else {}
+            if training.get("diverged"):
+                logger.error(f"round {done}: training diverged; nothing published, stopping")
+                metrics.log({"round": done, "diverged": 1, **worker.metrics.snapshot()}, step=done)
+                break
+            if config.online_updates:
+                publish_weights(weights_dir, trainer.publishable_state(), trainer.weights_version)
+                if config.checkpoint_every and done % config.checkpoint_every == 0:
+                    save_online_checkpoint(checkpoint_dir, trainer.learner_state(), {"round": done})
             row = {
-                "round": round_index + 1,
+                "round": done,
                 "version": trainer.weights_version,
                 "served_version": reloader.version,
                 **worker.metrics.snapshot(),
@@ -342,10 +350,10 @@ def run_online(
                 "reload_rejected": sum(reloader.rejected.values()),
                 "domain": traffic.domain,
             }
-            metrics.log(row, step=round_index + 1)
+            metrics.log(row, step=done)
             rows.append(row)
             logger.info(
-                f"round {row['round']}: version {row['version']}, tau {row['tau']:.2f}, "
+                f"round {done}: version {row['version']}, tau {row['tau']:.2f}, "
                 f"loss {row.get('loss', float('nan')):.4f}, {row['tokens_per_s']:.1f} tok/s"
             )
     finally:

@@ -15,7 +15,9 @@ the previous weights: drafts stay verified by the target, so outputs stay lossle
 
 Checkpoints: ``save_checkpoint`` writes every file into a staging directory with a manifest of sha256 sums written
 last, fsyncs, and renames the directory into place; ``latest_checkpoint`` returns the newest directory whose manifest
-verifies, so a save killed half-way is never loaded.
+verifies, so a save killed half-way is never loaded. The online loop's checkpoint ``checkpoint-v{version}`` holds a
+``LearnerState`` (``drafter.safetensors``: the publishable tensors, ``optimizer.pt``, and the version and counters in
+the manifest) and the loop's own state: ``save_online_checkpoint`` / ``load_online_checkpoint``.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -328,3 +331,49 @@ def latest_checkpoint(root: str | Path, prefix: str = "checkpoint-") -> Path | N
         return None
     complete = [p for p in root.glob(f"{prefix}*") if p.is_dir() and verify_checkpoint(p) is not None]
     return max(complete, key=lambda p: p.name, default=None)
+
+
+@dataclass
+class LearnerState:
+    """What an online checkpoint restores of a trainer: its ``publishable_state`` tensors, its optimizer state (None
+    before the first step), the weights version and its counters (e.g. ``skipped_steps``)."""
+
+    tensors: dict[str, torch.Tensor]
+    optimizer: dict | None
+    version: int
+    counters: dict[str, int] = field(default_factory=dict)
+
+
+def save_online_checkpoint(root: str | Path, state: LearnerState, loop_state: dict) -> Path:
+    """An atomic checkpoint ``root/checkpoint-v{version}`` of ``state`` and the loop's ``loop_state``."""
+    tensors = {n: t.detach().to("cpu").contiguous() for n, t in state.tensors.items()}
+
+    def write(directory: Path) -> None:
+        save_file(tensors, str(directory / "drafter.safetensors"))
+        if state.optimizer is not None:
+            torch.save(state.optimizer, directory / "optimizer.pt")
+
+    manifest_state = {"version": state.version, **state.counters, "loop": loop_state}
+    return save_checkpoint(root, f"checkpoint-v{state.version:06d}", write, manifest_state)
+
+
+def load_online_checkpoint(path: str | Path) -> tuple[LearnerState, dict]:
+    """The ``LearnerState`` and loop state of a checkpoint written by ``save_online_checkpoint``; refuses incomplete
+    ones."""
+    path = Path(path)
+    state = verify_checkpoint(path)
+    if state is None:
+        raise ValueError(
+            f"checkpoint {path}: expected a complete checkpoint (manifest and matching sha256), got none"
+        )
+    optimizer = None
+    if (path / "optimizer.pt").is_file():
+        optimizer = torch.load(path / "optimizer.pt", weights_only=True)
+    counters = {k: int(v) for k, v in state.items() if k not in ("version", "loop")}
+    learner = LearnerState(
+        load_file(str(path / "drafter.safetensors")), optimizer, int(state["version"]), counters
+    )
+    logger.info(
+        f"resumed online checkpoint {path}: version {learner.version}, loop {json.dumps(state['loop'])}"
+    )
+    return learner, state["loop"]
