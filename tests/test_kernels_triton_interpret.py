@@ -138,34 +138,27 @@ def check_verify_attention(device: str) -> None:
 def check_engine_packed_forward(device: str) -> None:
     """The engine's packed target forward (prefills and ragged verifies) with the Triton attention equals it with
     the torch attention."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    sys.path.insert(
+        0, str(Path(__file__).resolve().parent)
+    )  # conftest, also inside the interpreter subprocess
+    from conftest import make_target
 
     from adaflash_hf.serving.cache import RaggedBatch, SlotKVStore, packed_target_forward
 
     warnings.filterwarnings("ignore", category=RuntimeWarning)
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    )
-    target = LlamaForCausalLM(config).eval().to(device)
+    target = make_target("llama", num_hidden_layers=2).to(device)
     rounds = [([5, 0, 2], [0, 0, 0], [7, 20, 3]), ([5, 0, 2, 1], [7, 20, 3, 0], [5, 1, 16, 18])]
     logits = {}
     previous = os.environ.get("ADAFLASH_KERNELS")
     try:
         for impl in ("torch", "triton"):
             os.environ["ADAFLASH_KERNELS"] = impl  # the attention function reads it at every call
-            store = SlotKVStore(config.num_hidden_layers)
+            store = SlotKVStore(target.config.num_hidden_layers)
             store.reserve(8, 64)
             g = torch.Generator().manual_seed(0)
             logits[impl] = []
             for slots, starts, lengths in rounds:
-                ids = torch.randint(0, 128, (1, sum(lengths)), generator=g).to(device)
+                ids = torch.randint(0, 512, (1, sum(lengths)), generator=g).to(device)
                 batch = RaggedBatch.build(store, slots, starts, lengths, 16, torch.device(device))
                 with torch.no_grad():
                     logits[impl].append(packed_target_forward(target, ids, batch).logits.cpu())
