@@ -22,7 +22,7 @@ from transformers import GenerationConfig
 from adaflash_hf.assets import load_target
 from adaflash_hf.corpus import load_features, read_corpus
 from adaflash_hf.learning_curve import heldout_acceptance
-from adaflash_hf.trainers.train_drafter import build_drafter
+from adaflash_hf.trainers.drafter_setup import build_drafter
 from adaflash_hf.trainers.train_drafter_config import DrafterTrainingConfig
 from adaflash_hf.trainers.train_drafter_trainer import DrafterTrainer
 

@@ -478,7 +478,7 @@ def test_anchor_slots_no_row_can_fill_are_dropped():
 
 @pytest.mark.parametrize("init", ["inverse_row_norm", "target"])
 def test_a_fresh_drafters_final_norm_starts_where_the_config_says(target_factory, tmp_path, init):
-    from adaflash_hf.trainers.train_drafter import build_drafter
+    from adaflash_hf.trainers.drafter_setup import build_drafter
 
     target = target_factory("llama")
     with torch.no_grad():

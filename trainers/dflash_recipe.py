@@ -171,8 +171,7 @@ def block_ce_and_head_loss(
         predicted = draft_token_ids[predicted]
     correct = torch.zeros_like(labels, dtype=torch.bool)
     correct[rows] = predicted == row_labels
-    per_block = correct.view(labels.shape[0], -1, block_size)[..., 1:]  # [B, n, k-1]
-    accepted = per_block.long().cumprod(dim=-1).sum(-1)
+    accepted = accepted_drafts(correct, block_size)
     if late is not None:
         # Blocks that accepted all N scored rows: project their later rows too, without gradient.
         full = (accepted == loss_positions).repeat_interleave(block_size, dim=1) & late
@@ -182,8 +181,7 @@ def block_ce_and_head_loss(
                 if draft_token_ids is not None:
                     late_predicted = draft_token_ids[late_predicted]
             correct[full] = late_predicted == labels[full]
-            per_block = correct.view(labels.shape[0], -1, block_size)[..., 1:]
-            accepted = per_block.long().cumprod(dim=-1).sum(-1)
+            accepted = accepted_drafts(correct, block_size)
     realised = accepted.float() / (block_size - 1)
     valid_blocks = blocks.anchors >= 0
     head_mse = F.mse_loss(acceptance_prob[valid_blocks].float(), realised[valid_blocks])
@@ -196,6 +194,12 @@ def block_ce_and_head_loss(
         **extra,
     }
     return ce, head_mse, metrics
+
+
+def accepted_drafts(correct: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Accepted drafts per block, [B, n]: the leading run of correct rows 1..k-1 of each block of ``correct`` [B, Q]
+    (Q = n * k; row 0 is the anchor). The realised acceptance of the recipe and of OPD."""
+    return correct.view(correct.shape[0], -1, block_size)[..., 1:].long().cumprod(dim=-1).sum(-1)
 
 
 def position_weights(block_size: int, decay_gamma: float) -> list[float]:

@@ -47,7 +47,7 @@ from adaflash_hf.draft_vocab import draft_tokens
 from adaflash_hf.kernels.clipped_kl import fused_clipped_distill_loss
 from adaflash_hf.online.buffer import Trajectory, TrajectoryDataset
 from adaflash_hf.online.weights import LearnerState, base_drafter, load_state, publishable_state
-from adaflash_hf.trainers.dflash_recipe import IGNORE, build_blocks
+from adaflash_hf.trainers.dflash_recipe import IGNORE, accepted_drafts, build_blocks
 from adaflash_hf.trainers.optim import clip_each_group, split_drafter_and_head, two_group_adamw
 
 logger = logging.get_logger(__name__)
@@ -262,8 +262,7 @@ class OPDTrainer(DistillationTrainer):
         )
         correct = torch.zeros_like(rows)
         correct[rows] = agree
-        per_block = correct.view(rows.shape[0], -1, block)[..., 1:]
-        accepted = per_block.long().cumprod(dim=-1).sum(-1)
+        accepted = accepted_drafts(correct, block)
         return accepted.float() / (block - 1), blocks.anchors >= 0
 
     # ------------------------------------------------------------------------------------- optimiser and the guard
