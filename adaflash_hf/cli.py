@@ -14,20 +14,20 @@ and exit with status 2. ``adaflash <command> --help`` describes each.
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import importlib.util
 import inspect
 import json
 import subprocess
 import sys
-from importlib import resources
 from pathlib import Path
 
-from transformers.utils import logging
-
 import adaflash_hf
+from adaflash_hf.launch import launch_command, trainer_script
 
-logger = logging.get_logger(__name__)
+# Heavy modules (torch, transformers, the interop and hub code) are imported by the handlers that need them, and
+# adaflash_hf.install() runs only once a command is chosen: `adaflash --help` stays an argparse program.
 
 BENCH_MODULES = {
     "kernels": (
@@ -47,6 +47,9 @@ TRAINER_SCRIPTS = {
     "opd": ("opd.py", "online on-policy distillation of a drafter (accelerate launch)"),
 }
 UNAVAILABLE = 2
+CONFIG_HELP = (
+    "YAML file of this command's options (keys: option names, e.g. target_config); the command line wins"
+)
 
 
 def module_available(name: str) -> bool:
@@ -56,24 +59,39 @@ def module_available(name: str) -> bool:
         return False
 
 
-def trainer_script(filename: str) -> Path | None:
-    """The installed path of ``adaflash_hf/trainers/<filename>``, or None when this installation lacks it."""
-    try:
-        path = resources.files("adaflash_hf.trainers") / filename
-    except ModuleNotFoundError:
-        return None
-    return Path(str(path)) if path.is_file() else None
-
-
 def _not_available(what: str, reason: str) -> int:
     print(f"adaflash {what}: not available in this version ({reason})", file=sys.stderr)
     return UNAVAILABLE
 
 
+def read_option_file(path: str, parser: argparse.ArgumentParser) -> dict:
+    """The option values of a ``--config`` YAML file, keyed by ``parser``'s option names (dashes or underscores)."""
+    import yaml
+
+    values = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(values, dict):
+        raise ValueError(
+            f"--config {path}: expected a mapping of option names to values, got {type(values).__name__}"
+        )
+    options = sorted(a.dest for a in parser._actions if a.option_strings and a.dest not in ("help", "config"))
+    out = {}
+    for key, value in values.items():
+        dest = str(key).lstrip("-").replace("-", "_")
+        if dest not in options:
+            closest = difflib.get_close_matches(dest, options, n=1, cutoff=0.0)
+            raise ValueError(
+                f"--config {path}: expected option names of this command {options}, got {key!r}"
+                + (f" (did you mean {closest[0]!r}?)" if closest else "")
+            )
+        out[dest] = value
+    return out
+
+
 # -------------------------------------------------------------------------------------------- handlers
 def _run_export(args) -> int:
-    from adaflash_hf.interop import export_dflash
+    from adaflash_hf.interop import check_out_folder, export_dflash
 
+    check_out_folder(args.out, args.overwrite, hint="--overwrite")
     out = export_dflash(
         args.path,
         args.out,
@@ -87,8 +105,9 @@ def _run_export(args) -> int:
 
 
 def _run_import(args) -> int:
-    from adaflash_hf.interop import import_checkpoint
+    from adaflash_hf.interop import check_out_folder, import_checkpoint
 
+    check_out_folder(args.out, args.overwrite, hint="--overwrite")
     out = import_checkpoint(
         args.path,
         args.out,
@@ -170,16 +189,6 @@ def split_launcher_args(argv: list[str]) -> tuple[list[str], list[str]]:
     return ours, script
 
 
-def launch_command(script: Path, launcher_args: argparse.Namespace, script_args: list[str]) -> list[str]:
-    """``accelerate launch [launcher options] SCRIPT ARGS...`` as an argv list for the current interpreter."""
-    command = [sys.executable, "-m", "accelerate.commands.launch"]
-    if launcher_args.accelerate_config:
-        command += ["--config_file", launcher_args.accelerate_config]
-    if launcher_args.num_processes is not None:
-        command += ["--num_processes", str(launcher_args.num_processes)]
-    return [*command, str(script), *script_args]
-
-
 def _run_trainer(name: str, launcher_args: argparse.Namespace, script_args: list[str]) -> int:
     filename = TRAINER_SCRIPTS[name][0]
     script = trainer_script(filename)
@@ -189,7 +198,9 @@ def _run_trainer(name: str, launcher_args: argparse.Namespace, script_args: list
     if launcher_args.dry_run:
         print(" ".join(command))
         return 0
-    logger.info(f"Running {' '.join(command)}")
+    from transformers.utils import logging
+
+    logging.get_logger(__name__).info(f"Running {' '.join(command)}")
     return subprocess.call(command)
 
 
@@ -201,16 +212,10 @@ def _add_checkpoint_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--revision", help="branch, tag or commit when PATH is a Hub repo id")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT folder")
+    parser.add_argument("--config", metavar="FILE", help=CONFIG_HELP)
 
 
-def make_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="adaflash",
-        description="AdaFlash adaptive-length speculative decoding drafters: convert, publish, benchmark, train.",
-    )
-    parser.add_argument("--version", action="version", version=f"adaflash-hf {adaflash_hf.__version__}")
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-
+def _add_export(commands) -> None:
     export = commands.add_parser(
         "export",
         help="write a drafter in the z-lab DFlash layout that SGLang and vLLM load",
@@ -240,6 +245,8 @@ def make_parser() -> argparse.ArgumentParser:
     _add_checkpoint_options(imp)
     imp.set_defaults(handler=_run_import)
 
+
+def _add_publish(commands) -> None:
     publish = commands.add_parser(
         "publish",
         help="upload a drafter with its model card to the Hub in one commit",
@@ -264,12 +271,17 @@ def make_parser() -> argparse.ArgumentParser:
     publish.add_argument(
         "--dry-run", action="store_true", help="stage and check, then list the files; upload nothing"
     )
+    publish.add_argument("--config", metavar="FILE", help=CONFIG_HELP)
     publish.set_defaults(handler=_run_publish)
 
+
+def _add_pass_through(commands) -> None:
+    """Commands whose arguments go to a module's or script's own parser (described here, parsed there)."""
     bench = commands.add_parser(
         "bench",
         help="run a benchmark",
-        description="Benchmarks. `adaflash bench NAME ARGS...` passes ARGS (--help included) to NAME's main().",
+        description="Benchmarks. `adaflash bench NAME ARGS...` passes ARGS (--help included) to NAME's main(), "
+        "e.g. `adaflash bench opd --config examples/configs/opd_smollm2.yaml`.",
     )
     bench_commands = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
     for name, (module_name, summary) in BENCH_MODULES.items():
@@ -277,13 +289,11 @@ def make_parser() -> argparse.ArgumentParser:
         bench_commands.add_parser(
             name, help=summary if available else f"{summary} (not available in this version)"
         )
-
     commands.add_parser(
         "corpus",
         help="regenerate the drafter training corpus with the target (resumable), recording target features",
         add_help=False,
     )
-
     for name, (filename, summary) in TRAINER_SCRIPTS.items():
         available = trainer_script(filename) is not None
         sub = commands.add_parser(
@@ -291,7 +301,10 @@ def make_parser() -> argparse.ArgumentParser:
             help=summary if available else f"{summary} (not available in this version)",
             allow_abbrev=False,
             description=f"accelerate launch adaflash_hf/trainers/{filename} ARGS. Options below go to accelerate; "
-            f"everything else (e.g. --config run.yaml) goes to the script; `adaflash {name} -- --help` shows its options.",
+            f"everything else goes to the script; `adaflash {name} -- --help` shows its options.",
+        )
+        sub.add_argument(
+            "--config", metavar="FILE", help="the script's YAML config (passed to it, TRL style)"
         )
         sub.add_argument(
             "--accelerate-config", help="accelerate config file (accelerate launch --config_file)"
@@ -302,6 +315,19 @@ def make_parser() -> argparse.ArgumentParser:
         sub.add_argument(
             "--dry-run", action="store_true", help="print the launch command instead of running it"
         )
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="adaflash",
+        description="AdaFlash adaptive-length speculative decoding drafters: convert, publish, benchmark, train.",
+    )
+    parser.add_argument("--version", action="version", version=f"adaflash-hf {adaflash_hf.__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    _add_export(commands)
+    _add_publish(commands)
+    _add_pass_through(commands)
+    parser.commands = commands.choices  # name -> subparser, for --config defaults
     return parser
 
 
@@ -309,18 +335,25 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = make_parser()
     # Pass-through commands keep argparse away from the arguments of the module or script they run.
+    if argv[:1] and argv[0] in TRAINER_SCRIPTS:  # a subprocess: the script imports adaflash_hf itself
+        ours, script_args = split_launcher_args(argv[1:])
+        return _run_trainer(argv[0], parser.parse_args([argv[0], *ours]), script_args)
     if argv[:1] == ["bench"] and len(argv) > 1 and argv[1] in BENCH_MODULES:
+        adaflash_hf.install()
         return _run_bench(argv[1], argv[2:])
     if argv[:1] == ["corpus"]:
         from adaflash_hf.corpus import main as corpus_main
 
+        adaflash_hf.install()
         print(json.dumps(corpus_main(argv[1:])))
         return 0
-    if argv[:1] and argv[0] in TRAINER_SCRIPTS:
-        ours, script_args = split_launcher_args(argv[1:])
-        return _run_trainer(argv[0], parser.parse_args([argv[0], *ours]), script_args)
     args = parser.parse_args(argv)
     try:
+        if args.config:  # the file's values become defaults, so explicit arguments still win
+            sub = parser.commands[args.command]
+            sub.set_defaults(**read_option_file(args.config, sub))
+            args = parser.parse_args(argv)
+        adaflash_hf.install()
         return args.handler(args)
     except (FileNotFoundError, FileExistsError, ValueError, NotImplementedError) as error:
         print(f"adaflash {args.command}: error: {error}", file=sys.stderr)

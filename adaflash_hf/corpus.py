@@ -33,6 +33,7 @@ from transformers import DynamicCache
 from transformers.utils import logging
 
 from adaflash_hf.assets import DEFAULT_TARGET, chat_prompt_ids, load_target
+from adaflash_hf.cli import CONFIG_HELP, read_option_file
 from adaflash_hf.data import load_domain
 
 logger = logging.get_logger(__name__)
@@ -318,11 +319,16 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--time-budget", type=float, default=None, help="stop after this many seconds (resume later)"
     )
+    parser.add_argument("--config", metavar="FILE", help=CONFIG_HELP)
     return parser
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = make_parser().parse_args(argv)
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    if args.config:  # the file's values become defaults, so explicit arguments still win
+        parser.set_defaults(**read_option_file(args.config, parser))
+        args = parser.parse_args(argv)
     counts = {"chat": args.chat, "code": args.code, "math": args.math}
     for domain, count in counts.items():
         if count < 0:

@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
-import tempfile
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -132,19 +133,40 @@ def load_drafter(source: AdaFlashDrafter | str | os.PathLike, revision: str | No
 
 
 # ---------------------------------------------------------------------------------------------- writing
-def _prepare_out(out: str | os.PathLike, overwrite: bool) -> Path:
+def check_out_folder(out: str | os.PathLike, overwrite: bool, hint: str = "overwrite=True") -> None:
+    """Raise unless ``out`` is new, an empty folder, or ``overwrite`` is set (``hint`` names that switch)."""
     out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        if not overwrite:
-            raise FileExistsError(
-                f"out: expected a new or empty folder (or overwrite=True), got the non-empty {out}"
-            )
+    if not overwrite and out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"out: expected a new or empty folder (or {hint}), got the non-empty {out}")
+
+
+def _prepare_out(out: str | os.PathLike, overwrite: bool) -> Path:
+    check_out_folder(out, overwrite)
+    out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     return out
 
 
+def _staging_folder(out: Path) -> Path:
+    """A fresh sibling of ``out`` to write into. Unlike ``tempfile.mkdtemp`` (mode 0700) it gets the normal umask, so
+    the finished checkpoint is readable by another service user (an SGLang or vLLM server)."""
+    while True:
+        staging = out.parent / f".{out.name}.{secrets.token_hex(4)}"
+        try:
+            staging.mkdir()
+            return staging
+        except FileExistsError:
+            continue
+
+
 def _finish(staging: Path, out: Path) -> Path:
-    """Move a fully written staging folder into place, so a failed write never leaves a half checkpoint at ``out``."""
+    """Move a fully written staging folder into place, so a failed write never leaves a half checkpoint at ``out``.
+
+    Files get the umask's mode, read off the staging folder's own (safetensors writes 0600)."""
+    file_mode = stat.S_IMODE(staging.stat().st_mode) & 0o666
+    for path in staging.rglob("*"):
+        if path.is_file():
+            path.chmod(file_mode)
     if out.is_dir():
         shutil.rmtree(out)
     elif out.exists():
@@ -252,7 +274,7 @@ def export_dflash(
     sidecar_tensors = head | ({"mask_embedding": mask_embedding} if mask_embedding is not None else {})
     dtype = state["fc.weight"].dtype
 
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    staging = _staging_folder(out)
     try:
         save_file(state, staging / "model.safetensors", metadata={"format": "pt"})
         config_dict = dflash_config_dict(config, dtype, format)
@@ -299,7 +321,7 @@ def import_checkpoint(
     drafter = load_drafter(source, revision)
     if target_config is not None:
         record_target_fingerprint(drafter.config, target_config)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    staging = _staging_folder(out)
     try:
         drafter.save_pretrained(staging)
         return _finish(staging, out)

@@ -6,18 +6,20 @@ Used by ``adaflash train|opd`` and by benchmarks that run a training script in a
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
-from importlib import resources
 from pathlib import Path
 
 
 def trainer_script(filename: str) -> Path | None:
     """The installed path of ``adaflash_hf/trainers/<filename>``, or None when this installation lacks it."""
-    try:
-        path = resources.files("adaflash_hf.trainers") / filename
-    except ModuleNotFoundError:
-        return None
-    return Path(str(path)) if path.is_file() else None
+    # find_spec locates the package without running its __init__, which imports trl (seconds, for a path).
+    spec = importlib.util.find_spec("adaflash_hf.trainers")
+    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+        path = Path(folder) / filename
+        if path.is_file():
+            return path
+    return None
 
 
 def launch_command(script: Path, launcher_args: argparse.Namespace, script_args: list[str]) -> list[str]:

@@ -1,10 +1,13 @@
 """The ``adaflash`` command line: --help for every subcommand, export/import/publish end to end, dispatch of bench
 modules and accelerate-launched trainer scripts, and 'not available' for parts this installation lacks."""
 
+import ast
 import importlib.machinery
+import subprocess
 import sys
 import types
 from importlib.metadata import entry_points
+from pathlib import Path
 from unittest.mock import create_autospec
 
 import pytest
@@ -178,3 +181,68 @@ def test_console_script_points_at_main(capsys):
     with pytest.raises(SystemExit):
         cli.main(["--version"])
     assert capsys.readouterr().out.startswith("adaflash-hf ")
+
+
+@pytest.mark.parametrize("command", ["export", "import", "publish", "bench", "corpus", "train", "opd"])
+def test_every_subcommand_help_lists_config(capsys, command):
+    assert "--config" in _help(capsys, command)
+
+
+def test_config_file_supplies_options_and_the_command_line_wins(drafter_folder, tmp_path, capsys):
+    _, folder = drafter_folder
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "stale").write_text("x")
+    (tmp_path / "export.yaml").write_text("format: adaflash-official\noverwrite: true\n")
+    argv = ["export", str(folder), str(tmp_path / "out"), "--config", str(tmp_path / "export.yaml")]
+    assert cli.main([*argv, "--format", "dflash"]) == 0
+    assert "wrote dflash checkpoint" in capsys.readouterr().out
+    assert not (tmp_path / "out" / "stale").exists()
+
+
+def test_config_file_with_an_unknown_option_names_the_closest(drafter_folder, tmp_path, capsys):
+    _, folder = drafter_folder
+    (tmp_path / "bad.yaml").write_text("target_confg: x\n")
+    argv = ["import", str(folder), str(tmp_path / "out"), "--config", str(tmp_path / "bad.yaml")]
+    assert cli.main(argv) == 1
+    err = capsys.readouterr().err
+    assert "bad.yaml: expected option names of this command" in err
+    assert "got 'target_confg' (did you mean 'target_config'?)" in err
+
+
+def test_non_empty_out_points_to_the_overwrite_flag(drafter_folder, tmp_path, capsys):
+    _, folder = drafter_folder
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep").write_text("x")
+    assert cli.main(["export", str(folder), str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert "out: expected a new or empty folder (or --overwrite), got the non-empty" in err
+    assert "overwrite=True" not in err
+
+
+def test_top_level_help_of_the_console_script_imports_no_torch():
+    # -X importtime lists every module the real `adaflash` script imports, on stderr.
+    script = Path(sys.executable).with_name("adaflash")
+    result = subprocess.run(
+        [sys.executable, "-X", "importtime", str(script), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0 and "export" in result.stdout
+    imported = {line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines() if "|" in line}
+    assert "adaflash_hf.cli" in imported
+    assert not {"torch", "transformers", "trl", "yaml"} & imported
+
+
+def test_import_adaflash_hf_adds_no_heavy_module_beyond_transformers():
+    code = (
+        "import sys; import transformers.generation.utils; before = set(sys.modules); import adaflash_hf; "
+        "assert adaflash_hf.is_enabled(); print(sorted(set(sys.modules) - before))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    added = set(ast.literal_eval(result.stdout.strip().splitlines()[-1]))
+    assert not {"trl", "datasets", "matplotlib", "peft", "triton", "accelerate"} & {
+        n.split(".")[0] for n in added
+    }
+    assert not {"adaflash_hf.serving", "adaflash_hf.kernels", "adaflash_hf.trainers"} & added

@@ -2,6 +2,8 @@
 round trips, and clear errors for bad inputs."""
 
 import json
+import os
+import stat
 import warnings
 
 import pytest
@@ -244,3 +246,16 @@ def test_unknown_export_format_is_rejected(drafter, tmp_path):
         ValueError, match=r"format: expected one of \('dflash', 'adaflash-official'\), got 'eagle'"
     ):
         export_dflash(drafter, tmp_path / "x", format="eagle")
+
+
+def test_export_and_import_folders_follow_the_umask(drafter, tmp_path):
+    # Another service user (an SGLang or vLLM server) must be able to read the folders.
+    previous = os.umask(0o022)
+    try:
+        exported = export_dflash(drafter, tmp_path / "dflash")
+        imported = import_checkpoint(exported, tmp_path / "ours")
+    finally:
+        os.umask(previous)
+    for folder in (exported, imported):
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o755, folder
+        assert all(stat.S_IMODE(f.stat().st_mode) == 0o644 for f in folder.iterdir()), folder
