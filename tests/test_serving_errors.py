@@ -138,6 +138,6 @@ def test_engine_refuses_a_drafter_of_another_type(setup):
     target, _ = setup
     with pytest.raises(
         TypeError,
-        match=r"^drafter: expected an AdaFlashDrafter or a checkpoint folder / Hub repo id, got int",
+        match=r"^drafter: expected an AdaFlashDrafter \(or a model wrapping one\) or a checkpoint folder / Hub repo id, got int",
     ):
         AdaFlashEngine(target, 3)

@@ -52,7 +52,6 @@ from adaflash_hf.draft_vocab import draft_tokens
 from adaflash_hf.generation import align_drafter_dtype
 from adaflash_hf.kernels.verify_accept import verify_accept
 from adaflash_hf.lookup import LookupIndex, check_draft_source, choose_lookup
-from adaflash_hf.modeling import AdaFlashDrafter
 from adaflash_hf.serving.admission import AdmissionConfig, AdmissionController
 from adaflash_hf.serving.cache import (
     DrafterBatch,
@@ -152,9 +151,11 @@ class AdaFlashEngine:
             from adaflash_hf.interop import load_drafter
 
             drafter = load_drafter(drafter)
-        if drafter is not None and not isinstance(drafter, AdaFlashDrafter):
+        if drafter is not None and not callable(getattr(drafter, "check_target", None)):
+            # Duck-typed: a PEFT-wrapped drafter (OPD's LoRA) forwards check_target to its AdaFlashDrafter.
             raise TypeError(
-                f"drafter: expected an AdaFlashDrafter or a checkpoint folder / Hub repo id, got {type(drafter).__name__}"
+                f"drafter: expected an AdaFlashDrafter (or a model wrapping one) or a checkpoint folder / Hub repo id, "
+                f"got {type(drafter).__name__}"
             )
         text_config = target.config.get_text_config()
         if getattr(text_config, "sliding_window", None) and getattr(text_config, "use_sliding_window", True):
