@@ -6,6 +6,7 @@
     adaflash bench NAME ...                     run ``adaflash_hf.bench.NAME:main`` (kernels, generate, serve, opd, train)
     adaflash train ... / adaflash opd ...       ``accelerate launch`` the trainer scripts shipped in adaflash_hf.trainers
     adaflash corpus ...                         regenerate the drafter training corpus (``adaflash_hf.corpus``)
+    adaflash calibrate-head ...                 fit only the length head from realised acceptance (``adaflash_hf.calibrate``)
 
 Subcommands backed by modules or scripts missing from this installation are listed as "not available in this version"
 and exit with status 2. ``adaflash <command> --help`` describes each.
@@ -294,6 +295,11 @@ def _add_pass_through(commands) -> None:
         help="regenerate the drafter training corpus with the target (resumable), recording target features",
         add_help=False,
     )
+    commands.add_parser(
+        "calibrate-head",
+        help="fit only the length head (drafter frozen) from realised acceptance, e.g. for a DFlash checkpoint",
+        add_help=False,
+    )
     for name, (filename, summary) in TRAINER_SCRIPTS.items():
         available = trainer_script(filename) is not None
         sub = commands.add_parser(
@@ -346,6 +352,13 @@ def main(argv: list[str] | None = None) -> int:
 
         adaflash_hf.install()
         print(json.dumps(corpus_main(argv[1:])))
+        return 0
+    if argv[:1] == ["calibrate-head"]:
+        from adaflash_hf.calibrate import main as calibrate_main
+        from adaflash_hf.calibrate import summary_line
+
+        adaflash_hf.install()
+        print(summary_line(calibrate_main(argv[1:])))
         return 0
     args = parser.parse_args(argv)
     try:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -44,36 +45,13 @@ def heldout_acceptance(
     was_training = drafter.training
     drafter.eval()
     block = drafter.config.block_size
-    embedding = target.get_input_embeddings().weight
-    lm_head = target.get_output_embeddings()
-    dtype = next(drafter.parameters()).dtype
     accepted_by_domain: dict[str, list[torch.Tensor]] = defaultdict(list)
     predicted_by_domain: dict[str, list[torch.Tensor]] = defaultdict(list)
     for record, feature in zip(records, features):
-        ids = torch.tensor(record["input_ids"])
-        first, last = record["prompt_length"], len(ids) - block  # anchor a needs tokens a+1 .. a+block-1
-        if last < first:
-            continue
-        anchors = torch.arange(first, last + 1)
-        if anchors.numel() > max_anchors:
-            anchors = anchors[torch.linspace(0, anchors.numel() - 1, max_anchors).round().long()]
-        offsets = torch.arange(block)
-        noise_ids = torch.full((anchors.numel(), block), drafter.config.mask_token_id)
-        noise_ids[:, 0] = ids[anchors]
-        positions = torch.cat([torch.arange(feature.shape[0]), (anchors[:, None] + offsets).flatten()])
-        out = drafter(
-            noise_embeds=F.embedding(noise_ids.flatten()[None], embedding).to(dtype),
-            context_hidden_states=feature[None].to(dtype),
-            position_ids=positions[None],
-            block_anchors=anchors[None],
-        )
-        states = out.last_hidden_state.view(anchors.numel(), block, -1)[:, 1:]
-        drafts = draft_tokens(states.to(lm_head.weight.dtype), lm_head, drafter.draft_token_ids)
-        labels = ids[anchors[:, None] + offsets[1:]]
-        accepted = (drafts.cpu() == labels).long().cumprod(-1).sum(-1)
-        predicted = out.acceptance_prob.detach().float().reshape(-1).cpu()
-        accepted_by_domain[record["domain"]].append(accepted)
-        predicted_by_domain[record["domain"]].append(predicted)
+        blocks = record_blocks(drafter, target, record, feature, max_anchors)
+        if blocks is not None:
+            accepted_by_domain[record["domain"]].append(blocks.accepted)
+            predicted_by_domain[record["domain"]].append(blocks.predicted)
     drafter.train(was_training)
     results = {
         domain: _summary(torch.cat(values), torch.cat(predicted_by_domain[domain]), block)
@@ -86,6 +64,55 @@ def heldout_acceptance(
             block,
         )
     return results
+
+
+@dataclass
+class RecordBlocks:
+    """The blocks of one sequence: per anchor, drafts accepted greedily, the length head's â and its input."""
+
+    anchors: torch.Tensor  # [n]
+    accepted: torch.Tensor  # [n] accepted drafts of the block (0..k-1), teacher-forced against the sequence
+    predicted: torch.Tensor  # [n] the length head's â
+    states: torch.Tensor  # [n, k, H] the block's final drafter states (the length head's input, detached)
+
+
+@torch.no_grad()
+def record_blocks(
+    drafter, target, record: dict, feature: torch.Tensor, max_anchors: int = 256
+) -> RecordBlocks | None:
+    """Draft a block at the response anchors of ``record`` (those whose whole block lies inside the sequence, evenly
+    thinned to ``max_anchors``) in one drafter forward and compare each block with the sequence's next tokens. On a
+    target's greedy output that is exactly what greedy verification would accept. None when no anchor fits."""
+    block = drafter.config.block_size
+    embedding = target.get_input_embeddings().weight
+    lm_head = target.get_output_embeddings()
+    dtype = next(drafter.parameters()).dtype
+    ids = torch.tensor(record["input_ids"])
+    first, last = record["prompt_length"], len(ids) - block  # anchor a needs tokens a+1 .. a+block-1
+    if last < first:
+        return None
+    anchors = torch.arange(first, last + 1)
+    if anchors.numel() > max_anchors:
+        anchors = anchors[torch.linspace(0, anchors.numel() - 1, max_anchors).round().long()]
+    offsets = torch.arange(block)
+    noise_ids = torch.full((anchors.numel(), block), drafter.config.mask_token_id)
+    noise_ids[:, 0] = ids[anchors]
+    positions = torch.cat([torch.arange(feature.shape[0]), (anchors[:, None] + offsets).flatten()])
+    out = drafter(
+        noise_embeds=F.embedding(noise_ids.flatten()[None], embedding).to(dtype),
+        context_hidden_states=feature[None].to(dtype),
+        position_ids=positions[None],
+        block_anchors=anchors[None],
+    )
+    states = out.last_hidden_state.view(anchors.numel(), block, -1)
+    drafts = draft_tokens(states[:, 1:].to(lm_head.weight.dtype), lm_head, drafter.draft_token_ids)
+    labels = ids[anchors[:, None] + offsets[1:]]
+    return RecordBlocks(
+        anchors=anchors,
+        accepted=(drafts.cpu() == labels).long().cumprod(-1).sum(-1),
+        predicted=out.acceptance_prob.detach().float().reshape(-1).cpu(),
+        states=states.detach(),
+    )
 
 
 def _summary(accepted: torch.Tensor, predicted: torch.Tensor, block: int) -> dict:

@@ -183,7 +183,9 @@ def test_console_script_points_at_main(capsys):
     assert capsys.readouterr().out.startswith("adaflash-hf ")
 
 
-@pytest.mark.parametrize("command", ["export", "import", "publish", "bench", "corpus", "train", "opd"])
+@pytest.mark.parametrize(
+    "command", ["export", "import", "publish", "bench", "corpus", "calibrate-head", "train", "opd"]
+)
 def test_every_subcommand_help_lists_config(capsys, command):
     assert "--config" in _help(capsys, command)
 

@@ -1,0 +1,308 @@
+"""Calibrate the length head alone, drafter frozen: ``adaflash calibrate-head``.
+
+A published DFlash checkpoint (z-lab's drafters, or any export without the AdaFlash sidecar) loads with an untrained
+length head and must run fixed-length. Calibration gives it an adaptive length from real acceptance, in minutes:
+
+1. the target answers a set of prompts greedily, recording its tapped hidden states in the same forwards
+   (``corpus.build_corpus``; an existing corpus with features can be passed instead);
+2. the frozen drafter drafts a block at every response position of those answers in one forward per answer, and each
+   block's realised accepted fraction a* = accepted / (block_size - 1) is read off against the answer itself. The
+   answers are the target's greedy outputs, so this is exactly what greedy verification accepts
+   (``learning_curve.record_blocks``);
+3. only the length head is fitted (MSE of â against a*) on the cached block states, which are the head's whole input
+   (it reads detached drafter states): the drafter's forward runs once per answer, never per step.
+
+Sequences are split into a fit set and a held-out set; the report gives the head's mean |â - a*| and the adaptive
+draft length's expected accepted drafts on the held-out blocks, before and after.
+
+    report = calibrate_length_head(drafter, records, features, target)          # in place; returns figures
+    adaflash calibrate-head --drafter path/to/dflash --output-dir out/          # the same from the command line
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from transformers.utils import logging
+
+from adaflash_hf.learning_curve import record_blocks
+
+logger = logging.get_logger(__name__)
+
+
+def length_head(drafter) -> torch.nn.Module:
+    """The drafter's length-head module (its attribute depends on ``config.length_head_variant``)."""
+    from adaflash_hf.modeling.modeling_adaflash import LENGTH_HEAD_ATTRIBUTE
+
+    return getattr(drafter, LENGTH_HEAD_ATTRIBUTE[drafter.config.length_head_variant])
+
+
+def reinitialise_length_head(drafter, seed: int = 0) -> None:
+    """Replace the length head with a freshly initialised one (what a checkpoint without a head loads with)."""
+    from adaflash_hf.modeling.modeling_adaflash import LENGTH_HEAD_ATTRIBUTE, LENGTH_HEAD_CLASS
+
+    config = drafter.config
+    torch.manual_seed(seed)
+    head = LENGTH_HEAD_CLASS[config.length_head_variant](config.hidden_size, config.length_head_bottleneck)
+    reference = next(drafter.parameters())
+    setattr(
+        drafter, LENGTH_HEAD_ATTRIBUTE[config.length_head_variant], head.to(reference.device, reference.dtype)
+    )
+
+
+def collect_blocks(
+    drafter, target, records: list[dict], features: list[torch.Tensor], max_anchors: int = 256
+):
+    """Per record with at least one full block: (block states [n, k, H] float32, realised fraction a* [n])."""
+    was_training = drafter.training
+    drafter.eval()
+    out = []
+    for record, feature in zip(records, features):
+        blocks = record_blocks(drafter, target, record, feature, max_anchors)
+        if blocks is not None:
+            out.append((blocks.states.float(), blocks.accepted.float() / (drafter.config.block_size - 1)))
+    drafter.train(was_training)
+    return out
+
+
+@torch.no_grad()
+def head_figures(drafter, states: torch.Tensor, realised: torch.Tensor) -> dict:
+    """Mean |â - a*|, mean â, and per block the drafts the adaptive length k̂ verifies and would get accepted."""
+    head = length_head(drafter)
+    dtype = next(head.parameters()).dtype
+    predicted = head(states.to(dtype)).float()
+    k_hat = drafter.predict_draft_length(predicted)
+    accepted = torch.round(realised * (drafter.config.block_size - 1)).long()
+    committed = torch.minimum(k_hat, accepted)
+    return {
+        "blocks": int(realised.numel()),
+        "head_mae": float((predicted - realised).abs().mean()),
+        "mean_predicted": float(predicted.mean()),
+        "mean_realised": float(realised.mean()),
+        "mean_k_hat": float(k_hat.float().mean()),
+        # Greedy: a round verifies k̂ drafts and commits min(k̂, a) + 1 tokens; per verified draft that is the
+        # acceptance rate the adaptive length achieves (higher: fewer wasted target positions).
+        "accepted_per_round": float(committed.float().mean()),
+        "acceptance_of_verified": float(committed.sum() / k_hat.sum().clamp(min=1)),
+    }
+
+
+def fit_length_head(
+    drafter,
+    states: torch.Tensor,
+    realised: torch.Tensor,
+    steps: int = 300,
+    learning_rate: float = 1e-3,
+    batch_size: int = 256,
+    seed: int = 0,
+    time_budget_s: float | None = None,
+) -> list[float]:
+    """AdamW on the length head's parameters only (MSE of â against ``realised``); returns the loss per step."""
+    head = length_head(drafter)
+    head.train()
+    params = list(head.parameters())
+    optimizer = torch.optim.AdamW(params, lr=learning_rate, weight_decay=0.0)
+    generator = torch.Generator().manual_seed(seed)
+    dtype = params[0].dtype
+    losses, start = [], time.perf_counter()
+    for _ in range(steps):
+        rows = torch.randint(0, realised.numel(), (min(batch_size, realised.numel()),), generator=generator)
+        loss = F.mse_loss(head(states[rows].to(dtype)).float(), realised[rows])
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+        if time_budget_s is not None and time.perf_counter() - start > time_budget_s:
+            break
+    head.eval()
+    return losses
+
+
+def calibrate_length_head(
+    drafter,
+    records: list[dict],
+    features: list[torch.Tensor],
+    target,
+    *,
+    holdout_fraction: float = 0.25,
+    steps: int = 300,
+    learning_rate: float = 1e-3,
+    batch_size: int = 256,
+    max_anchors: int = 256,
+    seed: int = 0,
+    time_budget_s: float | None = None,
+) -> dict:
+    """Fit ``drafter``'s length head in place on ``records`` (the target's greedy answers) and their ``features``.
+
+    Every ``1 / holdout_fraction``-th record is held out (at least one when there are two or more). Returns the
+    held-out figures before and after, the fit loss curve and the seconds spent.
+    """
+    if not 0 <= holdout_fraction < 1:
+        raise ValueError(f"holdout_fraction: expected 0 <= value < 1, got {holdout_fraction}")
+    if steps < 1:
+        raise ValueError(f"steps: expected >= 1, got {steps}")
+    if len(records) != len(features):
+        raise ValueError(f"features: expected one per record ({len(records)}), got {len(features)}")
+    start = time.perf_counter()
+    blocks = collect_blocks(drafter, target, records, features, max_anchors)
+    if not blocks:
+        raise ValueError(
+            f"records: expected at least one answer of {drafter.config.block_size} tokens or more (a full block), "
+            f"got none of {len(records)}"
+        )
+    every = max(2, round(1 / holdout_fraction)) if holdout_fraction > 0 and len(blocks) > 1 else 0
+    held = [b for i, b in enumerate(blocks) if every and i % every == every - 1]
+    fit = [b for i, b in enumerate(blocks) if not (every and i % every == every - 1)]
+    fit_states, fit_realised = torch.cat([s for s, _ in fit]), torch.cat([r for _, r in fit])
+    held_states = torch.cat([s for s, _ in held]) if held else fit_states
+    held_realised = torch.cat([r for _, r in held]) if held else fit_realised
+    collected = time.perf_counter() - start
+    before = head_figures(drafter, held_states, held_realised)
+    losses = fit_length_head(
+        drafter, fit_states, fit_realised, steps, learning_rate, batch_size, seed, time_budget_s
+    )
+    after = head_figures(drafter, held_states, held_realised)
+    report = {
+        "sequences": {"fit": len(fit), "held_out": len(held)},
+        "blocks": {"fit": int(fit_realised.numel()), "held_out": int(held_realised.numel())},
+        "before": before,
+        "after": after,
+        "loss": losses,
+        "steps": len(losses),
+        "seconds": {"collect": collected, "total": time.perf_counter() - start},
+    }
+    logger.info(
+        f"length head calibrated on {report['blocks']['fit']} blocks in {report['steps']} steps: held-out |â - a*| "
+        f"{before['head_mae']:.3f} -> {after['head_mae']:.3f}, mean k̂ {before['mean_k_hat']:.2f} -> "
+        f"{after['mean_k_hat']:.2f}"
+    )
+    return report
+
+
+# ----------------------------------------------------------------------------------------------------------- CLI
+def make_parser() -> argparse.ArgumentParser:
+    from adaflash_hf.cli import CONFIG_HELP
+
+    parser = argparse.ArgumentParser(
+        prog="adaflash calibrate-head", description=__doc__.splitlines()[0].rstrip(":")
+    )
+    parser.add_argument("--drafter", required=True, help="drafter folder (any layout from_pretrained loads)")
+    parser.add_argument(
+        "--target", default="smollm2-135m-instruct", help="target (adaflash_hf.assets.load_target)"
+    )
+    parser.add_argument(
+        "--output-dir", required=True, help="where the calibrated drafter and calibration.json go"
+    )
+    parser.add_argument(
+        "--corpus-dir",
+        help="an existing corpus of the target's greedy answers (else one is generated under "
+        "<output-dir>/corpus from --prompts-per-domain prompts)",
+    )
+    parser.add_argument("--features-dir", help="features of --corpus-dir (else recorded while generating)")
+    parser.add_argument("--domains", nargs="+", default=["chat", "code", "math"])
+    parser.add_argument("--prompts-per-domain", type=int, default=16)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--learning-rate", type=float, default=1e-3)
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--holdout-fraction", type=float, default=0.25)
+    parser.add_argument(
+        "--reinit-head", action="store_true", help="start from a fresh head (to measure calibration)"
+    )
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--config", metavar="FILE", help=CONFIG_HELP)
+    return parser
+
+
+def _corpus(args, target, tokenizer, layer_ids) -> tuple[list[dict], list[torch.Tensor]]:
+    from adaflash_hf.corpus import build_corpus, load_features, read_corpus
+    from adaflash_hf.data import load_domain
+
+    corpus_dir, features_dir = args.corpus_dir, args.features_dir
+    if corpus_dir is None:
+        corpus_dir = Path(args.output_dir) / "corpus"
+        features_dir = corpus_dir / "features"
+        rows = [
+            row
+            for domain in args.domains
+            for row in load_domain(domain, "train", n=args.prompts_per_domain, seed=args.seed)
+        ]
+        build_corpus(
+            target,
+            tokenizer,
+            rows,
+            corpus_dir,
+            features_dir,
+            layer_ids=layer_ids,
+            max_new_tokens=args.max_new_tokens,
+        )
+    records = read_corpus(corpus_dir, args.domains)
+    if features_dir is None:
+        raise ValueError(
+            "--features-dir: expected the features of --corpus-dir (adaflash corpus --features-dir), got none"
+        )
+    features = [load_features(features_dir, record, layer_ids) for record in records]
+    missing = [r["id"] for r, f in zip(records, features) if f is None]
+    if missing:
+        raise ValueError(
+            f"--features-dir: expected features of every record, {len(missing)} missing (first {missing[0]})"
+        )
+    return records, features
+
+
+def main(argv: list[str] | None = None) -> dict:
+    from adaflash_hf.assets import load_target
+    from adaflash_hf.cli import read_option_file
+    from adaflash_hf.modeling import AdaFlashDrafter
+
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    if args.config:
+        parser.set_defaults(**read_option_file(args.config, parser))
+        args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    drafter = AdaFlashDrafter.from_pretrained(args.drafter)
+    target, tokenizer = load_target(args.target)
+    drafter = drafter.to(next(target.parameters()).dtype)  # a bf16 checkpoint is fitted in the target's dtype
+    drafter.check_target(target)
+    if args.reinit_head:
+        reinitialise_length_head(drafter, args.seed)
+    records, features = _corpus(args, target, tokenizer, list(drafter.config.target_layer_ids))
+    report = calibrate_length_head(
+        drafter,
+        records,
+        features,
+        target,
+        holdout_fraction=args.holdout_fraction,
+        steps=args.steps,
+        learning_rate=args.learning_rate,
+        batch_size=args.batch_size,
+        seed=args.seed,
+    )
+    out = Path(args.output_dir)
+    drafter.save_pretrained(out / "drafter")
+    report["drafter"] = str(out / "drafter")
+    (out / "calibration.json").write_text(json.dumps(report, indent=1) + "\n")
+    return report
+
+
+def summary_line(report: dict) -> str:
+    before, after = report["before"], report["after"]
+    return (
+        f"held-out |â - a*| {before['head_mae']:.3f} -> {after['head_mae']:.3f}; accepted drafts per verified "
+        f"{before['acceptance_of_verified']:.2f} -> {after['acceptance_of_verified']:.2f}; "
+        f"mean k̂ {before['mean_k_hat']:.2f} -> {after['mean_k_hat']:.2f} ({report['steps']} steps, "
+        f"{report['seconds']['total']:.0f} s)"
+    )
+
+
+if __name__ == "__main__":
+    logging.set_verbosity_info()
+    print(summary_line(main()))

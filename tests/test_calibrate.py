@@ -1,0 +1,130 @@
+"""`adaflash calibrate-head`: only the length head learns, from realised acceptance, and it learns it."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from adaflash_hf.calibrate import (
+    calibrate_length_head,
+    collect_blocks,
+    length_head,
+    main,
+    reinitialise_length_head,
+)
+from tests.test_learning_curve import features_of
+
+BLOCK = 4
+
+
+def _drafts_one_token(drafter, target) -> int:
+    """Zero every layer's output so each MASK row drafts the same token; return it."""
+    embedding, lm_weight = target.get_input_embeddings().weight, target.get_output_embeddings().weight
+    with torch.no_grad():
+        for layer in drafter.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        mask_row = drafter.norm(F.embedding(torch.tensor([drafter.config.mask_token_id]), embedding))
+    return int((mask_row @ lm_weight.T).argmax())
+
+
+def _records(token: int, count: int = 8) -> list[dict]:
+    """Answers of runs: after anchor 7 come `token`s (blocks accepted in full), after anchor 9 other tokens (none)."""
+    other = (token + 5) % 200 + 20
+    records = []
+    for i in range(count):
+        prompt = [3, 4 + i, 5]
+        response = ([7] + [token] * 5 + [9] + [other] * 5) * 3
+        records.append({"id": f"r{i}", "domain": "chat", "input_ids": prompt + response, "prompt_length": 3})
+    return records
+
+
+@pytest.fixture
+def setup(target_factory, drafter_factory):
+    target = target_factory("llama")
+    drafter = drafter_factory(target, block_size=BLOCK)
+    token = _drafts_one_token(drafter, target)
+    records = _records(token)
+    layer_ids = drafter.config.target_layer_ids
+    with torch.no_grad():
+        features = [features_of(target, r, layer_ids) for r in records]
+    return target, drafter, records, features
+
+
+def test_calibration_fits_the_head_alone_and_lowers_its_error(setup):
+    target, drafter, records, features = setup
+    reinitialise_length_head(drafter, seed=1)
+    head_names = {f"{name}" for name in drafter.length_head_parameter_names()}
+    before = {n: p.detach().clone() for n, p in drafter.named_parameters()}
+    realised = torch.cat([r for _, r in collect_blocks(drafter, target, records, features)])
+    assert 0.2 < float((realised == 1).float().mean()) < 0.8  # both full and rejected blocks
+
+    report = calibrate_length_head(drafter, records, features, target, steps=300, learning_rate=3e-3)
+
+    for name, param in drafter.named_parameters():
+        if name in head_names:
+            continue
+        assert torch.equal(param, before[name]), f"{name} changed: only the length head may learn"
+    assert any(not torch.equal(p, before[n]) for n, p in drafter.named_parameters() if n in head_names)
+    assert report["sequences"] == {"fit": 6, "held_out": 2}
+    assert report["after"]["head_mae"] < 0.5 * report["before"]["head_mae"]
+    # Better than the best constant (the median a*): the head reads the block, not just the average.
+    median_error = (realised - realised.median()).abs().mean()
+    assert report["after"]["head_mae"] < median_error
+    # k̂ follows the acceptance: more of what the adaptive length verifies is accepted than with the fresh head.
+    assert report["after"]["acceptance_of_verified"] > report["before"]["acceptance_of_verified"]
+    assert report["loss"][-1] < report["loss"][0]
+
+
+def test_reinitialised_head_is_a_fresh_module_of_the_same_shape(setup):
+    _, drafter, _, _ = setup
+    old = length_head(drafter)
+    shapes = [p.shape for p in old.parameters()]
+    reinitialise_length_head(drafter, seed=3)
+    assert length_head(drafter) is not old and [p.shape for p in length_head(drafter).parameters()] == shapes
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"holdout_fraction": 1.0}, r"holdout_fraction: expected 0 <= value < 1, got 1.0"),
+        ({"steps": 0}, r"steps: expected >= 1, got 0"),
+    ],
+)
+def test_bad_settings_are_named_before_any_forward(setup, kwargs, message):
+    target, drafter, records, features = setup
+    calls = []
+    handle = drafter.register_forward_pre_hook(lambda *a: calls.append(1))
+    with pytest.raises(ValueError, match=message):
+        calibrate_length_head(drafter, records, features, target, **kwargs)
+    handle.remove()
+    assert not calls
+
+
+def test_answers_shorter_than_a_block_are_refused(setup):
+    target, drafter, records, features = setup
+    short = [{**records[0], "input_ids": records[0]["input_ids"][:5]}]
+    with pytest.raises(ValueError, match=r"records: expected at least one answer of 4 tokens or more"):
+        calibrate_length_head(drafter, short, [features[0][:4]], target)
+
+
+def test_cli_calibrates_the_shipped_drafter_on_the_offline_target(tmp_path):
+    """Integration: the real target answers 2 prompts per domain, the shipped drafter's re-initialised head is fitted
+    on its realised acceptance, and the calibrated drafter is saved and loads."""
+    from adaflash_hf.bench.generate import DEFAULT_DRAFTER
+    from adaflash_hf.modeling import AdaFlashDrafter
+
+    report = main(
+        [
+            "--drafter", str(DEFAULT_DRAFTER), "--output-dir", str(tmp_path), "--domains", "math",
+            "--prompts-per-domain", "2", "--max-new-tokens", "32", "--steps", "50", "--reinit-head",
+            "--threads", "1",
+        ]
+    )  # fmt: skip
+    saved = json.loads((tmp_path / "calibration.json").read_text())
+    assert saved["blocks"]["fit"] > 0 and saved["after"]["head_mae"] < saved["before"]["head_mae"]
+    reloaded = AdaFlashDrafter.from_pretrained(report["drafter"])
+    fitted = dict(reloaded.named_parameters())
+    for name in reloaded.length_head_parameter_names():
+        assert torch.isfinite(fitted[name]).all()
