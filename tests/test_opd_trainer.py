@@ -318,3 +318,21 @@ def test_training_on_a_buffer_logs_the_metrics_and_learns(setup, tmp_path):
     for key in ("ce", "rkl_clipped", "rkl_raw", "clip_ratio", "head_mse", "accuracy", "accept_len"):
         assert key in logs[0], key
     assert logs[-1]["loss"] < logs[0]["loss"]
+
+
+def test_head_only_updates_the_length_head_and_nothing_else(setup, tmp_path):
+    target, drafter, trajectories = setup
+    head_names = set(drafter.length_head_parameter_names())
+    before = {n: p.detach().clone() for n, p in drafter.named_parameters()}
+    trainer = make_trainer(target, drafter, tmp_path, trajectories, head_only=True)
+    groups = {g["name"]: g for g in trainer.create_optimizer().param_groups}
+    assert groups["drafter"]["params"] == [] and len(groups["length_head"]["params"]) == len(head_names)
+    trainer.train()
+    logs = [e for e in trainer.state.log_history if "head_mse" in e]
+    assert logs and logs[-1]["head_mse"] < logs[0]["head_mse"]
+    for name, param in drafter.named_parameters():
+        if name not in head_names:
+            assert torch.equal(param.detach(), before[name]), f"{name} changed under head_only"
+    assert any(
+        not torch.equal(p.detach(), before[n]) for n, p in drafter.named_parameters() if n in head_names
+    )

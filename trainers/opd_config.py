@@ -48,6 +48,14 @@ class OPDConfig(DistillationConfig):
         default=2e-4, metadata={"help": "Learning rate of the length head."}
     )
     length_head_loss_weight: float = field(default=1.0, metadata={"help": "Weight of the length head's MSE."})
+    head_only: bool = field(
+        default=False,
+        metadata={
+            "help": "Update only the length head from the realised acceptance (drafter frozen): gives a checkpoint "
+            "whose head is untrained (a z-lab DFlash drafter) an adaptive length online. Offline: adaflash "
+            "calibrate-head."
+        },
+    )
     max_nonfinite_steps: int = field(
         default=5,
         metadata={

@@ -109,6 +109,17 @@ class TrajectoryCollator:
         }
 
 
+def _freeze_all_but_the_length_head(model) -> None:
+    """``requires_grad=False`` on every parameter outside the length head (a PEFT wrapper's adapters included)."""
+    head = split_drafter_and_head(model)["length_head"]
+    if not head:
+        raise ValueError("head_only: expected a drafter with a trainable length head, got none")
+    keep = {id(p) for p in head}
+    for param in model.parameters():
+        if id(param) not in keep:
+            param.requires_grad_(False)
+
+
 class OPDTrainer(DistillationTrainer):
     """Online on-policy distillation of an ``AdaFlashDrafter``. See the module docstring for the hooks."""
 
@@ -132,6 +143,8 @@ class OPDTrainer(DistillationTrainer):
         peft_config=None,
     ):
         target.eval().requires_grad_(False)
+        if args.head_only:  # before the optimizer sees them: the frozen drafter has no group, no gradient
+            _freeze_all_but_the_length_head(model)
         if getattr(model, "generation_config", None) is None:
             # DistillationTrainer writes pad/eos ids into the student's generation config; a drafter has none.
             model.generation_config = GenerationConfig()
