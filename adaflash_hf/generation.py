@@ -266,6 +266,49 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
             ):
                 return self._lookup_round(input_ids, proposal, started)
 
+        out = self._drafter_forward(input_ids, model_kwargs)
+        predicted = float(out.acceptance_prob.float().reshape(-1)[0])
+        finite = math.isfinite(predicted) and bool(torch.isfinite(out.last_hidden_state).all())
+        if not finite:
+            self._count_nonfinite_block()
+            predicted = 0.0
+        self.last_acceptance = predicted
+        if proposal is not None and choose_lookup(proposal, self.lookup_record, predicted, self.block_size):
+            return self._lookup_round(input_ids, proposal, started)
+        if not finite:
+            length = 0
+        elif self.length_mode == "fixed":
+            length = self.block_size - 1
+        else:
+            length = int(
+                self.drafter.predict_draft_length(out.acceptance_prob, self.gamma, self.min_len).reshape(-1)[
+                    0
+                ]
+            )
+        length = min(length, room)
+        # The lm_head over V is the expensive part: only the verified rows, unless a recorder wants the whole block.
+        rows = self.block_size - 1 if self.recorder is not None else length
+        drafted = self._block_logits(out.last_hidden_state[:, 1 : 1 + rows])
+        candidate_ids, candidate_logits = self._propose(input_ids, drafted, length)
+        self.pending = {
+            "started": time.perf_counter(),
+            "drafter_seconds": time.perf_counter() - started,
+            "length": length,
+            "predicted": predicted,
+            "context_length": cur_len - 1,
+            "anchor": int(input_ids[0, -1]),
+            "drafted": drafted,
+            "proposed": candidate_ids[0, cur_len:],
+            "source": "diffusion",
+        }
+        if length == 0:
+            # An empty draft must be (input_ids, None): zero-length logits crash transformers' speculative sampling.
+            return input_ids, None
+        return candidate_ids, candidate_logits
+
+    def _drafter_forward(self, input_ids, model_kwargs):
+        """One drafter forward: the buffered context joins the cache, the block [anchor, MASK...] replaces the
+        last forward's block rows there."""
         context, self.context_buffer = self.context_buffer, None
         num_new = context.shape[1]
         if self.block_in_cache:
@@ -288,31 +331,11 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
         )
         self.num_cached += num_new
         self.block_in_cache = True
+        return out
 
-        predicted = float(out.acceptance_prob.float().reshape(-1)[0])
-        finite = math.isfinite(predicted) and bool(torch.isfinite(out.last_hidden_state).all())
-        if not finite:
-            self._count_nonfinite_block()
-            predicted = 0.0
-        self.last_acceptance = predicted
-        if proposal is not None and choose_lookup(proposal, self.lookup_record, predicted, self.block_size):
-            return self._lookup_round(input_ids, proposal, started)
-        if not finite:
-            length = 0
-        elif self.length_mode == "fixed":
-            length = self.block_size - 1
-        else:
-            length = int(
-                self.drafter.predict_draft_length(out.acceptance_prob, self.gamma, self.min_len).reshape(-1)[
-                    0
-                ]
-            )
-        length = min(length, room)
-        # The lm_head over V is the expensive part: only the verified rows, unless a recorder wants the whole block.
-        rows = self.block_size - 1 if self.recorder is not None else length
-        logits, token_ids = draft_logits(
-            out.last_hidden_state[:, 1 : 1 + rows], self.lm_head, self.drafter.draft_token_ids
-        )
+    def _block_logits(self, block_rows):
+        """Float logits of drafter block rows over the whole vocabulary (the draft vocabulary's, scattered)."""
+        logits, token_ids = draft_logits(block_rows, self.lm_head, self.drafter.draft_token_ids)
         drafted = logits.float()
         if token_ids is not None:
             # Processors and the verifier index the whole vocabulary. -inf outside the draft vocabulary: no such token
@@ -320,22 +343,7 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
             # residual max(p - q, 0) keeps all the target's mass outside the subset: still lossless.
             full = drafted.new_full((*drafted.shape[:-1], self.lm_head.weight.shape[0]), float("-inf"))
             drafted = full.index_copy_(-1, token_ids, drafted)
-        candidate_ids, candidate_logits = self._propose(input_ids, drafted, length)
-        self.pending = {
-            "started": time.perf_counter(),
-            "drafter_seconds": time.perf_counter() - started,
-            "length": length,
-            "predicted": predicted,
-            "context_length": cur_len - 1,
-            "anchor": int(input_ids[0, -1]),
-            "drafted": drafted,
-            "proposed": candidate_ids[0, cur_len:],
-            "source": "diffusion",
-        }
-        if length == 0:
-            # An empty draft must be (input_ids, None): zero-length logits crash transformers' speculative sampling.
-            return input_ids, None
-        return candidate_ids, candidate_logits
+        return drafted
 
     def _count_nonfinite_block(self) -> None:
         if not self.stats.nonfinite_blocks:
@@ -455,9 +463,8 @@ def _wrap_validate_generation_mode(original):
         bound = signature.bind(self, *args, **kwargs).arguments
         assistant = (bound.get("generation_mode_kwargs") or {}).get("assistant_model")
         if isinstance(assistant, AdaFlashDrafter):
-            assistant.last_stats = (
-                None  # until this call's generator exists: a failed call leaves no stale stats
-            )
+            # Until this call's generator exists: a call that fails leaves no stale stats behind.
+            assistant.last_stats = None
             validate_adaflash_generation(
                 self, assistant, bound["generation_mode"], bound["generation_config"]
             )

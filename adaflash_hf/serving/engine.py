@@ -115,6 +115,21 @@ def _filter_logits(rows: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return rows
 
 
+def _resolve_drafter(drafter):
+    """The drafter itself, or the one at a checkpoint folder / Hub repo id; refuse anything else, before any forward."""
+    if isinstance(drafter, (str, os.PathLike)):
+        from adaflash_hf.interop import load_drafter
+
+        return load_drafter(drafter)
+    if drafter is not None and not callable(getattr(drafter, "check_target", None)):
+        # Duck-typed: a PEFT-wrapped drafter (OPD's LoRA) forwards check_target to its AdaFlashDrafter.
+        raise TypeError(
+            f"drafter: expected an AdaFlashDrafter (or a model wrapping one) or a checkpoint folder / Hub repo id, "
+            f"got {type(drafter).__name__}"
+        )
+    return drafter
+
+
 class AdaFlashEngine:
     """Batched speculative decoding engine. See the module docstring."""
 
@@ -147,16 +162,7 @@ class AdaFlashEngine:
             )
         if mode != "plain" and drafter is None:
             raise ValueError(f"drafter: expected an AdaFlashDrafter for mode={mode!r}, got None")
-        if isinstance(drafter, (str, os.PathLike)):
-            from adaflash_hf.interop import load_drafter
-
-            drafter = load_drafter(drafter)
-        if drafter is not None and not callable(getattr(drafter, "check_target", None)):
-            # Duck-typed: a PEFT-wrapped drafter (OPD's LoRA) forwards check_target to its AdaFlashDrafter.
-            raise TypeError(
-                f"drafter: expected an AdaFlashDrafter (or a model wrapping one) or a checkpoint folder / Hub repo id, "
-                f"got {type(drafter).__name__}"
-            )
+        drafter = _resolve_drafter(drafter)
         text_config = target.config.get_text_config()
         if getattr(text_config, "sliding_window", None) and getattr(text_config, "use_sliding_window", True):
             raise ValueError(
