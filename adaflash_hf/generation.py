@@ -22,7 +22,8 @@ field); an unknown ``adaflash_*`` name is an error that names the closest knob:
 A drafter with ``draft_token_ids`` drafts over that subset only (``adaflash_hf.draft_vocab``), in both proposal modes.
 
 ``drafter.last_stats`` describes the last AdaFlash ``generate`` call with that drafter: an ``AdaFlashStats``, or
-None before any call and after a call that failed before it drafted. ``drafter.round_recorder`` (a callable,
+None before any call, after a call that failed before it drafted, and once ``disable()`` hands generate back to
+transformers' native path. ``drafter.round_recorder`` (a callable,
 default None) receives a ``RoundRecord`` per drafting round. A drafter block with a non-finite state verifies no
 drafts that round (lossless either way); it is counted in ``AdaFlashStats.nonfinite_blocks`` and warned about once
 per call.
@@ -35,6 +36,7 @@ import functools
 import inspect
 import math
 import time
+import weakref
 from typing import Any
 
 import torch
@@ -69,6 +71,9 @@ KNOBS = (
     "adaflash_draft_source",
 )
 _HOOKED = ("_get_candidate_generator", "_validate_generation_mode", "_prepare_generation_config")
+# Drafters whose last_stats the hook set: disable() clears them, since the calls that follow (transformers' native
+# path) are invisible to adaflash_hf and must not be mistaken for the stats' call.
+_DRAFTERS_WITH_STATS: weakref.WeakSet = weakref.WeakSet()
 
 
 def _version_tuple(version: str) -> tuple[int, ...]:
@@ -229,6 +234,7 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
         self.last_acceptance: float | None = None  # the length head's newest â
         self.stats = AdaFlashStats(block_size=self.block_size)
         drafter.last_stats = self.stats
+        _DRAFTERS_WITH_STATS.add(drafter)
         self.recorder = getattr(drafter, "round_recorder", None)
         self.version = int(getattr(drafter, "weights_version", 0))
         self.num_cached = 0
@@ -510,7 +516,11 @@ def enable() -> None:
 
 
 def disable() -> None:
-    """Remove the generate hook; AdaFlash drafters then need ``speculation_type="dflash"`` (fixed length)."""
+    """Remove the generate hook; AdaFlash drafters then need ``speculation_type="dflash"`` (fixed length). Clears
+    ``last_stats`` of every drafter: the calls that follow are not AdaFlash calls and record none."""
+    for drafter in list(_DRAFTERS_WITH_STATS):
+        drafter.last_stats = None
+    _DRAFTERS_WITH_STATS.clear()
     for name in _HOOKED:
         current = getattr(GenerationMixin, name)
         original = getattr(current, "_adaflash_original", None)

@@ -195,3 +195,18 @@ def test_last_stats_describes_the_last_adaflash_call_only(target_factory, drafte
     with pytest.raises(ValueError, match="adaflash_gamma"):
         target.generate(PROMPT, assistant_model=drafter, max_new_tokens=6, adaflash_gamma=-1.0)
     assert drafter.last_stats is None
+
+
+def test_last_stats_is_cleared_when_generate_goes_back_to_the_native_path(target_factory, drafter_factory):
+    target = target_factory("qwen3")
+    drafter = drafter_factory(target)
+    target.generate(PROMPT, assistant_model=drafter, max_new_tokens=6, do_sample=False)
+    assert drafter.last_stats is not None
+    adaflash_hf.disable()
+    try:
+        target.generate(
+            PROMPT, assistant_model=drafter, max_new_tokens=6, do_sample=False, speculation_type="dflash"
+        )
+        assert drafter.last_stats is None
+    finally:
+        adaflash_hf.enable()
