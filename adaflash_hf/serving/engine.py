@@ -499,9 +499,7 @@ class AdaFlashEngine:
         )
         features = None
         if self.drafter is not None:
-            features = torch.cat(
-                [out.hidden_states[i + 1][0] for i in self.drafter.config.target_layer_ids], -1
-            )
+            features = self.drafter.context_features(out.hidden_states)[0]
 
         logits = out.logits[0].float()
         row_counts = [1] * len(admitted) + [len(d) + 1 for d in drafts]
