@@ -5,6 +5,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 
+def tau_of(committed: int, rounds: int) -> float:
+    """τ, the one definition: committed tokens per drafting round (one target forward each; a round commits its
+    accepted drafts + 1 bonus token, fewer when cut at EOS / length); 0 without rounds."""
+    return committed / rounds if rounds else 0.0
+
+
 @dataclass
 class RoundRecord:
     """One drafting round, as handed to a round recorder (the online-learning hook).
@@ -70,7 +76,7 @@ class AdaFlashStats:
     @property
     def tau(self) -> float:
         """Committed tokens per target forward over drafting rounds (accepted + 1 bonus); 0 before any round."""
-        return self.committed_tokens / self.drafting_rounds if self.drafting_rounds else 0.0
+        return tau_of(self.committed_tokens, self.drafting_rounds)
 
     @property
     def realised_acceptance(self) -> list[float]:

@@ -47,6 +47,7 @@ from transformers.utils import logging
 
 import adaflash_hf
 from adaflash_hf import AdaFlashDrafter
+from adaflash_hf.stats import tau_of
 
 logger = logging.get_logger(__name__)
 
@@ -324,7 +325,7 @@ def _account(record: dict, calls, prompt_length: int, final_length: int, method:
         target_forwards=len(calls),
         verify_lengths=verified,
         accepted_lengths=accepted,
-        tau=sum(a + 1 for a in accepted) / len(accepted) if accepted else None,
+        tau=tau_of(sum(accepted) + len(accepted), len(accepted)) if accepted else None,
         tau_stats=None,
         stats_agree=None,
         stats=None,
@@ -362,7 +363,7 @@ def _summarise(records: list[dict]) -> dict:
         "prompts": len(records),
         "new_tokens": sum(r["new_tokens"] for r in records),
         "rounds": len(verified),
-        "tau": sum(a + 1 for a in accepted) / len(accepted) if accepted else None,
+        "tau": tau_of(sum(accepted) + len(accepted), len(accepted)) if accepted else None,
         "tau_stats": None,
         "tokens_per_s": sum(r["new_tokens"] for r in records) / sum(r["median_seconds"] for r in records),
         "speedup": math.exp(statistics.fmean(math.log(r["speedup"]) for r in records)),
@@ -377,7 +378,7 @@ def _summarise(records: list[dict]) -> dict:
     if records[0]["stats"] is not None:
         rounds = sum(r["stats"]["drafting_rounds"] for r in records)
         committed = sum(r["stats"]["committed_tokens"] for r in records)
-        row["tau_stats"] = committed / rounds if rounds else None
+        row["tau_stats"] = tau_of(committed, rounds) if rounds else None
         row["stats_agree"] = all(r["stats_agree"] for r in records)
         lookup = [
             (k, a)

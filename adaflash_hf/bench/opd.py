@@ -45,6 +45,7 @@ import yaml
 from transformers.utils import logging
 
 from adaflash_hf.serving import AdaFlashEngine, AdmissionConfig, SamplingParams
+from adaflash_hf.stats import tau_of
 
 logger = logging.get_logger(__name__)
 
@@ -174,7 +175,7 @@ def evaluate_drafter(
                     for j in range(lead):
                         reached[j] += 1
         summary[domain] = {
-            "tau": (accepted + verifies) / verifies if verifies else 0.0,
+            "tau": tau_of(accepted + verifies, verifies),
             "tau_full": 1.0 + full_accepted / full_rounds if full_rounds else 0.0,
             "acceptance_rate": accepted / drafted if drafted else 0.0,
             "mean_verify_length": drafted / verifies if verifies else 0.0,

@@ -42,6 +42,7 @@ from transformers.utils import logging
 from adaflash_hf import AdaFlashConfig, AdaFlashDrafter
 from adaflash_hf.serving import MODES as ENGINE_MODES
 from adaflash_hf.serving import AdaFlashEngine, AdmissionConfig, SamplingParams
+from adaflash_hf.stats import tau_of
 
 logger = logging.get_logger(__name__)
 
@@ -101,7 +102,7 @@ def _summarise(
         "requests": requests,
         "tokens_per_s": tps,
         "speedup_vs_plain": tps / plain_tps,
-        "tau": first["committed"] / first["verifies"] if first["verifies"] else 0.0,
+        "tau": tau_of(first["committed"], first["verifies"]),
         "mean_verify_length": first["draft_tokens"] / first["verifies"] if first["verifies"] else 0.0,
         "acceptance_rate": first["accepted"] / first["draft_tokens"] if first["draft_tokens"] else 0.0,
         "lookup_share": first["lookup_verifies"] / first["verifies"] if first["verifies"] else 0.0,

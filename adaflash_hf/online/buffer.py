@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch.utils.data import Dataset
 
-from adaflash_hf.stats import RoundRecord
+from adaflash_hf.stats import RoundRecord, tau_of
 
 
 @dataclass
@@ -65,7 +65,7 @@ class Trajectory:
     @property
     def tau(self) -> float:
         """Committed tokens per drafting round (accepted + 1), 0 without rounds."""
-        return (sum(self.accepted) + len(self.accepted)) / len(self.accepted) if self.accepted else 0.0
+        return tau_of(sum(self.accepted) + len(self.accepted), len(self.accepted))
 
     def to_dict(self) -> dict:
         return asdict(self)

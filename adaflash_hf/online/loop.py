@@ -43,6 +43,7 @@ from adaflash_hf.online.weights import (
     save_online_checkpoint,
 )
 from adaflash_hf.serving import AdaFlashEngine, SamplingParams
+from adaflash_hf.stats import tau_of
 
 logger = logging.get_logger(__name__)
 
@@ -167,7 +168,7 @@ class ServingMetrics:
 
 
 def _tau(counts) -> float:
-    return (counts["accepted"] + counts["rounds"]) / counts["rounds"] if counts["rounds"] else 0.0
+    return tau_of(counts["accepted"] + counts["rounds"], counts["rounds"])
 
 
 class ServingWorker(threading.Thread):

@@ -61,7 +61,7 @@ from adaflash_hf.serving.cache import (
     packed_target_forward,
 )
 from adaflash_hf.serving.requests import FINISHED, RUNNING, WAITING, Request, RequestOutput, SamplingParams
-from adaflash_hf.stats import RoundRecord
+from adaflash_hf.stats import RoundRecord, tau_of
 
 logger = logging.get_logger(__name__)
 
@@ -93,7 +93,7 @@ class StepStats:
     @property
     def tau(self) -> float:
         """Committed tokens per verifying request in this step (accepted + 1)."""
-        return self.committed / self.verifies if self.verifies else 0.0
+        return tau_of(self.committed, self.verifies)
 
     @property
     def mean_verify_length(self) -> float:
