@@ -44,6 +44,25 @@ def test_shipped_drafter_fits_smollm2_and_generates_losslessly():
     assert drafter.last_stats.tau > 1.05
 
 
+@pytest.mark.parametrize("draft_source", ["diffusion", "hybrid"])
+def test_shipped_drafter_samples_reproducibly_and_exactly_where_sampling_is_deterministic(draft_source):
+    """Sampling: a fixed seed reproduces the output, and with top_k=1 (a one-hot target distribution, where lossless
+    speculative sampling must equal plain decoding token for token) the output is plain greedy's."""
+    target, tokenizer = load_target()
+    drafter = AdaFlashDrafter.from_pretrained(SHIPPED)
+    prompt = chat_prompt_ids(tokenizer, "Name three uses of a paperclip.")
+    sampling = dict(max_new_tokens=24, do_sample=True, temperature=0.8, adaflash_draft_source=draft_source)
+
+    def sample(seed, **extra):
+        torch.manual_seed(seed)
+        config = GenerationConfig(**{**sampling, **extra})
+        return target.generate(prompt, assistant_model=drafter, generation_config=config)
+
+    assert torch.equal(sample(7), sample(7))
+    greedy = target.generate(prompt, max_new_tokens=24, do_sample=False)
+    assert torch.equal(sample(3, top_k=1), greedy)
+
+
 def test_demo_runs_and_checks_against_plain_greedy(capsys):
     spec = importlib.util.spec_from_file_location("demo", REPO / "examples" / "demo.py")
     demo = importlib.util.module_from_spec(spec)
