@@ -22,6 +22,7 @@ draft length's expected accepted drafts on the held-out blocks, before and after
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import time
 from pathlib import Path
@@ -71,9 +72,12 @@ def collect_blocks(
 
 
 @torch.no_grad()
-def head_figures(drafter, states: torch.Tensor, realised: torch.Tensor) -> dict:
-    """Mean |â - a*|, mean â, and per block the drafts the adaptive length k̂ verifies and would get accepted."""
-    head = length_head(drafter)
+def head_figures(
+    drafter, states: torch.Tensor, realised: torch.Tensor, head: torch.nn.Module | None = None
+) -> dict:
+    """Mean |â - a*|, mean â, and per block the drafts the adaptive length k̂ verifies and would get accepted, for
+    ``head`` (default: the drafter's own length head)."""
+    head = length_head(drafter) if head is None else head
     dtype = next(head.parameters()).dtype
     predicted = head(states.to(dtype)).float()
     k_hat = drafter.predict_draft_length(predicted)
@@ -136,11 +140,13 @@ def calibrate_length_head(
     max_anchors: int = 256,
     seed: int = 0,
     time_budget_s: float | None = None,
+    reference_heads: dict[str, torch.nn.Module] | None = None,
 ) -> dict:
     """Fit ``drafter``'s length head in place on ``records`` (the target's greedy answers) and their ``features``.
 
     Every ``1 / holdout_fraction``-th record is held out (at least one when there are two or more). Returns the
-    held-out figures before and after, the fit loss curve and the seconds spent.
+    held-out figures before and after, those of each of ``reference_heads`` (e.g. the head a checkpoint was trained
+    with) on the same blocks, the fit loss curve and the seconds spent.
     """
     if not 0 <= holdout_fraction < 1:
         raise ValueError(f"holdout_fraction: expected 0 <= value < 1, got {holdout_fraction}")
@@ -172,6 +178,10 @@ def calibrate_length_head(
         "blocks": {"fit": int(fit_realised.numel()), "held_out": int(held_realised.numel())},
         "before": before,
         "after": after,
+        "references": {
+            name: head_figures(drafter, held_states, held_realised, head)
+            for name, head in (reference_heads or {}).items()
+        },
         "loss": losses,
         "steps": len(losses),
         "seconds": {"collect": collected, "total": time.perf_counter() - start},
@@ -204,6 +214,9 @@ def make_parser() -> argparse.ArgumentParser:
         "<output-dir>/corpus from --prompts-per-domain prompts)",
     )
     parser.add_argument("--features-dir", help="features of --corpus-dir (else recorded while generating)")
+    parser.add_argument(
+        "--max-sequences", type=int, default=None, help="use at most this many corpus answers (evenly spaced)"
+    )
     parser.add_argument("--domains", nargs="+", default=["chat", "code", "math"])
     parser.add_argument("--prompts-per-domain", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -243,6 +256,9 @@ def _corpus(args, target, tokenizer, layer_ids) -> tuple[list[dict], list[torch.
             max_new_tokens=args.max_new_tokens,
         )
     records = read_corpus(corpus_dir, args.domains)
+    if args.max_sequences is not None and len(records) > args.max_sequences:
+        step = len(records) / args.max_sequences
+        records = [records[int(i * step)] for i in range(args.max_sequences)]
     if features_dir is None:
         raise ValueError(
             "--features-dir: expected the features of --corpus-dir (adaflash corpus --features-dir), got none"
@@ -272,7 +288,9 @@ def main(argv: list[str] | None = None) -> dict:
     target, tokenizer = load_target(args.target)
     drafter = drafter.to(next(target.parameters()).dtype)  # a bf16 checkpoint is fitted in the target's dtype
     drafter.check_target(target)
-    if args.reinit_head:
+    references = {}
+    if args.reinit_head:  # the loaded head is the reference the fresh one is measured against
+        references["loaded_head"] = copy.deepcopy(length_head(drafter)).eval()
         reinitialise_length_head(drafter, args.seed)
     records, features = _corpus(args, target, tokenizer, list(drafter.config.target_layer_ids))
     report = calibrate_length_head(
@@ -285,6 +303,7 @@ def main(argv: list[str] | None = None) -> dict:
         learning_rate=args.learning_rate,
         batch_size=args.batch_size,
         seed=args.seed,
+        reference_heads=references,
     )
     out = Path(args.output_dir)
     drafter.save_pretrained(out / "drafter")
@@ -295,12 +314,18 @@ def main(argv: list[str] | None = None) -> dict:
 
 def summary_line(report: dict) -> str:
     before, after = report["before"], report["after"]
-    return (
+    line = (
         f"held-out |â - a*| {before['head_mae']:.3f} -> {after['head_mae']:.3f}; accepted drafts per verified "
         f"{before['acceptance_of_verified']:.2f} -> {after['acceptance_of_verified']:.2f}; "
         f"mean k̂ {before['mean_k_hat']:.2f} -> {after['mean_k_hat']:.2f} ({report['steps']} steps, "
         f"{report['seconds']['total']:.0f} s)"
     )
+    for name, figures in report["references"].items():
+        line += (
+            f"; {name}: |â - a*| {figures['head_mae']:.3f}, accepted per verified "
+            f"{figures['acceptance_of_verified']:.2f}, mean k̂ {figures['mean_k_hat']:.2f}"
+        )
+    return line
 
 
 if __name__ == "__main__":

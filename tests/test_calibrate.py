@@ -124,6 +124,7 @@ def test_cli_calibrates_the_shipped_drafter_on_the_offline_target(tmp_path):
     )  # fmt: skip
     saved = json.loads((tmp_path / "calibration.json").read_text())
     assert saved["blocks"]["fit"] > 0 and saved["after"]["head_mae"] < saved["before"]["head_mae"]
+    assert set(saved["references"]) == {"loaded_head"}  # the shipped head, scored on the same held-out blocks
     reloaded = AdaFlashDrafter.from_pretrained(report["drafter"])
     fitted = dict(reloaded.named_parameters())
     for name in reloaded.length_head_parameter_names():
