@@ -506,3 +506,17 @@ def test_shipped_training_configs_parse(name, monkeypatch):
     if name.endswith("stage2.yaml"):
         assert args.loss_positions == 6 and args.resume_from_checkpoint.endswith("checkpoint-420")
         assert args.max_steps > 420
+
+
+def test_offline_and_online_training_declare_the_drafter_arguments_once():
+    """DrafterTrainingConfig and OPD's script arguments inherit the target/drafter fields from DrafterArguments."""
+    import dataclasses
+
+    from adaflash_hf.trainers.drafter_setup import DrafterArguments
+    from adaflash_hf.trainers.opd import OPDScriptArguments
+
+    shared = {f.name: f.default for f in dataclasses.fields(DrafterArguments)}
+    for cls in (DrafterTrainingConfig, OPDScriptArguments):
+        assert issubclass(cls, DrafterArguments)
+        assert {f.name: f.default for f in dataclasses.fields(cls) if f.name in shared} == shared
+        assert not any(name in vars(cls)["__annotations__"] for name in shared), cls.__name__

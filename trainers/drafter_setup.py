@@ -1,7 +1,8 @@
-"""The drafter a training script starts from (``trainers/train_drafter.py`` and ``trainers/opd.py``): loaded from a
-checkpoint, or built fresh for the target with its final-norm initialisation and optional draft vocabulary."""
+"""The drafter a training script starts from (``trainers/train_drafter.py`` and ``trainers/opd.py``): the arguments
+both scripts share (``DrafterArguments``), and the drafter loaded from a checkpoint or built fresh for the target with
+its final-norm initialisation and optional draft vocabulary (``build_drafter``)."""
 
-from __future__ import annotations
+from dataclasses import dataclass, field
 
 import torch
 from transformers.utils import logging
@@ -13,11 +14,50 @@ from adaflash_hf.modeling.configuration_adaflash import build_target_layer_ids
 logger = logging.get_logger(__name__)
 
 
+@dataclass
+class DrafterArguments:
+    """The target and the drafter to start from, declared once for ``DrafterTrainingConfig`` and OPD's script
+    arguments (both inherit it: the same YAML keys, CLI flags and defaults)."""
+
+    target_model: str = field(
+        default="smollm2-135m-instruct",
+        metadata={
+            "help": "Target causal LM: 'smollm2-135m-instruct' (offline GGUF), a Hub id or a local folder."
+        },
+    )
+    drafter_init: str | None = field(
+        default=None,
+        metadata={
+            "help": "Start from this drafter checkpoint (any supported layout) instead of a fresh drafter."
+        },
+    )
+    drafter_layers: int = field(default=2, metadata={"help": "Decoder layers of a fresh drafter."})
+    drafter_target_layers: int = field(
+        default=3,
+        metadata={"help": "How many target layers (evenly spaced, as DFlash) feed a fresh drafter."},
+    )
+    block_size: int = field(
+        default=16,
+        metadata={"help": "Block size k of a fresh drafter: one anchor plus k-1 drafted tokens."},
+    )
+    mask_token_id: int | None = field(
+        default=None,
+        metadata={
+            "help": "Target vocabulary row used as MASK by a fresh drafter; None = a learned mask embedding "
+            "(targets with no spare row)."
+        },
+    )
+    length_head_variant: str = field(
+        default="two_model",
+        metadata={"help": "Length head of a fresh drafter: 'two_model' (official) or 'paper'."},
+    )
+
+
 def build_drafter(args, target, records: list[dict] | None = None) -> AdaFlashDrafter:
     """The drafter a training script starts from: ``args.drafter_init`` loaded in the target's dtype, or a fresh one
     for ``target`` (``drafter_layers``, ``drafter_target_layers``, ``block_size``, ``length_head_variant``,
     ``mask_token_id``; with ``draft_vocab_size`` a reduced draft vocabulary from ``records``). ``args`` is a
-    ``DrafterTrainingConfig`` or OPD's script arguments. Checked against the target before it is returned."""
+    ``DrafterArguments`` (``DrafterTrainingConfig`` or OPD's script arguments). Checked against the target before it is returned."""
     if args.drafter_init:
         drafter = AdaFlashDrafter.from_pretrained(args.drafter_init, dtype=target.dtype)
     else:

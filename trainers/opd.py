@@ -30,7 +30,7 @@ from adaflash_hf.online.config import OnlineConfig
 from adaflash_hf.online.loop import MetricsLogger, TrafficSource, run_online
 from adaflash_hf.online.weights import load_state, publishable_state
 from adaflash_hf.serving import MODES, AdaFlashEngine, AdmissionConfig, SamplingParams
-from adaflash_hf.trainers.drafter_setup import build_drafter
+from adaflash_hf.trainers.drafter_setup import DrafterArguments, build_drafter
 from adaflash_hf.trainers.opd_config import OPDConfig
 from adaflash_hf.trainers.opd_trainer import OPDTrainer
 
@@ -40,28 +40,9 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 
 @dataclass
-class OPDScriptArguments:
-    """The system around the trainer and the loop: target, drafter, traffic and serving."""
+class OPDScriptArguments(DrafterArguments):
+    """The system around the trainer and the loop: target and drafter (``DrafterArguments``), traffic and serving."""
 
-    target_model: str = field(
-        default="smollm2-135m-instruct",
-        metadata={
-            "help": "Target causal LM: 'smollm2-135m-instruct' (offline GGUF), a Hub id or a local folder."
-        },
-    )
-    drafter_init: str | None = field(
-        default=None,
-        metadata={"help": "Drafter checkpoint to start from (any supported layout); None = fresh."},
-    )
-    drafter_layers: int = field(default=2, metadata={"help": "Decoder layers of a fresh drafter."})
-    drafter_target_layers: int = field(default=3, metadata={"help": "Target layers feeding a fresh drafter."})
-    block_size: int = field(default=16, metadata={"help": "Block size k of a fresh drafter."})
-    mask_token_id: int | None = field(
-        default=None, metadata={"help": "MASK row of a fresh drafter; None = a learned mask embedding."}
-    )
-    length_head_variant: str = field(
-        default="two_model", metadata={"help": "'two_model' (official) or 'paper'."}
-    )
     domains: list[str] = field(
         default_factory=lambda: ["chat", "code", "math"],
         metadata={"help": "Traffic schedule: held-out prompts of each domain in turn, then again."},

@@ -4,41 +4,18 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
+from adaflash_hf.trainers.drafter_setup import DrafterArguments
+
 
 @dataclass
-class DrafterTrainingConfig(TrainingArguments):
-    """TrainingArguments plus the DFlash/SpecForge recipe and AdaFlash's length head.
+class DrafterTrainingConfig(DrafterArguments, TrainingArguments):
+    """TrainingArguments plus the drafter to start from (``DrafterArguments``), the DFlash/SpecForge recipe and
+    AdaFlash's length head.
 
     Defaults differ from TrainingArguments where the recipe says so (lr 6e-4, warmup 4%, grad clip 1.0, cosine) and
     where CPU training needs it (no bf16, no gradient checkpointing, no dataloader workers).
     """
 
-    target_model: str = field(
-        default="smollm2-135m-instruct",
-        metadata={
-            "help": "Target causal LM: 'smollm2-135m-instruct' (offline GGUF), a Hub id or a local folder."
-        },
-    )
-    drafter_init: str | None = field(
-        default=None,
-        metadata={
-            "help": "Start from this drafter checkpoint (any supported layout) instead of a fresh drafter."
-        },
-    )
-    drafter_layers: int = field(default=2, metadata={"help": "Decoder layers of a fresh drafter."})
-    drafter_target_layers: int = field(
-        default=3,
-        metadata={"help": "How many target layers (evenly spaced, as DFlash) feed a fresh drafter."},
-    )
-    block_size: int = field(
-        default=16, metadata={"help": "Block size k: one anchor plus k-1 drafted tokens."}
-    )
-    mask_token_id: int | None = field(
-        default=None,
-        metadata={
-            "help": "Target vocabulary row used as MASK; None = a learned mask embedding (targets with no spare row)."
-        },
-    )
     domains: list[str] = field(
         default_factory=lambda: ["chat", "code", "math"],
         metadata={"help": "Training domains of adaflash_hf.data."},
@@ -140,9 +117,6 @@ class DrafterTrainingConfig(TrainingArguments):
             "projection is the step's largest cost and later positions weigh exp(-(j-1)/gamma), little under a short "
             "decay; the length head's realised acceptance stays exact."
         },
-    )
-    length_head_variant: str = field(
-        default="two_model", metadata={"help": "'two_model' (official) or 'paper'."}
     )
     length_head_loss_weight: float = field(default=1.0, metadata={"help": "Weight of the length head's MSE."})
     length_head_learning_rate: float = field(
