@@ -106,6 +106,11 @@ def test_auto_model_from_config_builds_an_adaflash_drafter():
     assert type(AutoModel.from_config(config)) is AdaFlashDrafter
 
 
+def test_a_new_drafter_has_no_stats_no_round_recorder_and_weights_version_0(qwen3_target, drafter_factory):
+    drafter = drafter_factory(qwen3_target)
+    assert (drafter.last_stats, drafter.round_recorder, drafter.weights_version) == (None, None, 0)
+
+
 def test_auto_config_knows_the_adaflash_model_type():
     assert type(AutoConfig.for_model("adaflash", target_layer_ids=[0])) is AdaFlashConfig
 

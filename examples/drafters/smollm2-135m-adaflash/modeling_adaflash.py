@@ -22,6 +22,7 @@ import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -398,9 +399,15 @@ class AdaFlashPreTrainedModel(PreTrainedModel):
 class AdaFlashDrafter(AdaFlashPreTrainedModel):
     """DFlash-compatible block drafter plus the adaptive length head. See the module docstring."""
 
-    # Set by adaflash_hf's generate hook: the AdaFlashStats of the last AdaFlash generate call with this drafter
-    # (None before any, and after a call that failed before drafting).
-    last_stats = None
+    # Runtime state set from outside the model, never saved with it. Annotations only name types this file can
+    # resolve (PreTrainedModel.__init_subclass__ evaluates them, and remote code cannot import adaflash_hf).
+    # The adaflash_hf.stats.AdaFlashStats of the last AdaFlash generate call with this drafter, set by the generate
+    # hook: None before any, after a call that failed before drafting, and after adaflash_hf.disable().
+    last_stats: Any = None
+    # Called with each drafting round's adaflash_hf.stats.RoundRecord during generate (online learning); None: off.
+    round_recorder: Callable[..., None] | None = None
+    # Version of the loaded weights, set by adaflash_hf.online.weights.HotReloader; stamped on every RoundRecord.
+    weights_version: int = 0
 
     def __init__(self, config: AdaFlashConfig):
         super().__init__(config)
