@@ -57,13 +57,21 @@ def reinitialise_length_head(drafter, seed: int = 0) -> None:
 
 
 def collect_blocks(
-    drafter, target, records: list[dict], features: list[torch.Tensor], max_anchors: int = 256
+    drafter,
+    target,
+    records: list[dict],
+    features: list[torch.Tensor],
+    max_anchors: int = 256,
+    progress: bool = True,
 ):
     """Per record with at least one full block: (block states [n, k, H] float32, realised fraction a* [n])."""
+    from tqdm.auto import tqdm
+
     was_training = drafter.training
     drafter.eval()
     out = []
-    for record, feature in zip(records, features):
+    pairs = zip(records, features)
+    for record, feature in tqdm(pairs, total=len(records), desc="drafting blocks", disable=not progress):
         blocks = record_blocks(drafter, target, record, feature, max_anchors)
         if blocks is not None:
             out.append((blocks.states.float(), blocks.accepted.float() / (drafter.config.block_size - 1)))
