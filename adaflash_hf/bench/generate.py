@@ -192,18 +192,7 @@ def run_benchmark(
     holds no drafter method. ``gamma`` / ``min_len`` override the drafter's length-head settings for the AdaFlash
     methods.
     """
-    if not set(methods) <= set(METHODS) or "plain" not in methods:
-        raise ValueError(f"methods: expected a subset of {METHODS} including 'plain', got {list(methods)}")
-    if drafter is None and set(methods) - {"plain", "prompt_lookup"}:
-        raise ValueError(f"drafter: expected an AdaFlashDrafter for methods {list(methods)}, got None")
-    if drafter is not None:
-        drafter.check_target(target)
-    if repeats < 1:
-        raise ValueError(f"repeats: expected >= 1, got {repeats}")
-    if max_new_tokens < 2:
-        raise ValueError(
-            f"max_new_tokens: expected >= 2 (τ needs a forward after the prefill), got {max_new_tokens}"
-        )
+    _check_run(target, drafter, methods, repeats, max_new_tokens)
     methods = tuple(m for m in METHODS if m in methods)  # plain first: it is the reference
     if drafter is not None:
         gamma = drafter.config.length_head_gamma if gamma is None else gamma
@@ -251,23 +240,44 @@ def run_benchmark(
         for method in methods
     ]
     return {
-        "settings": {
-            "methods": list(methods),
-            "domains": list(prompts),
-            "prompts_per_domain": {domain: len(pairs) for domain, pairs in prompts.items()},
-            "max_new_tokens": max_new_tokens,
-            "repeats": repeats,
-            "prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS,
-            "block_size": None if drafter is None else drafter.config.block_size,
-            "gamma": gamma,
-            "min_len": min_len,
-            "threads": torch.get_num_threads(),
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-        },
+        "settings": _settings(drafter, prompts, methods, max_new_tokens, repeats, gamma, min_len),
         "ok": all(r["lossless"] and r["stats_agree"] is not False for r in records),
         "summary": summary,
         "records": records,
+    }
+
+
+def _check_run(target, drafter, methods, repeats: int, max_new_tokens: int) -> None:
+    """``run_benchmark``'s arguments, checked before any forward."""
+    if not set(methods) <= set(METHODS) or "plain" not in methods:
+        raise ValueError(f"methods: expected a subset of {METHODS} including 'plain', got {list(methods)}")
+    if drafter is None and set(methods) - {"plain", "prompt_lookup"}:
+        raise ValueError(f"drafter: expected an AdaFlashDrafter for methods {list(methods)}, got None")
+    if drafter is not None:
+        drafter.check_target(target)
+    if repeats < 1:
+        raise ValueError(f"repeats: expected >= 1, got {repeats}")
+    if max_new_tokens < 2:
+        raise ValueError(
+            f"max_new_tokens: expected >= 2 (τ needs a forward after the prefill), got {max_new_tokens}"
+        )
+
+
+def _settings(drafter, prompts, methods, max_new_tokens: int, repeats: int, gamma, min_len) -> dict:
+    """The results' ``settings``: what was run, and on which threads and library versions."""
+    return {
+        "methods": list(methods),
+        "domains": list(prompts),
+        "prompts_per_domain": {domain: len(pairs) for domain, pairs in prompts.items()},
+        "max_new_tokens": max_new_tokens,
+        "repeats": repeats,
+        "prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS,
+        "block_size": None if drafter is None else drafter.config.block_size,
+        "gamma": gamma,
+        "min_len": min_len,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
     }
 
 
