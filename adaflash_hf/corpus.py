@@ -129,35 +129,7 @@ def build_corpus(
     layer_ids = sorted(set(layer_ids))
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    todo: dict[str, list[tuple[dict, list[int]]]] = {}
-    done: dict[str, set[str]] = {}
-    for row in rows:
-        domain = row["domain"]
-        if domain not in done:
-            path = corpus_file(out_dir, domain)
-            existing = _read_jsonl_gz(path) if path.is_file() else []
-            if existing and _is_truncated(path):
-                # Members appended after a broken one would be unreadable: rewrite the complete records first.
-                with gzip.open(path, "wt") as handle:
-                    handle.writelines(json.dumps(r) + "\n" for r in existing)
-            done[domain] = {r["id"] for r in existing}
-        if row["id"] in done[domain]:
-            continue
-        prompt_ids = chat_prompt_ids(tokenizer, row["prompt"])[0].tolist()
-        if len(prompt_ids) <= max_prompt_tokens:
-            todo.setdefault(domain, []).append((row, prompt_ids))
-    chunks = []
-    for items in todo.values():
-        # Similar lengths per batch (less padding), but sorted only within windows of 8 batches in the given order:
-        # a run stopped by its time budget then holds prompts of every length, not just the shortest ones.
-        window = 8 * batch_size
-        items = [
-            x
-            for i in range(0, len(items), window)
-            for x in sorted(items[i : i + window], key=lambda x: len(x[1]))
-        ]
-        chunks.append([items[i : i + batch_size] for i in range(0, len(items), batch_size)])
-    batches = [b for group in _round_robin(chunks) for b in group]
+    batches = _batches(_rows_to_regenerate(tokenizer, rows, out_dir, max_prompt_tokens), batch_size)
 
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
@@ -195,6 +167,49 @@ def build_corpus(
     }
     logger.info(f"corpus: {stats}")
     return stats
+
+
+def _rows_to_regenerate(
+    tokenizer, rows: Iterable[dict], out_dir: Path, max_prompt_tokens: int
+) -> dict[str, list[tuple[dict, list[int]]]]:
+    """Per domain, the ``(row, prompt ids)`` not yet in the corpus whose prompt fits; a corpus file cut mid-record is
+    rewritten with its complete records first."""
+    todo: dict[str, list[tuple[dict, list[int]]]] = {}
+    done: dict[str, set[str]] = {}
+    for row in rows:
+        domain = row["domain"]
+        if domain not in done:
+            path = corpus_file(out_dir, domain)
+            existing = _read_jsonl_gz(path) if path.is_file() else []
+            if existing and _is_truncated(path):
+                # Members appended after a broken one would be unreadable: rewrite the complete records first.
+                with gzip.open(path, "wt") as handle:
+                    handle.writelines(json.dumps(r) + "\n" for r in existing)
+            done[domain] = {r["id"] for r in existing}
+        if row["id"] in done[domain]:
+            continue
+        prompt_ids = chat_prompt_ids(tokenizer, row["prompt"])[0].tolist()
+        if len(prompt_ids) <= max_prompt_tokens:
+            todo.setdefault(domain, []).append((row, prompt_ids))
+    return todo
+
+
+def _batches(
+    todo: dict[str, list[tuple[dict, list[int]]]], batch_size: int
+) -> list[list[tuple[dict, list[int]]]]:
+    """Batches of one domain each, taken from the domains in turn."""
+    chunks = []
+    for items in todo.values():
+        # Similar lengths per batch (less padding), but sorted only within windows of 8 batches in the given order:
+        # a run stopped by its time budget then holds prompts of every length, not just the shortest ones.
+        window = 8 * batch_size
+        items = [
+            x
+            for i in range(0, len(items), window)
+            for x in sorted(items[i : i + window], key=lambda x: len(x[1]))
+        ]
+        chunks.append([items[i : i + batch_size] for i in range(0, len(items), batch_size)])
+    return [b for group in _round_robin(chunks) for b in group]
 
 
 def _round_robin(chunks: list[list]) -> Iterable[list]:
