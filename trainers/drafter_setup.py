@@ -55,9 +55,10 @@ class DrafterArguments:
 
 def build_drafter(args, target, records: list[dict] | None = None) -> AdaFlashDrafter:
     """The drafter a training script starts from: ``args.drafter_init`` loaded in the target's dtype, or a fresh one
-    for ``target`` (``drafter_layers``, ``drafter_target_layers``, ``block_size``, ``length_head_variant``,
-    ``mask_token_id``; with ``draft_vocab_size`` a reduced draft vocabulary from ``records``). ``args`` is a
-    ``DrafterArguments`` (``DrafterTrainingConfig`` or OPD's script arguments). Checked against the target before it is returned."""
+    for ``target`` (the ``DrafterArguments`` fields; with ``draft_vocab_size`` a reduced draft vocabulary from
+    ``records``). ``args`` is a ``DrafterTrainingConfig`` or OPD's script arguments, both ``DrafterArguments``; the
+    offline-only fields (``draft_vocab_size``, ``final_norm_init``) are read with defaults. Checked against the target
+    before it is returned."""
     if args.drafter_init:
         drafter = AdaFlashDrafter.from_pretrained(args.drafter_init, dtype=target.dtype)
     else:
