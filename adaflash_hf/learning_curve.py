@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from adaflash_hf.draft_vocab import draft_tokens
+from adaflash_hf.stats import tau_of
 
 
 @torch.no_grad()
@@ -121,7 +122,9 @@ def _summary(accepted: torch.Tensor, predicted: torch.Tensor, block: int) -> dic
     return {
         "blocks": int(accepted.numel()),
         "first_position": per_position[0],
-        "tau_fixed": 1.0 + float(accepted.float().mean()),
+        "tau_fixed": tau_of(
+            int(accepted.sum()) + accepted.numel(), accepted.numel()
+        ),  # every block verified in full
         "acceptance_per_position": per_position,
         "head_mae": float((predicted - accepted.float() / (block - 1)).abs().mean()),
         "head_mean_predicted": float(predicted.mean()),

@@ -76,7 +76,7 @@ def test_batched_teacher_forced_acceptance_equals_one_block_at_a_time(
     assert metrics["all"]["head_mae"] == pytest.approx(head_error, abs=1e-5)
     assert metrics["all"]["head_mean_predicted"] == pytest.approx(sum(predicted) / len(predicted), abs=1e-5)
     assert metrics["all"]["blocks"] == accepted.numel()
-    assert metrics["all"]["tau_fixed"] == 1.0 + accepted.float().mean().item()
+    assert metrics["all"]["tau_fixed"] == pytest.approx(1.0 + accepted.double().mean().item(), abs=1e-12)
     assert metrics["all"]["first_position"] == (accepted >= 1).float().mean().item()
     assert 0 < metrics["all"]["first_position"] < 1 and accepted.max() == 3, (
         "needs right, wrong and full blocks"

@@ -23,6 +23,7 @@ from transformers.utils import logging
 from adaflash_hf.corpus import load_features, read_corpus
 from adaflash_hf.learning_curve import LearningCurve, heldout_acceptance
 from adaflash_hf.modeling import AdaFlashDrafter
+from adaflash_hf.stats import tau_of
 from adaflash_hf.trainers.dflash_recipe import block_ce_and_head_loss, build_blocks, sample_anchors
 from adaflash_hf.trainers.optim import clip_each_group, split_drafter_and_head, two_group_adamw
 
@@ -325,7 +326,7 @@ class DrafterTrainer(Trainer):
                 committed += stats.committed_tokens
                 rounds += stats.drafting_rounds
                 verified += sum(stats.verify_lengths)
-            metrics[f"{metric_key_prefix}_tau_{mode}"] = committed / max(rounds, 1)
+            metrics[f"{metric_key_prefix}_tau_{mode}"] = tau_of(committed, rounds)
             metrics[f"{metric_key_prefix}_verify_len_{mode}"] = verified / max(rounds, 1)
             metrics[f"{metric_key_prefix}_seconds_{mode}"] = time.perf_counter() - started
         drafter.train(was_training)
