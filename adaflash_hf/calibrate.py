@@ -282,14 +282,11 @@ def _corpus(args, target, tokenizer, layer_ids) -> tuple[list[dict], list[torch.
 
 def main(argv: list[str] | None = None) -> dict:
     from adaflash_hf.assets import load_target
-    from adaflash_hf.cli import read_option_file
+    from adaflash_hf.cli import parse_args_with_config
     from adaflash_hf.modeling import AdaFlashDrafter
 
     parser = make_parser()
-    args = parser.parse_args(argv)
-    if args.config:
-        parser.set_defaults(**read_option_file(args.config, parser))
-        args = parser.parse_args(argv)
+    args = parse_args_with_config(parser, argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     drafter = AdaFlashDrafter.from_pretrained(args.drafter)

@@ -88,6 +88,15 @@ def read_option_file(path: str, parser: argparse.ArgumentParser) -> dict:
     return out
 
 
+def parse_args_with_config(parser: argparse.ArgumentParser, argv: list[str] | None):
+    """``parser.parse_args(argv)`` where a ``--config FILE`` supplies defaults (explicit arguments still win)."""
+    args = parser.parse_args(argv)
+    if getattr(args, "config", None):
+        parser.set_defaults(**read_option_file(args.config, parser))
+        args = parser.parse_args(argv)
+    return args
+
+
 # -------------------------------------------------------------------------------------------- handlers
 def _run_export(args) -> int:
     from adaflash_hf.interop import check_out_folder, export_dflash

@@ -33,7 +33,7 @@ from transformers import DynamicCache
 from transformers.utils import logging
 
 from adaflash_hf.assets import DEFAULT_TARGET, chat_prompt_ids, load_target
-from adaflash_hf.cli import CONFIG_HELP, read_option_file
+from adaflash_hf.cli import CONFIG_HELP, parse_args_with_config
 from adaflash_hf.data import load_domain
 
 logger = logging.get_logger(__name__)
@@ -340,10 +340,7 @@ def make_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = make_parser()
-    args = parser.parse_args(argv)
-    if args.config:  # the file's values become defaults, so explicit arguments still win
-        parser.set_defaults(**read_option_file(args.config, parser))
-        args = parser.parse_args(argv)
+    args = parse_args_with_config(parser, argv)
     counts = {"chat": args.chat, "code": args.code, "math": args.math}
     for domain, count in counts.items():
         if count < 0:

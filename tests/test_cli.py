@@ -190,6 +190,24 @@ def test_every_subcommand_help_lists_config(capsys, command):
     assert "--config" in _help(capsys, command)
 
 
+@pytest.mark.parametrize("benchmark", sorted(cli.BENCH_MODULES))
+def test_every_benchmark_help_lists_config(capsys, benchmark):
+    assert "--config" in _help(capsys, "bench", benchmark)
+
+
+def test_benchmark_config_file_supplies_options_and_the_command_line_wins(tmp_path):
+    from adaflash_hf.bench import train as bench_train
+
+    (tmp_path / "t.yaml").write_text("steps: 7\nthreads: 3\n")
+    args = cli.parse_args_with_config(
+        bench_train.make_parser(), ["--config", str(tmp_path / "t.yaml"), "--steps", "2"]
+    )
+    assert (args.steps, args.threads) == (2, 3)
+    (tmp_path / "bad.yaml").write_text("stepz: 7\n")
+    with pytest.raises(ValueError, match=r"got 'stepz' \(did you mean 'steps'\?\)"):
+        cli.parse_args_with_config(bench_train.make_parser(), ["--config", str(tmp_path / "bad.yaml")])
+
+
 def test_config_file_supplies_options_and_the_command_line_wins(drafter_folder, tmp_path, capsys):
     _, folder = drafter_folder
     (tmp_path / "out").mkdir()

@@ -47,6 +47,7 @@ from transformers.utils import logging
 
 import adaflash_hf
 from adaflash_hf import AdaFlashDrafter
+from adaflash_hf.cli import CONFIG_HELP, parse_args_with_config
 from adaflash_hf.stats import tau_of
 
 logger = logging.get_logger(__name__)
@@ -640,12 +641,13 @@ def make_parser() -> argparse.ArgumentParser:
         action="store_true",
         help=f"smoke run: defaults become {', '.join(f'{k}={v}' for k, v in QUICK.items())}",
     )
+    parser.add_argument("--config", metavar="FILE", help=CONFIG_HELP)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = make_parser()
-    args = parser.parse_args(argv)
+    args = parse_args_with_config(parser, argv)
     defaults = QUICK if args.quick else FULL
     for name, value in defaults.items():
         if getattr(args, name) is None:

@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from adaflash_hf.cli import CONFIG_HELP, parse_args_with_config
 from adaflash_hf.kernels.clipped_kl import clipped_distill_loss_reference, fused_clipped_distill_loss
 from adaflash_hf.kernels.verify_accept import verify_accept
 
@@ -191,11 +192,12 @@ def make_parser() -> argparse.ArgumentParser:
         help="torch CPU threads (1: on 2 shared cores more threads measure noise)",
     )
     parser.add_argument("--output", help="also write the results as JSON to this path")
+    parser.add_argument("--config", metavar="FILE", help=CONFIG_HELP)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = make_parser().parse_args(argv)
+    args = parse_args_with_config(make_parser(), argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: CUDA is not available on this machine")
     cuda = args.device == "cuda"

@@ -40,6 +40,7 @@ import transformers
 from transformers.utils import logging
 
 from adaflash_hf import AdaFlashConfig, AdaFlashDrafter
+from adaflash_hf.cli import CONFIG_HELP, parse_args_with_config
 from adaflash_hf.serving import MODES as ENGINE_MODES
 from adaflash_hf.serving import AdaFlashEngine, AdmissionConfig, SamplingParams
 from adaflash_hf.stats import tau_of
@@ -303,6 +304,7 @@ def make_parser() -> argparse.ArgumentParser:
         action="store_true",
         help=f"smoke run: defaults become {', '.join(f'{k}={v}' for k, v in QUICK.items())}",
     )
+    parser.add_argument("--config", metavar="FILE", help=CONFIG_HELP)
     return parser
 
 
@@ -325,7 +327,7 @@ def _load_drafter(args, parser, target) -> AdaFlashDrafter | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = make_parser()
-    args = parser.parse_args(argv)
+    args = parse_args_with_config(parser, argv)
     for name, value in (QUICK if args.quick else FULL).items():
         if getattr(args, name) is None:
             setattr(args, name, value)

@@ -34,6 +34,7 @@ import time
 import torch
 from transformers import LlamaConfig
 
+from adaflash_hf.cli import CONFIG_HELP, parse_args_with_config
 from adaflash_hf.modeling import AdaFlashConfig, AdaFlashDrafter
 from adaflash_hf.modeling.configuration_adaflash import build_target_layer_ids
 from adaflash_hf.trainers.dflash_recipe import IGNORE, sample_anchors
@@ -319,11 +320,12 @@ def make_parser() -> argparse.ArgumentParser:
         help="no fresh process per variant (peak RSS is then a running maximum)",
     )
     parser.add_argument("--output", help="also write the results as JSON to this path")
+    parser.add_argument("--config", metavar="FILE", help=CONFIG_HELP)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = make_parser().parse_args(argv)
+    args = parse_args_with_config(make_parser(), argv)
     if args.steps < 1:
         raise SystemExit(f"--steps: expected >= 1, got {args.steps}")
     torch.set_num_threads(args.threads)
