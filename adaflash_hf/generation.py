@@ -17,7 +17,9 @@ field); an unknown ``adaflash_*`` name is an error that names the closest knob:
   ``"sample"`` (q = the processed drafter distribution the proposals were drawn from);
 - ``adaflash_draft_source``: ``"diffusion"`` (default: every round drafts a block) or ``"hybrid"`` (each round
   verifies either the block or a lookup continuation from the sequence itself, whichever is expected to keep more
-  tokens: ``adaflash_hf.lookup``; lookup proposals have one-hot q, so sampling stays lossless).
+  tokens: ``adaflash_hf.lookup``; lookup proposals have one-hot q, so sampling stays lossless);
+- ``adaflash_lookup_min_prob``: hybrid only, cut a lookup continuation to the tokens whose estimated chance of being
+  reached and accepted is at least this (default 0: the whole continuation; ``lookup.truncate_lookup``).
 
 A drafter with ``draft_token_ids`` drafts over that subset only (``adaflash_hf.draft_vocab``), in both proposal modes.
 
@@ -51,8 +53,10 @@ from adaflash_hf.lookup import (
     DRAFT_SOURCES,
     LookupIndex,
     LookupRecord,
+    check_lookup_min_prob,
     choose_lookup,
     expected_lookup_accepted,
+    truncate_lookup,
 )
 from adaflash_hf.modeling import AdaFlashDrafter
 from adaflash_hf.modeling.modeling_adaflash import SUPPORTED_DTYPES
@@ -69,6 +73,7 @@ KNOBS = (
     "adaflash_min_len",
     "adaflash_proposal",
     "adaflash_draft_source",
+    "adaflash_lookup_min_prob",
 )
 _HOOKED = ("_get_candidate_generator", "_validate_generation_mode", "_prepare_generation_config")
 # Drafters whose last_stats the hook set: disable() clears them, since the calls that follow (transformers' native
@@ -165,6 +170,7 @@ def validate_adaflash_generation(
     _setting(generation_config, "length_mode", "adaptive", LENGTH_MODES)
     _setting(generation_config, "proposal", "argmax", PROPOSAL_MODES)
     _setting(generation_config, "draft_source", "diffusion", DRAFT_SOURCES)
+    check_lookup_min_prob("adaflash_lookup_min_prob", _setting(generation_config, "lookup_min_prob", 0.0))
     gamma = _setting(generation_config, "gamma", drafter.config.length_head_gamma)
     min_len = _setting(generation_config, "min_len", drafter.config.length_head_min_len)
     if not (isinstance(gamma, (int, float)) and gamma > 0):
@@ -227,6 +233,7 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
         self.gamma = _setting(generation_config, "gamma", self.config.length_head_gamma)
         self.min_len = _setting(generation_config, "min_len", self.config.length_head_min_len)
         self.draft_source = _setting(generation_config, "draft_source", "diffusion", DRAFT_SOURCES)
+        self.lookup_min_prob = _setting(generation_config, "lookup_min_prob", 0.0)
         eos = generation_config.eos_token_id
         self.eos_ids = () if eos is None else ((eos,) if isinstance(eos, int) else tuple(eos))
         self.lookup_index = LookupIndex()
@@ -266,7 +273,9 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
         proposal = None
         if self.draft_source == "hybrid":
             self.lookup_index.extend(input_ids[0, len(self.lookup_index) :].tolist())
-            proposal = self.lookup_index.propose(room, self.eos_ids)
+            proposal = truncate_lookup(
+                self.lookup_index.propose(room, self.eos_ids), self.lookup_record, self.lookup_min_prob
+            )
             if self.last_acceptance is not None and choose_lookup(
                 proposal, self.lookup_record, self.last_acceptance, self.block_size
             ):

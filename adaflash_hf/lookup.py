@@ -144,9 +144,42 @@ class LookupRecord:
 
 def expected_lookup_accepted(proposal: LookupProposal, record: LookupRecord) -> float:
     """Σ_{i=1..L} a^i, a the match's prior updated with the request's lookup rounds (module docstring)."""
-    prior = proposal.support * proposal.match_length / (proposal.match_length + 1)
-    rate = (record.accepted + PRIOR_STRENGTH * prior) / (record.accepted + record.rejections + PRIOR_STRENGTH)
+    rate = lookup_rate(proposal, record)
     return sum(rate**i for i in range(1, len(proposal.tokens) + 1))
+
+
+def lookup_rate(proposal: LookupProposal, record: LookupRecord) -> float:
+    """a: the per-token acceptance of a lookup proposal (the match's prior updated with the request's rounds)."""
+    prior = proposal.support * proposal.match_length / (proposal.match_length + 1)
+    return (record.accepted + PRIOR_STRENGTH * prior) / (record.accepted + record.rejections + PRIOR_STRENGTH)
+
+
+def truncate_lookup(
+    proposal: LookupProposal | None, record: LookupRecord, min_prob: float
+) -> LookupProposal | None:
+    """The proposal cut to the tokens whose chance of being reached and accepted, a^i, is at least ``min_prob``
+    (at least one token): the lookup analogue of the length head's k̂, so a weak match does not make the target
+    verify a long continuation it will reject. ``min_prob`` 0 keeps every token."""
+    if proposal is None or not proposal.tokens or min_prob <= 0:
+        return proposal
+    rate = lookup_rate(proposal, record)
+    if rate >= 1:
+        return proposal
+    reach = (
+        int(math.log(min_prob) / math.log(rate) + 1e-9) if rate > 0 else 0
+    )  # largest i with a^i >= min_prob
+    keep = max(1, min(len(proposal.tokens), reach))
+    if keep == len(proposal.tokens):
+        return proposal
+    return LookupProposal(
+        tokens=proposal.tokens[:keep], match_length=proposal.match_length, support=proposal.support
+    )
+
+
+def check_lookup_min_prob(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+        raise ValueError(f"{name}: expected a number in [0, 1), got {value!r}")
+    return float(value)
 
 
 def choose_lookup(

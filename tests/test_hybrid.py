@@ -10,7 +10,14 @@ from transformers import GenerationConfig
 import adaflash_hf.generation
 import adaflash_hf.serving.engine
 from adaflash_hf import AdaFlashCandidateGenerator
-from adaflash_hf.lookup import LookupIndex, LookupProposal, LookupRecord, choose_lookup
+from adaflash_hf.lookup import (
+    LookupIndex,
+    LookupProposal,
+    LookupRecord,
+    choose_lookup,
+    lookup_rate,
+    truncate_lookup,
+)
 from adaflash_hf.serving import AdaFlashEngine, AdmissionConfig, SamplingParams
 from tests.test_generation_sampling import (
     FAMILY_ALPHA,
@@ -134,6 +141,38 @@ def test_choice_lookup_rejections_lower_its_estimate():
 def test_choice_non_finite_block_lets_any_proposal_win():
     proposal = LookupProposal(tokens=[1], match_length=1, support=0.5)
     assert choose_lookup(proposal, LookupRecord(), float("nan"), 16)
+
+
+def test_truncation_keeps_the_tokens_likely_to_be_reached_and_accepted():
+    proposal = LookupProposal(tokens=list(range(15)), match_length=3, support=1.0)
+    record = LookupRecord(accepted=6, rejections=6)  # a = (6 + 2 * 0.75) / (12 + 2) = 0.536
+    rate = lookup_rate(proposal, record)
+    assert rate == pytest.approx(7.5 / 14)
+    cut = truncate_lookup(proposal, record, 0.25)
+    assert cut.tokens == [0, 1]  # a^2 = 0.287 >= 0.25 > a^3 = 0.154
+    assert (cut.match_length, cut.support) == (3, 1.0)
+    assert truncate_lookup(proposal, record, 0.0) is proposal  # 0: the whole continuation
+    assert truncate_lookup(proposal, record, 0.99).tokens == [0]  # at least one token
+    confident = LookupRecord(accepted=200, rejections=1)
+    assert truncate_lookup(proposal, confident, 0.5).tokens == list(range(15))
+    assert truncate_lookup(None, record, 0.5) is None
+
+
+@pytest.mark.parametrize("value", [-0.1, 1.0, "0.3", True])
+def test_bad_lookup_min_prob_raises_before_any_forward(value, target_factory, drafter_factory):
+    target = target_factory("qwen3")
+    drafter = drafter_factory(target)
+    calls = []
+    for model in (target, drafter):
+        model.register_forward_pre_hook(lambda *_: calls.append(1))
+    config = GenerationConfig(
+        max_new_tokens=4, adaflash_draft_source="hybrid", adaflash_lookup_min_prob=value
+    )
+    with pytest.raises(ValueError, match=r"^adaflash_lookup_min_prob: expected a number in \[0, 1\), got"):
+        target.generate(PROMPT, assistant_model=drafter, generation_config=config)
+    with pytest.raises(ValueError, match=r"^lookup_min_prob: expected a number in \[0, 1\), got"):
+        AdaFlashEngine(target, drafter, draft_source="hybrid", lookup_min_prob=value)
+    assert calls == []
 
 
 # -------------------------------------------------------------------------------------------- generate
@@ -364,13 +403,32 @@ def test_engine_hybrid_batched_equals_serial_under_churn(
     assert max(s.running for s in engine.stats) > 1
 
 
-def test_engine_hybrid_with_its_own_rule_equals_generate(target_factory, drafter_factory):
+@pytest.mark.parametrize("min_prob", [0.0, 0.3])
+def test_engine_hybrid_with_its_own_rule_equals_generate(min_prob, target_factory, drafter_factory):
     target = target_factory("llama")
     drafter = drafter_factory(target)
     prompts = engine_prompts(5, seed=3)
     expected = [greedy_reference(target, p, 16) for p in prompts]
-    engine = AdaFlashEngine(target, drafter, draft_source="hybrid")
+    engine = AdaFlashEngine(target, drafter, draft_source="hybrid", lookup_min_prob=min_prob)
     assert engine.generate(prompts, SamplingParams(max_new_tokens=16)) == expected
+
+
+def test_truncated_lookup_stays_lossless_and_verifies_fewer_lookup_drafts(
+    target_factory, drafter_factory, monkeypatch
+):
+    target = target_factory("qwen3")
+    reference = target.generate(PROMPT, max_new_tokens=40, do_sample=False)
+    verified = {}
+    for min_prob in (0.0, 0.6):
+        drafter = drafter_factory(target)
+        head_saying(monkeypatch, drafter, 0.0)  # lookup wins whenever it has a match
+        out = greedy(
+            target, PROMPT, 40, drafter, adaflash_draft_source="hybrid", adaflash_lookup_min_prob=min_prob
+        )
+        assert torch.equal(out, reference)
+        stats = drafter.last_stats
+        verified[min_prob] = [k for k, s in zip(stats.verify_lengths, stats.sources) if s == "lookup"]
+    assert verified[0.6] and max(verified[0.6]) < max(verified[0.0])
 
 
 def test_engine_history_lets_a_repeated_request_copy_an_earlier_output(

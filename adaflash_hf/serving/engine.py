@@ -17,7 +17,9 @@ per step verifies either its block or its lookup continuation, whichever ``choos
 tokens. A request whose lookup proposal already beats its last â skips the drafter forward this step; its new
 context waits in ``pending_context`` until its next block. Lookup proposals are one-hot, like the drafter's argmax.
 With ``lookup_history_tokens=N`` the engine also indexes the outputs of finished requests (at most N tokens, the
-oldest evicted) and a request takes the longer of its own match and its match there.
+oldest evicted) and a request takes the longer of its own match and its match there. ``lookup_min_prob=p`` cuts each
+lookup continuation to the tokens whose estimated chance of being reached and accepted is at least p
+(``lookup.truncate_lookup``; default 0, the whole continuation).
 
 Lossless: greedy requests commit exactly the target's argmax chain; sampling requests use speculative sampling
 with one-hot proposals (the drafter's argmax) and uniforms from their own generator, so each request's output
@@ -51,7 +53,13 @@ from transformers.utils import logging
 from adaflash_hf.draft_vocab import draft_tokens
 from adaflash_hf.generation import align_drafter_dtype
 from adaflash_hf.kernels.verify_accept import verify_accept
-from adaflash_hf.lookup import LookupIndex, check_draft_source, choose_lookup
+from adaflash_hf.lookup import (
+    LookupIndex,
+    check_draft_source,
+    check_lookup_min_prob,
+    choose_lookup,
+    truncate_lookup,
+)
 from adaflash_hf.serving.admission import AdmissionConfig, AdmissionController
 from adaflash_hf.serving.cache import (
     DrafterBatch,
@@ -144,10 +152,12 @@ class AdaFlashEngine:
         seed: int = 0,
         draft_source: str = "diffusion",
         lookup_history_tokens: int | None = None,
+        lookup_min_prob: float = 0.0,
     ):
         if mode not in MODES:
             raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
         check_draft_source("draft_source", draft_source)
+        check_lookup_min_prob("lookup_min_prob", lookup_min_prob)
         if mode == "plain" and draft_source != "diffusion":
             raise ValueError(
                 f"draft_source: expected 'diffusion' with mode='plain' (hybrid compares against a drafter), "
@@ -176,6 +186,7 @@ class AdaFlashEngine:
         self.target = target
         self.mode = mode
         self.draft_source = draft_source
+        self.lookup_min_prob = float(lookup_min_prob)
         self.lookup_history = (
             None if lookup_history_tokens is None else LookupIndex(max_tokens=lookup_history_tokens)
         )
@@ -384,6 +395,7 @@ class AdaFlashEngine:
                         proposals[i] is None or shared.match_length > proposals[i].match_length
                     ):
                         proposals[i] = shared
+                proposals[i] = truncate_lookup(proposals[i], r.lookup, self.lookup_min_prob)
                 if r.last_acceptance is not None and choose_lookup(
                     proposals[i], r.lookup, r.last_acceptance, self.block_size
                 ):
