@@ -186,12 +186,13 @@ def run_benchmark(
     gamma: float | None = None,
     min_len: int | None = None,
     progress: bool = True,
+    lookup_min_prob: float = 0.0,
 ) -> dict:
     """Run every method on every prompt ``repeats`` times, interleaved; return the results dict (see module doc).
 
     ``prompts`` maps a domain to ``(prompt id, input ids [1, L])`` pairs. ``drafter`` may be None when ``methods``
     holds no drafter method. ``gamma`` / ``min_len`` override the drafter's length-head settings for the AdaFlash
-    methods.
+    methods; ``lookup_min_prob`` is the hybrid method's ``adaflash_lookup_min_prob``.
     """
     _check_run(target, drafter, methods, repeats, max_new_tokens)
     methods = tuple(m for m in METHODS if m in methods)  # plain first: it is the reference
@@ -206,6 +207,7 @@ def run_benchmark(
         config = GenerationConfig(max_new_tokens=tokens, do_sample=False, pad_token_id=pad)
         if method in ADAFLASH_METHODS:
             config.adaflash_gamma, config.adaflash_min_len = gamma, min_len
+            config.adaflash_lookup_min_prob = lookup_min_prob
         started = time.perf_counter()
         with torch.inference_mode():
             output = RUNNERS[method](target, drafter, input_ids, config)
@@ -241,7 +243,10 @@ def run_benchmark(
         for method in methods
     ]
     return {
-        "settings": _settings(drafter, prompts, methods, max_new_tokens, repeats, gamma, min_len),
+        "settings": {
+            **_settings(drafter, prompts, methods, max_new_tokens, repeats, gamma, min_len),
+            "lookup_min_prob": lookup_min_prob,
+        },
         "ok": all(r["lossless"] and r["stats_agree"] is not False for r in records),
         "summary": summary,
         "records": records,
@@ -634,6 +639,12 @@ def make_parser() -> argparse.ArgumentParser:
         "--min-len", type=int, help="adaflash_min_len for the AdaFlash methods (default: drafter's)"
     )
     parser.add_argument(
+        "--lookup-min-prob",
+        type=float,
+        default=0.0,
+        help="adaflash_lookup_min_prob of adaflash_hybrid (default 0)",
+    )
+    parser.add_argument(
         "--output-dir", type=Path, default=Path("runs/bench_generate"), help="where outputs go"
     )
     parser.add_argument(
@@ -687,6 +698,7 @@ def main(argv: list[str] | None = None) -> int:
         repeats=args.repeats,
         gamma=args.gamma,
         min_len=args.min_len,
+        lookup_min_prob=args.lookup_min_prob,
     )
     results["settings"].update(
         target=args.target,

@@ -55,7 +55,15 @@ WARMUP_TOKENS = 8
 MODES = (*ENGINE_MODES, "hybrid")
 
 
-def run_level(target, drafter, mode: str, prompts: list[torch.Tensor], concurrency: int, max_new_tokens: int):
+def run_level(
+    target,
+    drafter,
+    mode: str,
+    prompts: list[torch.Tensor],
+    concurrency: int,
+    max_new_tokens: int,
+    lookup_min_prob: float = 0.0,
+):
     """Serve ``prompts`` at ``concurrency``; returns the timing, the summed step stats and the outputs."""
     block = drafter.config.block_size if drafter is not None else 16
     admission = AdmissionConfig(
@@ -67,6 +75,7 @@ def run_level(target, drafter, mode: str, prompts: list[torch.Tensor], concurren
         mode="adaflash" if mode == "hybrid" else mode,
         admission=admission,
         draft_source="hybrid" if mode == "hybrid" else "diffusion",
+        lookup_min_prob=lookup_min_prob if mode == "hybrid" else 0.0,
     )
     params = SamplingParams(max_new_tokens=max_new_tokens)
     ids = [engine.add_request(p, params) for p in prompts]
@@ -124,8 +133,10 @@ def run_benchmark(
     requests_per_level: int = 32,
     max_new_tokens: int = 128,
     repeats: int = 1,
+    lookup_min_prob: float = 0.0,
 ) -> dict:
-    """Every mode at every concurrency, interleaved per repeat; the results dict of the module docstring."""
+    """Every mode at every concurrency, interleaved per repeat; the results dict of the module docstring.
+    ``lookup_min_prob`` is the hybrid mode's engine setting."""
     if "plain" not in modes or not set(modes) <= set(MODES):
         raise ValueError(f"modes: expected a subset of {MODES} including 'plain', got {list(modes)}")
     if drafter is None and set(modes) != {"plain"}:
@@ -142,7 +153,7 @@ def run_benchmark(
         )
     modes = tuple(m for m in MODES if m in modes)  # plain first: it is the reference
     for mode in modes:
-        run_level(target, drafter, mode, prompts[:1], 1, WARMUP_TOKENS)
+        run_level(target, drafter, mode, prompts[:1], 1, WARMUP_TOKENS, lookup_min_prob)
     summary = []
     for level in concurrency:
         level_prompts = prompts[: max(requests_per_level, level)]
@@ -150,7 +161,9 @@ def run_benchmark(
         outputs = {}
         for _ in range(repeats):
             for mode in modes:
-                run, outputs[mode] = run_level(target, drafter, mode, level_prompts, level, max_new_tokens)
+                run, outputs[mode] = run_level(
+                    target, drafter, mode, level_prompts, level, max_new_tokens, lookup_min_prob
+                )
                 runs[mode].append(run)
                 logger.info(f"c={level} {mode}: {run['generated'] / run['seconds']:.1f} tok/s")
         plain_tps = statistics.median(r["generated"] / r["seconds"] for r in runs["plain"])
@@ -166,6 +179,7 @@ def run_benchmark(
             "repeats": repeats,
             "block_size": None if drafter is None else drafter.config.block_size,
             "gamma": None if drafter is None else drafter.config.length_head_gamma,
+            "lookup_min_prob": lookup_min_prob,
             "threads": torch.get_num_threads(),
             "torch": torch.__version__,
             "transformers": transformers.__version__,
@@ -296,6 +310,9 @@ def make_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES, help="subset; needs plain")
     parser.add_argument(
+        "--lookup-min-prob", type=float, default=0.0, help="the hybrid mode's lookup_min_prob (default 0)"
+    )
+    parser.add_argument(
         "--threads", type=int, default=2, help="torch threads and OMP_NUM_THREADS (default 2)"
     )
     parser.add_argument("--output-dir", type=Path, default=Path("runs/bench_serve"), help="where outputs go")
@@ -353,6 +370,7 @@ def main(argv: list[str] | None = None) -> int:
         requests_per_level=args.requests_per_level,
         max_new_tokens=args.max_new_tokens,
         repeats=args.repeats,
+        lookup_min_prob=args.lookup_min_prob,
     )
     results["settings"].update(
         target=args.target,
