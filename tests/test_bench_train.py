@@ -16,6 +16,7 @@ COLUMNS = [
     "bf16",
     "draft vocab",
     "layers",
+    "CE positions",
     "s/step",
     "blocks/s",
     "speed-up vs today",
@@ -25,7 +26,7 @@ COLUMNS = [
 
 
 def test_quick_run_writes_json_and_a_table_with_speedups_against_today(tmp_path, capsys):
-    variants = ["today", "split-24", "split-24-bf16-dv", "split-24-dv-1layer"]
+    variants = ["today", "split-24", "split-24-bf16-dv", "split-24-dv-1layer", "split-512-dv-1layer-lp6"]
     argv = ["--quick", "--in-process", "--steps", "1", "--warmup", "0", "--variants", *variants]
     assert bench.main([*argv, "--output", str(tmp_path / "train.json")]) == 0
     table = capsys.readouterr().out.splitlines()
@@ -43,6 +44,10 @@ def test_quick_run_writes_json_and_a_table_with_speedups_against_today(tmp_path,
     )
     assert entries["split-24-bf16-dv"]["bf16"] and entries["split-24-bf16-dv"]["draft_vocab_size"] == 128
     assert entries["split-24-dv-1layer"]["drafter_layers"] == 1
+    assert (
+        entries["split-512-dv-1layer-lp6"]["loss_positions"] == 6
+        and entries["today"]["loss_positions"] is None
+    )
     for entry in entries.values():
         assert entry["blocks_per_step"] > 0 and entry["blocks_per_s"] > 0 and entry["peak_rss_mib"] > 0
 

@@ -4,7 +4,6 @@ import json
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from adaflash_hf.calibrate import (
     calibrate_length_head,
@@ -13,20 +12,9 @@ from adaflash_hf.calibrate import (
     main,
     reinitialise_length_head,
 )
-from tests.test_learning_curve import features_of
+from tests.test_learning_curve import drafts_one_token, features_of
 
 BLOCK = 4
-
-
-def _drafts_one_token(drafter, target) -> int:
-    """Zero every layer's output so each MASK row drafts the same token; return it."""
-    embedding, lm_weight = target.get_input_embeddings().weight, target.get_output_embeddings().weight
-    with torch.no_grad():
-        for layer in drafter.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-        mask_row = drafter.norm(F.embedding(torch.tensor([drafter.config.mask_token_id]), embedding))
-    return int((mask_row @ lm_weight.T).argmax())
 
 
 def _records(token: int, count: int = 8) -> list[dict]:
@@ -44,7 +32,7 @@ def _records(token: int, count: int = 8) -> list[dict]:
 def setup(target_factory, drafter_factory):
     target = target_factory("llama")
     drafter = drafter_factory(target, block_size=BLOCK)
-    token = _drafts_one_token(drafter, target)
+    token = drafts_one_token(drafter, target)
     records = _records(token)
     layer_ids = drafter.config.target_layer_ids
     with torch.no_grad():

@@ -33,6 +33,17 @@ def features_of(target, record, layer_ids):
     return torch.cat([hidden[i + 1][0, :-1] for i in layer_ids], dim=-1)
 
 
+def drafts_one_token(drafter, target) -> int:
+    """Zero every drafter layer's output so each MASK row drafts the same token; return it."""
+    embedding, lm_weight = target.get_input_embeddings().weight, target.get_output_embeddings().weight
+    with torch.no_grad():
+        for layer in drafter.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        mask_row = drafter.norm(F.embedding(torch.tensor([drafter.config.mask_token_id]), embedding))
+    return int((mask_row @ lm_weight.T).argmax())
+
+
 def test_batched_teacher_forced_acceptance_equals_one_block_at_a_time(
     target_factory, drafter_factory, tmp_path
 ):
@@ -44,12 +55,7 @@ def test_batched_teacher_forced_acceptance_equals_one_block_at_a_time(
     embedding, lm_weight = target.get_input_embeddings().weight, target.get_output_embeddings().weight
     # With no attention or MLP output every MASK row drafts one token T; making ~60% of the response tokens T gives
     # blocks accepted to every depth, so the cumulative product and the anchor offsets are both exercised.
-    with torch.no_grad():
-        for layer in drafter.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-        mask_row = drafter.norm(F.embedding(torch.tensor([drafter.config.mask_token_id]), embedding))
-        token = int((mask_row @ lm_weight.T).argmax())
+    token = drafts_one_token(drafter, target)
     g = torch.Generator().manual_seed(0)
     for record in records:
         for i in range(record["prompt_length"], len(record["input_ids"])):
