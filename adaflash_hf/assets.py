@@ -90,6 +90,24 @@ def _load_cached(name_or_path: str, dtype: torch.dtype) -> tuple[PreTrainedModel
     return model.eval(), tokenizer
 
 
+def load_target_config(name_or_path: str = DEFAULT_TARGET):
+    """The target's config alone (a few seconds, no weights): for checks that must fail before the model loads."""
+    from transformers import AutoConfig
+
+    if name_or_path == DEFAULT_TARGET or name_or_path.endswith(".gguf"):
+        path = smollm2_gguf_path() if name_or_path == DEFAULT_TARGET else Path(name_or_path)
+        if not path.is_file():
+            raise FileNotFoundError(f"name_or_path: expected an existing .gguf file, got {name_or_path!r}")
+        return AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    try:
+        return AutoConfig.from_pretrained(name_or_path)
+    except OSError as error:
+        raise OSError(
+            f"target {name_or_path!r}: expected a local model folder, a .gguf file, {DEFAULT_TARGET!r} or a Hub id "
+            f"reachable from here, found none ({str(error).splitlines()[0]})"
+        ) from None
+
+
 def load_target(
     name_or_path: str = DEFAULT_TARGET, dtype: torch.dtype = torch.float32, fresh: bool = False
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:

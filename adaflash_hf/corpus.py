@@ -13,7 +13,15 @@ Outputs, per domain (appended as the loop goes, so an interrupted run resumes wh
   members appended batch by batch; small enough to commit);
 - ``<features_dir>/<domain>/<sha1(id)>.safetensors``: ``features`` [len(input_ids) - 1, n_layers, hidden] bf16 (the
   outputs of ``layer_ids``, i.e. ``hidden_states[id + 1]``, for every position but the last, which no anchor's context
-  reaches), with the layer ids in the file's metadata.
+  reaches), with the layer ids in the file's metadata; with ``topk`` > 0 also the target's distribution over each
+  response token, ``topk_ids`` [len(response), topk] int32 and ``topk_logprobs`` fp16 (log-softmax over the whole
+  vocabulary; row r predicts response token r, so under greedy ``topk_ids[r, 0] == response[r]``): the soft targets
+  of the drafter's KL arm, from the same forwards.
+- ``<out_dir>/corpus_settings.json``: the settings that shaped the corpus (target, dtype, max_new_tokens, layer ids,
+  topk). A resumed run with other settings is refused (``--rebuild`` starts those domains afresh), so a corpus never
+  mixes, say, 16- and 32-token answers. Features missing from ``features_dir`` (a fresh checkout: they are not
+  committed) are rebuilt from the committed token ids by one teacher-forced forward per batch, far cheaper than
+  regenerating.
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache
 from transformers.utils import logging
 
-from adaflash_hf.assets import DEFAULT_TARGET, chat_prompt_ids, load_target
+from adaflash_hf.assets import DEFAULT_TARGET, chat_prompt_ids, load_target, load_target_config
 from adaflash_hf.cli import CONFIG_HELP, parse_args_with_config
 from adaflash_hf.data import load_domain
 
@@ -106,6 +114,38 @@ def load_features(features_dir: str | Path, record: dict, layer_ids: list[int]) 
     return features[:, [stored.index(i) for i in layer_ids]].flatten(1)
 
 
+SETTINGS_FILE = "corpus_settings.json"
+# Settings that change the token ids (a mismatch is refused) and those that change only the features (rebuilt).
+TOKEN_SETTINGS = ("target", "dtype", "max_new_tokens")
+FEATURE_SETTINGS = ("layer_ids", "topk")
+
+
+def check_settings(out_dir: str | Path, settings: dict, rebuild: bool = False) -> list[str]:
+    """Compare ``settings`` with those recorded in ``out_dir`` and record them; returns the changed feature settings.
+
+    A corpus written before settings were recorded adopts ``settings`` (with a warning). A different target, dtype or
+    ``max_new_tokens`` is an error naming the setting, unless ``rebuild`` (then the caller starts afresh)."""
+    path = Path(out_dir) / SETTINGS_FILE
+    recorded = json.loads(path.read_text()) if path.is_file() else None
+    if recorded is None and any(Path(out_dir).glob("*.jsonl.gz")):
+        logger.warning(
+            f"{out_dir}: no {SETTINGS_FILE} (a corpus from before settings were kept); recording {settings}"
+        )
+    changed_features: list[str] = []
+    if recorded is not None and not rebuild:
+        for name in TOKEN_SETTINGS:
+            if recorded.get(name) != settings[name]:
+                raise ValueError(
+                    f"corpus {out_dir}: expected {name}={recorded.get(name)!r} (the setting its responses were "
+                    f"generated with, {path}), got {settings[name]!r}; pass --rebuild to regenerate those domains, or "
+                    f"use another --out-dir"
+                )
+        changed_features = [n for n in FEATURE_SETTINGS if recorded.get(n) != settings[n]]
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(settings, indent=1) + "\n")
+    return changed_features
+
+
 @torch.no_grad()
 def build_corpus(
     target,
@@ -119,30 +159,63 @@ def build_corpus(
     max_prompt_tokens: int = 256,
     batch_size: int = 64,
     time_budget_s: float | None = None,
+    topk: int = 32,
+    target_name: str | None = None,
+    rebuild: bool = False,
 ) -> dict:
     """Regenerate greedy responses for ``rows`` (``id``, ``domain``, ``prompt``) and append them to the corpus.
 
-    Rows already in the corpus are skipped (resume). Batches hold prompts of similar length, one domain each, taken
-    from each domain in turn so a run stopped early (``time_budget_s``) still covers every domain. Returns throughput
-    figures: sequences, generated tokens, seconds, generated tokens/s.
+    Rows already in the corpus are skipped (resume); their features, if missing from ``features_dir`` or recorded
+    with other layers or top-k, are rebuilt first (``rebuild_features``). ``rebuild`` drops the corpus files of the
+    rows' domains and starts afresh. Batches hold prompts of similar length, one domain each, taken from each domain
+    in turn so a run stopped early (``time_budget_s``) still covers every domain. Returns throughput figures:
+    sequences, generated tokens, seconds, generated tokens/s, rebuilt features.
     """
+    rows = list(rows)
     layer_ids = sorted(set(layer_ids))
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    settings = {
+        "target": target_name or getattr(target, "name_or_path", None) or type(target).__name__,
+        "dtype": str(next(target.parameters()).dtype).removeprefix("torch."),
+        "max_new_tokens": max_new_tokens,
+        "layer_ids": layer_ids,
+        "topk": topk,
+    }
+    check_settings(out_dir, settings, rebuild)
+    domains = sorted({row["domain"] for row in rows})
+    if rebuild:
+        for domain in domains:
+            corpus_file(out_dir, domain).unlink(missing_ok=True)
+    started = time.perf_counter()
+    rebuilt = 0
+    if features_dir is not None:
+        existing = [
+            r
+            for d in domains
+            if corpus_file(out_dir, d).is_file()
+            for r in _read_jsonl_gz(corpus_file(out_dir, d))
+        ]
+        rebuilt = rebuild_features(
+            target, existing, features_dir, layer_ids, topk, time_budget_s=time_budget_s
+        )
     batches = _batches(_rows_to_regenerate(tokenizer, rows, out_dir, max_prompt_tokens), batch_size)
 
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    started, generated, sequences = time.perf_counter(), 0, 0
+    generated, sequences = 0, 0
     for batch in tqdm(batches, desc="regenerating responses", unit="batch"):
         if time_budget_s is not None and time.perf_counter() - started > time_budget_s:
             logger.info(f"time budget of {time_budget_s:.0f} s spent; stopping (resume later)")
             break
         prompts = [ids for _, ids in batch]
-        responses, features = greedy_with_features(target, prompts, layer_ids, max_new_tokens, eos, pad)
+        responses, features, distributions = greedy_with_features(
+            target, prompts, layer_ids, max_new_tokens, eos, pad, topk=topk
+        )
         domain = batch[0][0]["domain"]
         with gzip.open(corpus_file(out_dir, domain), "at") as handle:
-            for (row, prompt_ids), response, feature in zip(batch, responses, features):
+            for (row, prompt_ids), response, feature, distribution in zip(
+                batch, responses, features, distributions
+            ):
                 record = {
                     "id": row["id"],
                     "domain": domain,
@@ -150,11 +223,7 @@ def build_corpus(
                     "prompt_length": len(prompt_ids),
                 }
                 if features_dir is not None:
-                    path = feature_file(features_dir, record)
-                    path.parent.mkdir(parents=True, exist_ok=True)
-                    save_file(
-                        {"features": feature}, path, metadata={"layer_ids": ",".join(map(str, layer_ids))}
-                    )
+                    save_features(features_dir, record, feature, layer_ids, distribution)
                 handle.write(json.dumps(record) + "\n")
                 generated += len(response)
                 sequences += 1
@@ -164,9 +233,111 @@ def build_corpus(
         "generated_tokens": generated,
         "seconds": seconds,
         "tokens_per_s": generated / seconds if seconds else 0.0,
+        "rebuilt_features": rebuilt,
     }
     logger.info(f"corpus: {stats}")
     return stats
+
+
+def save_features(
+    features_dir: str | Path,
+    record: dict,
+    features: torch.Tensor,
+    layer_ids: list[int],
+    distribution: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> None:
+    """Write one record's feature file (``features``, and ``topk_ids`` / ``topk_logprobs`` when given), atomically:
+    a run killed mid-write leaves no half file that a later run would take as complete."""
+    path = feature_file(features_dir, record)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tensors = {"features": features}
+    if distribution is not None:
+        tensors["topk_ids"], tensors["topk_logprobs"] = distribution
+    partial = path.with_suffix(".partial")
+    save_file(tensors, partial, metadata={"layer_ids": ",".join(map(str, layer_ids))})
+    partial.replace(path)
+
+
+def load_soft_targets(features_dir: str | Path, record: dict) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The target's top-k distribution over each response token, ``(topk_ids [R, k] long, topk_logprobs [R, k]
+    float)``, or None when the record's feature file has none."""
+    path = feature_file(features_dir, record)
+    if not path.is_file():
+        return None
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as handle:
+        if "topk_ids" not in handle.keys():
+            return None
+        return handle.get_tensor("topk_ids").long(), handle.get_tensor("topk_logprobs").float()
+
+
+def _features_complete(features_dir: str | Path, record: dict, layer_ids: list[int], topk: int) -> bool:
+    path = feature_file(features_dir, record)
+    if not path.is_file():
+        return False
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, framework="pt") as handle:
+            stored = [int(i) for i in handle.metadata()["layer_ids"].split(",")]
+            has_topk = "topk_ids" in handle.keys() and handle.get_slice("topk_ids").get_shape()[-1] >= topk
+    except Exception:  # an unreadable file is rebuilt, not trusted
+        return False
+    return all(i in stored for i in layer_ids) and (topk == 0 or has_topk)
+
+
+@torch.no_grad()
+def rebuild_features(
+    target,
+    records: list[dict],
+    features_dir: str | Path,
+    layer_ids: list[int],
+    topk: int = 32,
+    batch_size: int = 8,
+    time_budget_s: float | None = None,
+) -> int:
+    """Recompute, by teacher-forced forwards over the committed token ids, the feature files of ``records`` that are
+    missing or lack ``layer_ids`` / top-k; returns how many were written. The tapped layers and the distributions
+    equal those of the greedy loop up to batched-kernel numerics."""
+    todo = [r for r in records if not _features_complete(features_dir, r, layer_ids, topk)]
+    if not todo:
+        return 0
+    todo.sort(key=lambda r: len(r["input_ids"]))
+    started = time.perf_counter()
+    device = next(target.parameters()).device
+    hooks, captured = _tap(target, layer_ids)
+    written = 0
+    try:
+        for start in tqdm(range(0, len(todo), batch_size), desc="rebuilding features", unit="batch"):
+            if time_budget_s is not None and time.perf_counter() - started > time_budget_s:
+                break
+            batch = todo[start : start + batch_size]
+            width = max(len(r["input_ids"]) for r in batch)
+            # Right padding: a causal position never sees the pad after it, so no position ids or mask tricks.
+            input_ids = torch.zeros((len(batch), width), dtype=torch.long)
+            attention = torch.zeros((len(batch), width), dtype=torch.long)
+            for i, r in enumerate(batch):
+                input_ids[i, : len(r["input_ids"])] = torch.tensor(r["input_ids"])
+                attention[i, : len(r["input_ids"])] = 1
+            logits = target(input_ids=input_ids.to(device), attention_mask=attention.to(device)).logits
+            for i, r in enumerate(batch):
+                n, prompt = len(r["input_ids"]), r["prompt_length"]
+                feature = _stack(captured, layer_ids, i)[: n - 1]
+                distribution = _top_k(logits[i, prompt - 1 : n - 1], topk) if topk else None
+                save_features(features_dir, r, feature.contiguous(), layer_ids, distribution)
+                written += 1
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return written
+
+
+def _top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids int32, log-probs fp16)`` of the ``k`` likeliest tokens per row of ``logits`` [n, V]."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    values, ids = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
+    return ids.to(torch.int32).contiguous(), values.clamp(min=-60.0).to(torch.float16).contiguous()
 
 
 def _rows_to_regenerate(
@@ -219,21 +390,23 @@ def _round_robin(chunks: list[list]) -> Iterable[list]:
 
 
 def greedy_with_features(
-    target, prompts: list[list[int]], layer_ids: list[int], max_new_tokens: int, eos: int | None, pad: int
-) -> tuple[list[list[int]], list[torch.Tensor]]:
+    target,
+    prompts: list[list[int]],
+    layer_ids: list[int],
+    max_new_tokens: int,
+    eos: int | None,
+    pad: int,
+    topk: int = 0,
+) -> tuple[list[list[int]], list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor] | None]]:
     """Batched greedy decoding (left-padded) that also returns each sequence's tapped hidden states.
 
-    Returns per prompt the response (up to and including EOS) and ``features`` [len(prompt + response) - 1,
-    len(layer_ids), H] bf16. Finished rows leave the batch (their cache rows are dropped), so a batch costs what its
-    longest response costs only for the rows still running.
+    Returns per prompt the response (up to and including EOS), ``features`` [len(prompt + response) - 1,
+    len(layer_ids), H] bf16, and with ``topk`` > 0 the target's top-k distribution over each response token
+    (``(ids [R, topk] int32, log-probs fp16)``, else None). Finished rows leave the batch (their cache rows are
+    dropped), so a batch costs what its longest response costs only for the rows still running.
     """
     device = next(target.parameters()).device
-    layers = target.get_decoder().layers
-    captured: dict[int, torch.Tensor] = {}
-    hooks = [
-        layers[i].register_forward_hook(lambda _m, _a, out, i=i: captured.__setitem__(i, _first(out)))
-        for i in layer_ids
-    ]
+    hooks, captured = _tap(target, layer_ids)
     try:
         width = max(len(p) for p in prompts)
         batch = len(prompts)
@@ -256,14 +429,18 @@ def greedy_with_features(
         # Per row: the list of [n, n_layers, H] feature pieces and the generated tokens.
         pieces = [[_stack(captured, layer_ids, i)[width - len(p) :]] for i, p in enumerate(prompts)]
         responses: list[list[int]] = [[] for _ in prompts]
+        distributions: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in prompts]
         alive = list(range(batch))  # original row index of every row still in the batch
         next_pos = position_ids[:, -1]
         for _ in range(max_new_tokens):
             tokens = out.logits[:, -1].argmax(-1)
+            top = _top_k(out.logits[:, -1], topk) if topk else None
             still = []
             for slot, row in enumerate(alive):
                 token = int(tokens[slot])
                 responses[row].append(token)
+                if top is not None:
+                    distributions[row].append((top[0][slot], top[1][slot]))
                 if token != eos and len(responses[row]) < max_new_tokens:
                     still.append(slot)
             if not still:
@@ -293,7 +470,22 @@ def greedy_with_features(
         # The feature of the last response token is never computed (it was not fed back), and never needed.
         assert stacked.shape[0] == len(prompt) + len(responses[row]) - 1, (stacked.shape, len(prompt))
         features.append(stacked.to(torch.bfloat16).contiguous())
-    return responses, features
+    soft = [
+        (torch.stack([i for i, _ in rows]), torch.stack([v for _, v in rows])) if rows else None
+        for rows in distributions
+    ]
+    return responses, features, soft
+
+
+def _tap(target, layer_ids: list[int]) -> tuple[list, dict[int, torch.Tensor]]:
+    """Forward hooks that keep the newest output of each tapped decoder layer in ``captured`` (remove them after)."""
+    layers = target.get_decoder().layers
+    captured: dict[int, torch.Tensor] = {}
+    hooks = [
+        layers[i].register_forward_hook(lambda _m, _a, out, i=i: captured.__setitem__(i, _first(out)))
+        for i in layer_ids
+    ]
+    return hooks, captured
 
 
 def _first(output):
@@ -317,7 +509,9 @@ def make_parser() -> argparse.ArgumentParser:
         "--out-dir", default="examples/corpus/smollm2", help="token-id corpus (<domain>.jsonl.gz)"
     )
     parser.add_argument(
-        "--features-dir", default=None, help="where to keep the tapped target features (none kept if omitted)"
+        "--features-dir",
+        default=None,
+        help="where to keep the tapped target features (none kept if omitted); missing ones are rebuilt",
     )
     for domain, default in (("chat", 6000), ("code", 3325), ("math", 4000)):
         parser.add_argument(
@@ -332,19 +526,52 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-prompt-tokens", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument(
+        "--topk",
+        type=int,
+        default=32,
+        help="record the target's top-k distribution per response token (0 = none)",
+    )
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16"),
+        help="the target's dtype while regenerating",
+    )
+    parser.add_argument(
+        "--rebuild",
+        action="store_true",
+        help="drop the corpus files of the chosen domains and regenerate them",
+    )
+    parser.add_argument(
         "--time-budget", type=float, default=None, help="stop after this many seconds (resume later)"
     )
     parser.add_argument("--config", metavar="FILE", help=CONFIG_HELP)
     return parser
 
 
+def _check_args(args) -> None:
+    """Every check that needs no model, before the prompts or the target load."""
+    for name in ("chat", "code", "math", "topk"):
+        if getattr(args, name) < 0:
+            raise ValueError(f"--{name}: expected a count >= 0, got {getattr(args, name)}")
+    for name in ("max_new_tokens", "max_prompt_tokens", "batch_size"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}: expected an int >= 1, got {getattr(args, name)}")
+    for name in ("out_dir", "features_dir"):
+        path = getattr(args, name)
+        if path is not None and Path(path).exists() and not Path(path).is_dir():
+            raise ValueError(
+                f"--{name.replace('_', '-')}: expected a folder (or a new path), got the file {path}"
+            )
+    if any(i < 0 for i in args.layer_ids):
+        raise ValueError(f"--layer-ids: expected layer indices >= 0, got {args.layer_ids}")
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = make_parser()
     args = parse_args_with_config(parser, argv)
+    _check_args(args)
     counts = {"chat": args.chat, "code": args.code, "math": args.math}
-    for domain, count in counts.items():
-        if count < 0:
-            raise ValueError(f"--{domain}: expected a count >= 0, got {count}")
     # Every prompt source is loaded before the target: a missing package fails here, saying how to install it.
     rows = [
         row
@@ -352,7 +579,12 @@ def main(argv: list[str] | None = None) -> dict:
         if n
         for row in load_domain(domain, args.split, n=n, seed=args.seed)
     ]
-    target, tokenizer = load_target(args.target)
+    layers = load_target_config(args.target).get_text_config().num_hidden_layers
+    if max(args.layer_ids) >= layers:
+        raise ValueError(
+            f"--layer-ids: expected decoder layers of {args.target} in 0..{layers - 1}, got {args.layer_ids}"
+        )
+    target, tokenizer = load_target(args.target, dtype=getattr(torch, args.dtype))
     return build_corpus(
         target,
         tokenizer,
@@ -364,6 +596,9 @@ def main(argv: list[str] | None = None) -> dict:
         max_prompt_tokens=args.max_prompt_tokens,
         batch_size=args.batch_size,
         time_budget_s=args.time_budget,
+        topk=args.topk,
+        target_name=args.target,
+        rebuild=args.rebuild,
     )
 
 

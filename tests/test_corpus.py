@@ -12,7 +12,15 @@ from tokenizers.pre_tokenizers import WhitespaceSplit
 from transformers import PreTrainedTokenizerFast
 
 from adaflash_hf import corpus
-from adaflash_hf.corpus import build_corpus, corpus_file, greedy_with_features, load_features, read_corpus
+from adaflash_hf.corpus import (
+    build_corpus,
+    corpus_file,
+    feature_file,
+    greedy_with_features,
+    load_features,
+    load_soft_targets,
+    read_corpus,
+)
 
 LAYERS = [0, 2]
 
@@ -40,7 +48,7 @@ def rows(domains=("chat", "math"), per_domain=3):
 def test_responses_are_the_targets_greedy_continuations_and_features_its_hidden_states(target_factory):
     target = target_factory("llama")
     prompts = [[5, 9, 13], [7, 8, 9, 10, 11, 12, 40], [100]]
-    responses, features = greedy_with_features(target, prompts, LAYERS, 9, eos=None, pad=0)
+    responses, features, _ = greedy_with_features(target, prompts, LAYERS, 9, eos=None, pad=0)
     for prompt, response, feature in zip(prompts, responses, features):
         expected = target.generate(torch.tensor([prompt]), max_new_tokens=9, do_sample=False, pad_token_id=0)
         assert prompt + response == expected[0].tolist()  # left padding and dropped rows changed nothing
@@ -53,9 +61,9 @@ def test_responses_are_the_targets_greedy_continuations_and_features_its_hidden_
 def test_rows_that_reach_eos_stop_there_and_leave_the_batch(target_factory):
     target = target_factory("llama")
     prompts = [[5, 9, 13], [7, 8, 9]]
-    free, _ = greedy_with_features(target, prompts, LAYERS, 12, eos=None, pad=0)
+    free, _, _ = greedy_with_features(target, prompts, LAYERS, 12, eos=None, pad=0)
     eos = free[0][3]  # a token the first row emits early
-    responses, features = greedy_with_features(target, prompts, LAYERS, 12, eos=eos, pad=0)
+    responses, features, _ = greedy_with_features(target, prompts, LAYERS, 12, eos=eos, pad=0)
     for prompt, response, unconstrained, feature in zip(prompts, responses, free, features):
         stop = unconstrained.index(eos) + 1 if eos in unconstrained else len(unconstrained)
         assert response == unconstrained[:stop]
@@ -138,3 +146,87 @@ def test_a_missing_prompt_source_says_how_to_install_it_before_loading_the_targe
 def test_negative_counts_are_refused_naming_the_flag():
     with pytest.raises(ValueError, match="--math: expected a count >= 0, got -1"):
         corpus.main(["--math", "-1"])
+
+
+def test_the_recorded_distribution_is_the_targets_own_over_each_response_token(target_factory):
+    target = target_factory("llama")
+    prompts = [[5, 9, 13], [7, 8, 9, 10, 11]]
+    responses, _, soft = greedy_with_features(target, prompts, LAYERS, 6, eos=None, pad=0, topk=4)
+    for prompt, response, (ids, logprobs) in zip(prompts, responses, soft):
+        assert ids.shape == logprobs.shape == (len(response), 4)
+        assert ids[:, 0].tolist() == response  # greedy: the likeliest token is the one generated
+        logits = target(torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1]
+        reference = torch.log_softmax(logits, -1).gather(-1, ids.long())
+        torch.testing.assert_close(logprobs.float(), reference, atol=2e-2, rtol=1e-2)  # fp16 storage
+
+
+def test_missing_features_are_rebuilt_from_the_committed_ids(target_factory, tmp_path):
+    target = target_factory("llama")
+    tokenizer = tiny_tokenizer(target.config.vocab_size)
+    kwargs = dict(layer_ids=LAYERS, max_new_tokens=5, topk=3)
+    build_corpus(target, tokenizer, rows(), tmp_path, tmp_path / "f", **kwargs)
+    records = read_corpus(tmp_path, ["chat", "math"])
+    original = {
+        r["id"]: (load_features(tmp_path / "f", r, LAYERS), load_soft_targets(tmp_path / "f", r))
+        for r in records
+    }
+    for record in records[:3]:
+        feature_file(tmp_path / "f", record).unlink()  # a fresh checkout: features are not committed
+    stats = build_corpus(target, tokenizer, rows(), tmp_path, tmp_path / "f", **kwargs)
+    assert (stats["sequences"], stats["rebuilt_features"]) == (0, 3)
+    for record in records:
+        features, (ids, logprobs) = original[record["id"]]
+        torch.testing.assert_close(
+            load_features(tmp_path / "f", record, LAYERS).float(), features.float(), atol=3e-2, rtol=2e-2
+        )
+        rebuilt_ids, rebuilt_logprobs = load_soft_targets(tmp_path / "f", record)
+        assert rebuilt_ids[:, 0].tolist() == ids[:, 0].tolist()
+        torch.testing.assert_close(rebuilt_logprobs[:, 0], logprobs[:, 0], atol=3e-2, rtol=2e-2)
+
+
+def test_resuming_with_another_max_new_tokens_is_refused_and_rebuild_regenerates(target_factory, tmp_path):
+    target = target_factory("llama")
+    tokenizer = tiny_tokenizer(target.config.vocab_size)
+    build_corpus(target, tokenizer, rows(), tmp_path, layer_ids=LAYERS, max_new_tokens=4)
+    with pytest.raises(ValueError, match=r"expected max_new_tokens=4 .* got 8; pass --rebuild"):
+        build_corpus(target, tokenizer, rows(), tmp_path, layer_ids=LAYERS, max_new_tokens=8)
+    assert {len(r["input_ids"]) - r["prompt_length"] for r in read_corpus(tmp_path, ["chat"])} == {4}  # kept
+    stats = build_corpus(
+        target, tokenizer, rows(), tmp_path, layer_ids=LAYERS, max_new_tokens=8, rebuild=True
+    )
+    assert stats["sequences"] == len(rows())
+    assert {len(r["input_ids"]) - r["prompt_length"] for r in read_corpus(tmp_path, ["chat", "math"])} == {8}
+
+
+def test_a_corpus_from_before_settings_were_kept_adopts_the_current_ones(target_factory, tmp_path):
+    target = target_factory("llama")
+    tokenizer = tiny_tokenizer(target.config.vocab_size)
+    build_corpus(target, tokenizer, rows()[:1], tmp_path, layer_ids=LAYERS, max_new_tokens=4)
+    (tmp_path / corpus.SETTINGS_FILE).unlink()
+    stats = build_corpus(target, tokenizer, rows(), tmp_path, layer_ids=LAYERS, max_new_tokens=4)
+    assert stats["sequences"] == len(rows()) - 1
+    assert json.loads((tmp_path / corpus.SETTINGS_FILE).read_text())["max_new_tokens"] == 4
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--layer-ids", "1", "14", "99"],
+            r"--layer-ids: expected decoder layers of .* in 0\.\.29, got \[1, 14, 99\]",
+        ),
+        (["--topk", "-2"], "--topk: expected a count >= 0, got -2"),
+        (["--max-new-tokens", "0"], "--max-new-tokens: expected an int >= 1, got 0"),
+    ],
+)
+def test_bad_corpus_options_fail_before_the_target_loads(monkeypatch, argv, message):
+    monkeypatch.setattr(corpus, "load_target", lambda *a, **k: pytest.fail("loaded the target"))
+    with pytest.raises(ValueError, match=message):
+        corpus.main(["--chat", "1", "--code", "0", "--math", "0", *argv])
+
+
+def test_an_out_dir_that_is_a_file_is_refused_before_anything_loads(monkeypatch, tmp_path):
+    monkeypatch.setattr(corpus, "load_domain", lambda *a, **k: pytest.fail("loaded the prompts"))
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="--out-dir: expected a folder .*, got the file"):
+        corpus.main(["--out-dir", str(tmp_path / "file")])
