@@ -8,10 +8,14 @@ sampling, cache cropping, EOS/length handling and streaming.
 
 Knobs live on the generation config (``GenerationConfig(adaflash_length_mode="fixed", ...)``,
 ``target.generation_config.adaflash_gamma = 1.3``, or ``generate(..., adaflash_gamma=1.3)`` like any generation-config
-field); an unknown ``adaflash_*`` name is an error that names the closest knob:
+field) and are read into one ``adaflash_hf.drafting.DraftingSettings`` (the engine takes the same object); an unknown
+``adaflash_*`` name is an error that names the closest knob, and ``adaflash_*`` kwargs of a call without an AdaFlash
+assistant are an error too (a forgotten ``assistant_model=``). ``speculation_type="dflash"`` hands the drafter to
+transformers' native fixed-length DFlash path (no AdaFlash knobs, no ``last_stats``).
 
-- ``adaflash_length_mode``: ``"adaptive"`` (default: the length head truncates the draft) or ``"fixed"`` (always
-  ``block_size - 1`` drafts, i.e. DFlash);
+- ``adaflash_length_mode``: ``"adaptive"`` (default: the length head truncates the draft), ``"fixed"`` (always
+  ``block_size - 1`` drafts, i.e. DFlash) or ``"goodput"`` (the k, from 0 up, with the most expected committed tokens
+  per second on this machine: ``adaflash_hf.drafting``; ``adaflash_calibrate`` / ``adaflash_max_skip`` tune it);
 - ``adaflash_gamma`` / ``adaflash_min_len``: override the config's γ and minimum draft length;
 - ``adaflash_proposal``: under sampling, ``"argmax"`` (default: one-hot q on the drafter's argmax, lossless) or
   ``"sample"`` (q = the processed drafter distribution the proposals were drawn from);
@@ -49,11 +53,18 @@ from transformers.generation.utils import GenerationMixin
 from transformers.utils import logging
 
 from adaflash_hf.draft_vocab import draft_logits
+from adaflash_hf.drafting import (
+    DraftingSettings,
+    SkipGate,
+    acceptance_model_for,
+    calibrate_target,
+    cost_model_for,
+    lookup_gains,
+    plan_round,
+)
 from adaflash_hf.lookup import (
-    DRAFT_SOURCES,
     LookupIndex,
     LookupRecord,
-    check_lookup_min_prob,
     choose_lookup,
     expected_lookup_accepted,
     truncate_lookup,
@@ -65,16 +76,9 @@ from adaflash_hf.stats import AdaFlashStats, RoundRecord
 logger = logging.get_logger(__name__)
 
 TESTED_TRANSFORMERS = ("5.24.0", "5.25.0")  # [low, high)
-LENGTH_MODES = ("adaptive", "fixed")
-PROPOSAL_MODES = ("argmax", "sample")
-KNOBS = (
-    "adaflash_length_mode",
-    "adaflash_gamma",
-    "adaflash_min_len",
-    "adaflash_proposal",
-    "adaflash_draft_source",
-    "adaflash_lookup_min_prob",
-)
+KNOBS = tuple(f"adaflash_{name}" for name in DraftingSettings.knobs())
+# The rows of the block whose confidence the goodput choice reads first; more only while a longer draft could pay.
+CONFIDENCE_ROWS = 4
 _HOOKED = ("_get_candidate_generator", "_validate_generation_mode", "_prepare_generation_config")
 # Drafters whose last_stats the hook set: disable() clears them, since the calls that follow (transformers' native
 # path) are invisible to adaflash_hf and must not be mistaken for the stats' call.
@@ -107,12 +111,15 @@ def check_transformers_support() -> None:
         raise RuntimeError("adaflash_hf cannot hook into this transformers: " + "; ".join(problems))
 
 
-def _setting(generation_config, name: str, default: Any, allowed: tuple | None = None) -> Any:
-    value = getattr(generation_config, f"adaflash_{name}", None)
-    value = default if value is None else value
-    if allowed is not None and value not in allowed:
-        raise ValueError(f"generation_config.adaflash_{name}: expected one of {allowed}, got {value!r}")
-    return value
+def drafting_settings(generation_config, drafter: AdaFlashDrafter) -> DraftingSettings:
+    """The call's ``DraftingSettings`` from its ``adaflash_*`` fields, γ and min_len resolved against the drafter."""
+    settings = DraftingSettings.from_generation_config(generation_config).resolve(drafter.config)
+    if settings.lookup_history_tokens is not None:
+        raise ValueError(
+            "generation_config.adaflash_lookup_history_tokens: expected None with generate (a shared history of "
+            f"finished outputs is the engine's, adaflash_hf.serving), got {settings.lookup_history_tokens!r}"
+        )
+    return settings
 
 
 def align_drafter_dtype(drafter: AdaFlashDrafter, target) -> None:
@@ -167,18 +174,13 @@ def validate_adaflash_generation(
             f"cache_implementation: expected None or 'dynamic' (a cache that can be cropped after rejected drafts), "
             f"got {generation_config.cache_implementation!r}"
         )
-    _setting(generation_config, "length_mode", "adaptive", LENGTH_MODES)
-    _setting(generation_config, "proposal", "argmax", PROPOSAL_MODES)
-    _setting(generation_config, "draft_source", "diffusion", DRAFT_SOURCES)
-    check_lookup_min_prob("adaflash_lookup_min_prob", _setting(generation_config, "lookup_min_prob", 0.0))
-    gamma = _setting(generation_config, "gamma", drafter.config.length_head_gamma)
-    min_len = _setting(generation_config, "min_len", drafter.config.length_head_min_len)
-    if not (isinstance(gamma, (int, float)) and gamma > 0):
-        raise ValueError(f"generation_config.adaflash_gamma: expected a number > 0, got {gamma!r}")
-    if not (isinstance(min_len, int) and 0 <= min_len <= drafter.config.block_size - 1):
+    if generation_config.prompt_lookup_num_tokens is not None:
         raise ValueError(
-            f"generation_config.adaflash_min_len: expected an int in 0..{drafter.config.block_size - 1}, got {min_len!r}"
+            f"prompt_lookup_num_tokens: expected None with an AdaFlash assistant (got "
+            f"{generation_config.prompt_lookup_num_tokens}); for lookup drafts beside the drafter's block pass "
+            "adaflash_draft_source='hybrid'"
         )
+    drafting_settings(generation_config, drafter)
 
 
 class AdaFlashCandidateGenerator(CandidateGenerator):
@@ -219,8 +221,11 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
         self.drafter = drafter
         self.config = drafter.config
         self.block_size = drafter.config.block_size
+        # Only the tapped layers' states, unless the caller asked for them all (they are returned to it then).
         self.model_kwargs_overrides = {
-            "output_hidden_states": [i + 1 for i in drafter.config.target_layer_ids]
+            "output_hidden_states": True
+            if generation_config.output_hidden_states
+            else [i + 1 for i in drafter.config.target_layer_ids]
         }
         self.cache = DFlashCache(config=drafter.config)
         self.embedding_weight = target.get_input_embeddings().weight
@@ -228,12 +233,7 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
         self.logits_processor = logits_processor
         self.do_sample = generation_config.do_sample
         self.max_length = generation_config.max_length
-        self.length_mode = _setting(generation_config, "length_mode", "adaptive", LENGTH_MODES)
-        self.proposal = _setting(generation_config, "proposal", "argmax", PROPOSAL_MODES)
-        self.gamma = _setting(generation_config, "gamma", self.config.length_head_gamma)
-        self.min_len = _setting(generation_config, "min_len", self.config.length_head_min_len)
-        self.draft_source = _setting(generation_config, "draft_source", "diffusion", DRAFT_SOURCES)
-        self.lookup_min_prob = _setting(generation_config, "lookup_min_prob", 0.0)
+        self.settings = drafting_settings(generation_config, drafter)
         eos = generation_config.eos_token_id
         self.eos_ids = () if eos is None else ((eos,) if isinstance(eos, int) else tuple(eos))
         self.lookup_index = LookupIndex()
@@ -248,6 +248,17 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
         self.context_buffer: torch.Tensor | None = None  # [1, n, features]: not yet in the drafter cache
         self.block_in_cache = False
         self.pending: dict[str, Any] | None = None
+        if self.settings.length_mode == "goodput":
+            self.cost = cost_model_for(target, "generate")
+            self.acceptance = acceptance_model_for(drafter)
+            self.gate = SkipGate(max_skip=self.settings.max_skip)
+            self.last_gains: list[float] | None = None  # the newest drafted block's expected gains
+            if self.settings.calibrate and not self.cost.calibrated:
+                calibrate_target(
+                    target,
+                    self.cost,
+                    output_hidden_states=self.model_kwargs_overrides["output_hidden_states"],
+                )
 
     @torch.no_grad()
     def get_candidates(
@@ -271,39 +282,54 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
         # keeps inside the target's positions).
         room = max(0, min(self.block_size - 1, self.max_length - cur_len - 1))
         proposal = None
-        if self.draft_source == "hybrid":
+        if self.settings.draft_source == "hybrid":
             self.lookup_index.extend(input_ids[0, len(self.lookup_index) :].tolist())
             proposal = truncate_lookup(
-                self.lookup_index.propose(room, self.eos_ids), self.lookup_record, self.lookup_min_prob
+                self.lookup_index.propose(room, self.eos_ids),
+                self.lookup_record,
+                self.settings.lookup_min_prob,
             )
-            if self.last_acceptance is not None and choose_lookup(
-                proposal, self.lookup_record, self.last_acceptance, self.block_size
-            ):
-                return self._lookup_round(input_ids, proposal, started)
+        if self.settings.length_mode == "goodput":
+            return self._goodput_round(input_ids, model_kwargs, proposal, room, started)
+        if self.last_acceptance is not None and choose_lookup(
+            proposal, self.lookup_record, self.last_acceptance, self.block_size
+        ):
+            return self._lookup_round(input_ids, proposal, started)
 
         out = self._drafter_forward(input_ids, model_kwargs)
+        predicted, finite = self._head_acceptance(out)
+        if proposal is not None and choose_lookup(proposal, self.lookup_record, predicted, self.block_size):
+            return self._lookup_round(input_ids, proposal, started)
+        if not finite:
+            length = 0
+        elif self.settings.length_mode == "fixed":
+            length = self.block_size - 1
+        else:
+            length = int(
+                self.drafter.predict_draft_length(
+                    out.acceptance_prob, self.settings.gamma, self.settings.min_len
+                ).reshape(-1)[0]
+            )
+        length = min(length, room)
+        # The lm_head over V is the expensive part: only the verified rows, unless a recorder wants the whole block.
+        rows = self.block_size - 1 if self.recorder is not None else length
+        drafted, _ = self._block_logits(out.last_hidden_state[:, 1 : 1 + rows])
+        return self._diffusion_round(input_ids, drafted, length, predicted, started)
+
+    def _head_acceptance(self, out) -> tuple[float, bool]:
+        """The length head's â of a drafter forward, kept as ``last_acceptance``, and whether the block is finite
+        (a non-finite one is counted and gets â = 0)."""
         predicted = float(out.acceptance_prob.float().reshape(-1)[0])
         finite = math.isfinite(predicted) and bool(torch.isfinite(out.last_hidden_state).all())
         if not finite:
             self._count_nonfinite_block()
             predicted = 0.0
         self.last_acceptance = predicted
-        if proposal is not None and choose_lookup(proposal, self.lookup_record, predicted, self.block_size):
-            return self._lookup_round(input_ids, proposal, started)
-        if not finite:
-            length = 0
-        elif self.length_mode == "fixed":
-            length = self.block_size - 1
-        else:
-            length = int(
-                self.drafter.predict_draft_length(out.acceptance_prob, self.gamma, self.min_len).reshape(-1)[
-                    0
-                ]
-            )
-        length = min(length, room)
-        # The lm_head over V is the expensive part: only the verified rows, unless a recorder wants the whole block.
-        rows = self.block_size - 1 if self.recorder is not None else length
-        drafted = self._block_logits(out.last_hidden_state[:, 1 : 1 + rows])
+        return predicted, finite
+
+    def _diffusion_round(self, input_ids, drafted, length, predicted, started, extra=None):
+        """Propose the first ``length`` rows of ``drafted`` (float logits over V) and remember the round."""
+        cur_len = input_ids.shape[1]
         candidate_ids, candidate_logits = self._propose(input_ids, drafted, length)
         self.pending = {
             "started": time.perf_counter(),
@@ -315,11 +341,78 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
             "drafted": drafted,
             "proposed": candidate_ids[0, cur_len:],
             "source": "diffusion",
+            "drafter_ran": True,
+            **(extra or {}),
         }
         if length == 0:
             # An empty draft must be (input_ids, None): zero-length logits crash transformers' speculative sampling.
             return input_ids, None
         return candidate_ids, candidate_logits
+
+    def _plain_round(self, input_ids, started):
+        """Verify nothing and skip the drafter: its context waits in the buffer (goodput)."""
+        self.stats.skipped_drafter_forwards += 1
+        self.pending = {
+            "started": time.perf_counter(),
+            "drafter_seconds": 0.0,
+            "length": 0,
+            "predicted": 0.0,
+            "context_length": input_ids.shape[1] - 1,
+            "anchor": int(input_ids[0, -1]),
+            "proposed": input_ids[0, :0],
+            "source": "plain",
+            "drafter_ran": False,
+        }
+        return input_ids, None
+
+    def _goodput_round(self, input_ids, model_kwargs, proposal, room, started):
+        """The k (and, in hybrid, the source) with the most expected committed tokens per second of the round, from
+        the measured cost curve (``adaflash_hf.drafting``); k = 0 rounds whose drafting did not pay skip the drafter
+        for a while (``SkipGate``)."""
+        curve = self.cost.target_curve(1)
+        lookup_option = lookup_gains(proposal, self.lookup_record)
+        if curve is None or not self.cost.knows_target(1) or room == 0:
+            return self._plain_round(input_ids, started)  # a plain step measures the k = 0 baseline first
+        base = {"base_tokens": 1, "base_committed": 1.0, "target_seconds": curve}
+        drafter_seconds = self.cost.drafter_seconds(1)
+        skip = not self.gate.should_draft()
+        if not skip and lookup_option and self.last_gains is not None:
+            alone = plan_round([[lookup_option]], drafter_seconds=0.0, **base)
+            drafted = plan_round(
+                [[self.last_gains[:room], lookup_option]], drafter_seconds=drafter_seconds, **base
+            )
+            skip = alone.goodput >= drafted.goodput
+        if skip:
+            plan = plan_round([[lookup_option]], drafter_seconds=0.0, **base)
+            if plan.lengths[0]:
+                self.stats.skipped_drafter_forwards += 1
+                return self._lookup_round(input_ids, proposal, started, plan.lengths[0], drafter_ran=False)
+            return self._plain_round(input_ids, started)
+
+        out = self._drafter_forward(input_ids, model_kwargs)
+        head, finite = self._head_acceptance(out)
+        drafted, confidences = self._confident_rows(out.last_hidden_state, room, head)
+        gains = self.acceptance.gains(confidences, head) if finite else []
+        plan = plan_round([[gains, lookup_option]], drafter_seconds=drafter_seconds, **base)
+        self.gate.record(plan.lengths[0] > 0 and plan.goodput > 1.0 / curve(1))
+        self.last_gains = gains
+        if plan.sources[0] == 1:
+            return self._lookup_round(input_ids, proposal, started, plan.lengths[0])
+        extra = {"confidences": confidences, "head": head}
+        return self._diffusion_round(input_ids, drafted, plan.lengths[0], head, started, extra)
+
+    def _confident_rows(self, block_hidden, room: int, head: float):
+        """Logits of block rows 1..n and the drafter's confidence in each proposal (its softmax maximum), for the
+        first ``CONFIDENCE_ROWS`` rows and then all ``room`` rows while the chain of acceptances could still reach
+        them (the lm_head rows are what costs)."""
+        rows = min(room, CONFIDENCE_ROWS)
+        drafted, confidences = self._block_logits(block_hidden[:, 1 : 1 + rows])
+        if rows < room and self.acceptance.gains(confidences, head)[-1] > 0.01:
+            drafted, confidences = self._block_logits(block_hidden[:, 1 : 1 + room])
+        if self.recorder is not None and drafted.shape[1] < self.block_size - 1:
+            full, _ = self._block_logits(block_hidden[:, 1 : self.block_size])
+            drafted = full
+        return drafted, confidences
 
     def _drafter_forward(self, input_ids, model_kwargs):
         """One drafter forward: the buffered context joins the cache, the block [anchor, MASK...] replaces the
@@ -349,16 +442,18 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
         return out
 
     def _block_logits(self, block_rows):
-        """Float logits of drafter block rows over the whole vocabulary (the draft vocabulary's, scattered)."""
+        """Float logits of drafter block rows over the whole vocabulary (the draft vocabulary's, scattered), and the
+        drafter's confidence in each row's argmax (its softmax maximum, a list)."""
         logits, token_ids = draft_logits(block_rows, self.lm_head, self.drafter.draft_token_ids)
         drafted = logits.float()
+        confidences = torch.softmax(drafted[0], dim=-1).amax(dim=-1).nan_to_num(0.0).tolist()
         if token_ids is not None:
             # Processors and the verifier index the whole vocabulary. -inf outside the draft vocabulary: no such token
             # is proposed and q (one-hot, or the processed distribution sampled from) is 0 there, so the verifier's
             # residual max(p - q, 0) keeps all the target's mass outside the subset: still lossless.
             full = drafted.new_full((*drafted.shape[:-1], self.lm_head.weight.shape[0]), float("-inf"))
             drafted = full.index_copy_(-1, token_ids, drafted)
-        return drafted
+        return drafted, confidences
 
     def _count_nonfinite_block(self) -> None:
         if not self.stats.nonfinite_blocks:
@@ -368,18 +463,18 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
             )
         self.stats.nonfinite_blocks += 1
 
-    def _lookup_round(self, input_ids, proposal, started):
-        """Verify the lookup continuation: one-hot q under sampling (accepted with probability p(x), resampled from
-        p without x: lossless), no q under greedy."""
+    def _lookup_round(self, input_ids, proposal, started, length=None, drafter_ran=True):
+        """Verify the lookup continuation (its first ``length`` tokens): one-hot q under sampling (accepted with
+        probability p(x), resampled from p without x: lossless), no q under greedy."""
         cur_len = input_ids.shape[1]
-        tokens = torch.tensor([proposal.tokens], dtype=input_ids.dtype, device=input_ids.device)
+        tokens = torch.tensor([proposal.tokens[:length]], dtype=input_ids.dtype, device=input_ids.device)
         candidate_ids = torch.cat([input_ids, tokens], dim=-1)
         logits = None
         if self.do_sample:
             vocab = self.lm_head.weight.shape[0]
             logits = torch.full((1, tokens.shape[1], vocab), float("-inf"), device=input_ids.device)
             logits.scatter_(-1, tokens[..., None], 0.0)
-        expected = expected_lookup_accepted(proposal, self.lookup_record)
+        expected = expected_lookup_accepted(proposal, self.lookup_record, tokens.shape[1])
         self.pending = {
             "started": time.perf_counter(),
             "drafter_seconds": time.perf_counter() - started,
@@ -389,6 +484,7 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
             "anchor": int(input_ids[0, -1]),
             "proposed": candidate_ids[0, cur_len:],
             "source": "lookup",
+            "drafter_ran": drafter_ran,
         }
         return candidate_ids, logits
 
@@ -405,12 +501,12 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
         for i in range(length):
             if self.logits_processor:
                 logits[:, i] = self.logits_processor(candidate_ids, logits[:, i])
-            if self.do_sample and self.proposal == "sample":
+            if self.do_sample and self.settings.proposal == "sample":
                 token = torch.multinomial(torch.softmax(logits[:, i], dim=-1), num_samples=1)
             else:
                 token = logits[:, i].argmax(dim=-1, keepdim=True)
             candidate_ids = torch.cat([candidate_ids, token.to(candidate_ids.device)], dim=-1)
-        if self.do_sample and self.proposal == "argmax" and length:
+        if self.do_sample and self.settings.proposal == "argmax" and length:
             proposals = candidate_ids[:, input_ids.shape[1] :]
             logits = torch.full_like(logits, float("-inf")).scatter_(
                 -1, proposals[..., None].to(logits.device), 0.0
@@ -423,11 +519,20 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
         if pending is None:
             return
         accepted = int(num_matches)
-        self.stats.verify_seconds += time.perf_counter() - pending["started"]
+        verify_seconds = time.perf_counter() - pending["started"]
+        self.stats.verify_seconds += verify_seconds
         self.stats.drafter_seconds += pending["drafter_seconds"]
         self.stats.add_round(pending["length"], accepted, pending["predicted"], pending["source"])
         if pending["source"] == "lookup":
             self.lookup_record.add(pending["length"], accepted)
+        if self.settings.length_mode == "goodput":
+            self.cost.observe_target(pending["length"] + 1, verify_seconds)
+            if pending["drafter_ran"]:
+                self.cost.observe_drafter(1, pending["drafter_seconds"])
+            if "confidences" in pending and pending["length"]:
+                self.acceptance.update(pending["confidences"], pending["head"], pending["length"], accepted)
+        if pending["source"] == "plain":
+            return
         if self.recorder is not None:
             # A diffusion round records every block row's proposal; a lookup round its verified proposals.
             drafted = pending["proposed"]
@@ -456,7 +561,7 @@ def _wrap_get_candidate_generator(original):
     def _get_candidate_generator(self, *args, **kwargs):
         bound = signature.bind(self, *args, **kwargs).arguments
         assistant = bound.get("assistant_model")
-        if not isinstance(assistant, AdaFlashDrafter):
+        if not isinstance(assistant, AdaFlashDrafter) or _native_dflash(bound["generation_config"]):
             return original(self, *args, **kwargs)
         return AdaFlashCandidateGenerator(
             target=self,
@@ -477,12 +582,19 @@ def _wrap_validate_generation_mode(original):
     def _validate_generation_mode(self, *args, **kwargs):
         bound = signature.bind(self, *args, **kwargs).arguments
         assistant = (bound.get("generation_mode_kwargs") or {}).get("assistant_model")
+        generation_config = bound["generation_config"]
         if isinstance(assistant, AdaFlashDrafter):
             # Until this call's generator exists: a call that fails leaves no stale stats behind.
             assistant.last_stats = None
-            validate_adaflash_generation(
-                self, assistant, bound["generation_mode"], bound["generation_config"]
-            )
+            if _native_dflash(generation_config):
+                _refuse_call_knobs(generation_config, "speculation_type='dflash' (transformers' native path)")
+                align_drafter_dtype(assistant, self)
+                assistant.check_target(self)
+            else:
+                validate_adaflash_generation(self, assistant, bound["generation_mode"], generation_config)
+        else:
+            name = "None" if assistant is None else type(assistant).__name__
+            _refuse_call_knobs(generation_config, f"assistant_model={name}")
         return original(self, *args, **kwargs)
 
     return _validate_generation_mode
@@ -494,11 +606,30 @@ def _wrap_prepare_generation_config(original):
         # transformers keeps only kwargs naming existing GenerationConfig fields; ours become fields too, as they
         # would inside a GenerationConfig, instead of failing as unused model kwargs.
         generation_config, model_kwargs = original(self, generation_config, **kwargs)
-        for name in [key for key in model_kwargs if key.startswith("adaflash_")]:
+        names = [key for key in model_kwargs if key.startswith("adaflash_")]
+        for name in names:
             setattr(generation_config, name, model_kwargs.pop(name))
+        # Knobs passed to this call (not those stored on a reused config): refused unless an AdaFlash drafter runs.
+        generation_config._adaflash_call_knobs = tuple(names)
         return generation_config, model_kwargs
 
     return _prepare_generation_config
+
+
+def _native_dflash(generation_config) -> bool:
+    """``speculation_type="dflash"`` hands an AdaFlash drafter to transformers' own fixed-length DFlash path."""
+    return getattr(generation_config, "speculation_type", None) == "dflash"
+
+
+def _refuse_call_knobs(generation_config, where: str) -> None:
+    """``adaflash_*`` kwargs of a call that no AdaFlash generator reads: a misspelt name or a forgotten assistant."""
+    names = getattr(generation_config, "_adaflash_call_knobs", ())
+    if names:
+        check_knob_names(generation_config)
+        raise ValueError(
+            f"{names[0]}: AdaFlash knobs expected with assistant_model=<an AdaFlashDrafter> and no "
+            f"speculation_type='dflash', got {where}; drop the knob or pass the drafter as assistant_model"
+        )
 
 
 _WRAPPERS = {

@@ -142,10 +142,14 @@ class LookupRecord:
         self.rejections += int(accepted < draft_length)
 
 
-def expected_lookup_accepted(proposal: LookupProposal, record: LookupRecord) -> float:
-    """Σ_{i=1..L} a^i, a the match's prior updated with the request's lookup rounds (module docstring)."""
+def expected_lookup_accepted(
+    proposal: LookupProposal, record: LookupRecord, length: int | None = None
+) -> float:
+    """Σ_{i=1..L} a^i over the first ``length`` tokens (default: all), a the match's prior updated with the
+    request's lookup rounds (module docstring)."""
     rate = lookup_rate(proposal, record)
-    return sum(rate**i for i in range(1, len(proposal.tokens) + 1))
+    count = len(proposal.tokens) if length is None else min(length, len(proposal.tokens))
+    return sum(rate**i for i in range(1, count + 1))
 
 
 def lookup_rate(proposal: LookupProposal, record: LookupRecord) -> float:

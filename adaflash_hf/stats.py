@@ -35,7 +35,7 @@ class AdaFlashStats:
     """What one ``generate`` call did. ``tau`` counts committed tokens per target forward in drafting rounds.
 
     Per round: ``sources`` says where the drafts came from (``"diffusion"``: the drafter's block; ``"lookup"``: the
-    lookup proposer, hybrid drafting) and ``predicted_acceptance`` is that source's expected accepted fraction of a
+    lookup proposer, hybrid drafting; ``"plain"``: none, a goodput round that skipped the drafter) and ``predicted_acceptance`` is that source's expected accepted fraction of a
     block (the length head's â; the lookup estimate / (block_size - 1))."""
 
     block_size: int
@@ -52,6 +52,9 @@ class AdaFlashStats:
     drafter_seconds: float = 0.0
     verify_seconds: float = 0.0
     nonfinite_blocks: int = 0  # drafter blocks with a NaN/inf state: those rounds verified no drafts
+    skipped_drafter_forwards: int = (
+        0  # rounds that ran no drafter forward (goodput's skips, lookup-only rounds)
+    )
 
     def __post_init__(self):
         slots = self.block_size - 1
@@ -88,6 +91,11 @@ class AdaFlashStats:
         return sum(self.verify_lengths) / len(self.verify_lengths) if self.verify_lengths else 0.0
 
     @property
+    def zero_length_rounds(self) -> int:
+        """Rounds that verified no drafts (k = 0: plain decoding steps)."""
+        return self.verify_lengths.count(0)
+
+    @property
     def acceptance_per_position(self) -> list[float | None]:
         """P(position j accepted | position j verified), j = 1..block_size-1; None where never verified."""
         return [acc / att if att else None for acc, att in zip(self.position_accepts, self.position_attempts)]
@@ -118,6 +126,7 @@ class AdaFlashStats:
         out.update(
             tau=self.tau,
             mean_verify_length=self.mean_verify_length,
+            zero_length_rounds=self.zero_length_rounds,
             acceptance_rate=self.acceptance_rate,
             realised_acceptance=self.realised_acceptance,
             acceptance_per_position=self.acceptance_per_position,
@@ -134,5 +143,6 @@ class AdaFlashStats:
             f"mean_verify_len={self.mean_verify_length:.2f} acceptance_rate={self.acceptance_rate:.2f} "
             f"predicted/realised acceptance={mean_pred:.2f}/{mean_real:.2f} "
             f"drafter/verify s={self.drafter_seconds:.3f}/{self.verify_seconds:.3f}"
+            + f" k0_rounds={self.zero_length_rounds} skipped_drafter_forwards={self.skipped_drafter_forwards}"
             + (f" nonfinite_blocks={self.nonfinite_blocks}" if self.nonfinite_blocks else "")
         )
