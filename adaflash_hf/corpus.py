@@ -320,11 +320,15 @@ def rebuild_features(
             for i, r in enumerate(batch):
                 input_ids[i, : len(r["input_ids"])] = torch.tensor(r["input_ids"])
                 attention[i, : len(r["input_ids"])] = 1
-            logits = target(input_ids=input_ids.to(device), attention_mask=attention.to(device)).logits
+            # The decoder alone, then the lm_head on the response rows only: prompt rows need no distribution.
+            hidden = target.get_decoder()(
+                input_ids=input_ids.to(device), attention_mask=attention.to(device)
+            ).last_hidden_state
             for i, r in enumerate(batch):
                 n, prompt = len(r["input_ids"]), r["prompt_length"]
                 feature = _stack(captured, layer_ids, i)[: n - 1]
-                distribution = _top_k(logits[i, prompt - 1 : n - 1], topk) if topk else None
+                logits = target.get_output_embeddings()(hidden[i, prompt - 1 : n - 1]) if topk else None
+                distribution = _top_k(logits, topk) if topk else None
                 save_features(features_dir, r, feature.contiguous(), layer_ids, distribution)
                 written += 1
     finally:
