@@ -79,8 +79,8 @@ def test_prompt_beyond_the_budgets_is_refused(setup):
     [
         ({"mode": "eagle"}, ValueError, "mode: expected one of"),
         ({"mode": "dflash", "drafter": None}, ValueError, "drafter: expected an AdaFlashDrafter"),
-        ({"gamma": 0.0}, ValueError, "gamma: expected a finite value > 0"),
-        ({"min_len": 99}, ValueError, "min_len: expected 0..15"),
+        ({"gamma": 0.0}, ValueError, "gamma: expected a number > 0, got 0.0"),
+        ({"min_len": 99}, ValueError, "min_len: expected an int in 0..15, got 99"),
         ({"admission": AdmissionConfig(max_running=8, token_budget=4)}, ValueError, "token_budget: expected"),
         ({"admission": AdmissionConfig(ema_beta=0)}, ValueError, "ema_beta: expected a number in"),
     ],

@@ -50,16 +50,19 @@ from dataclasses import dataclass
 import torch
 from transformers.utils import logging
 
-from adaflash_hf.draft_vocab import draft_tokens
-from adaflash_hf.generation import align_drafter_dtype
-from adaflash_hf.kernels.verify_accept import verify_accept
-from adaflash_hf.lookup import (
-    LookupIndex,
-    check_draft_source,
-    check_lookup_min_prob,
-    choose_lookup,
-    truncate_lookup,
+from adaflash_hf.draft_vocab import draft_logits, draft_tokens
+from adaflash_hf.drafting import (
+    DraftingSettings,
+    SkipGate,
+    acceptance_model_for,
+    calibrate_target,
+    cost_model_for,
+    lookup_gains,
+    plan_round,
 )
+from adaflash_hf.generation import CONFIDENCE_ROWS, align_drafter_dtype
+from adaflash_hf.kernels.verify_accept import verify_accept
+from adaflash_hf.lookup import LookupIndex, choose_lookup, truncate_lookup
 from adaflash_hf.serving.admission import AdmissionConfig, AdmissionController
 from adaflash_hf.serving.cache import (
     DrafterBatch,
@@ -97,6 +100,10 @@ class StepStats:
     seconds: float
     lookup_verifies: int = 0  # verifying requests whose drafts came from lookup (hybrid)
     lookup_accepted: int = 0  # accepted lookup drafts
+    skipped_drafter: int = (
+        0  # verifying requests that ran no drafter forward this step (goodput, lookup-only)
+    )
+    zero_length_verifies: int = 0  # verifying requests with k = 0 (plain decoding for them)
 
     @property
     def tau(self) -> float:
@@ -121,6 +128,34 @@ def _filter_logits(rows: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         drop = (cumulative - ordered.softmax(-1)) >= params.top_p
         rows = rows.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
     return rows
+
+
+def _drafting_settings(mode: str, drafting: DraftingSettings | None, **knobs) -> DraftingSettings:
+    """The engine's ``DraftingSettings``: ``drafting``, or built from the keyword knobs (not both); ``mode="dflash"``
+    means fixed length, ``mode="plain"`` drafts nothing."""
+    given = {name: value for name, value in knobs.items() if value is not None}
+    if drafting is not None and given:
+        raise ValueError(
+            f"drafting: expected a DraftingSettings or its fields as keyword arguments, got both (drafting and "
+            f"{sorted(given)})"
+        )
+    if drafting is not None and not isinstance(drafting, DraftingSettings):
+        raise TypeError(f"drafting: expected a DraftingSettings, got {type(drafting).__name__}")
+    settings = drafting or DraftingSettings(**given)
+    if mode == "plain" and settings.draft_source != "diffusion":
+        raise ValueError(
+            f"draft_source: expected 'diffusion' with mode='plain' (hybrid compares against a drafter), "
+            f"got {settings.draft_source!r}"
+        )
+    if mode == "dflash":
+        if settings.length_mode == "goodput":
+            raise ValueError("length_mode: expected 'fixed' or unset with mode='dflash', got 'goodput'")
+        settings = DraftingSettings(**{**_knob_values(settings), "length_mode": "fixed"})
+    return settings
+
+
+def _knob_values(settings: DraftingSettings) -> dict:
+    return {name: getattr(settings, name) for name in DraftingSettings.knobs()}
 
 
 def _resolve_drafter(drafter):
@@ -150,26 +185,24 @@ class AdaFlashEngine:
         gamma: float | None = None,
         min_len: int | None = None,
         seed: int = 0,
-        draft_source: str = "diffusion",
+        draft_source: str | None = None,
         lookup_history_tokens: int | None = None,
-        lookup_min_prob: float = 0.0,
+        lookup_min_prob: float | None = None,
+        length_mode: str | None = None,
+        drafting: DraftingSettings | None = None,
     ):
         if mode not in MODES:
             raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
-        check_draft_source("draft_source", draft_source)
-        check_lookup_min_prob("lookup_min_prob", lookup_min_prob)
-        if mode == "plain" and draft_source != "diffusion":
-            raise ValueError(
-                f"draft_source: expected 'diffusion' with mode='plain' (hybrid compares against a drafter), "
-                f"got {draft_source!r}"
-            )
-        if lookup_history_tokens is not None and not (
-            draft_source == "hybrid" and isinstance(lookup_history_tokens, int) and lookup_history_tokens >= 1
-        ):
-            raise ValueError(
-                f"lookup_history_tokens: expected None, or an int >= 1 with draft_source='hybrid', got "
-                f"{lookup_history_tokens!r} with draft_source={draft_source!r}"
-            )
+        settings = _drafting_settings(
+            mode,
+            drafting,
+            gamma=gamma,
+            min_len=min_len,
+            draft_source=draft_source,
+            lookup_history_tokens=lookup_history_tokens,
+            lookup_min_prob=lookup_min_prob,
+            length_mode=length_mode,
+        )
         if mode != "plain" and drafter is None:
             raise ValueError(f"drafter: expected an AdaFlashDrafter for mode={mode!r}, got None")
         drafter = _resolve_drafter(drafter)
@@ -185,20 +218,21 @@ class AdaFlashEngine:
             drafter.check_target(target)
         self.target = target
         self.mode = mode
-        self.draft_source = draft_source
-        self.lookup_min_prob = float(lookup_min_prob)
+        # γ and min_len resolved against the drafter now, before any request or forward.
+        self.settings = settings.resolve(drafter.config) if self.drafter is not None else settings
+        self.draft_source = self.settings.draft_source
         self.lookup_history = (
-            None if lookup_history_tokens is None else LookupIndex(max_tokens=lookup_history_tokens)
+            None
+            if self.settings.lookup_history_tokens is None
+            else LookupIndex(max_tokens=self.settings.lookup_history_tokens)
         )
         self.block_size = drafter.config.block_size if drafter is not None else 16
         self.admission = AdmissionController(admission or AdmissionConfig(), self.block_size)
-        self.gamma = gamma if gamma is not None else (drafter.config.length_head_gamma if drafter else 1.0)
-        self.min_len = (
-            min_len if min_len is not None else (drafter.config.length_head_min_len if drafter else 0)
-        )
-        if self.drafter is not None:
-            # Validates gamma and min_len now, before any request or forward.
-            drafter.predict_draft_length(torch.zeros(1), self.gamma, self.min_len)
+        self.goodput = self.drafter is not None and self.settings.length_mode == "goodput"
+        if self.goodput:
+            self.cost = cost_model_for(target, "engine")
+            self.acceptance = acceptance_model_for(drafter)
+            self.last_drafter_forward: tuple[int, float] | None = None  # (requests, seconds) of this step's
         self.vocab_size = target.get_output_embeddings().weight.shape[0]
         self.max_positions = getattr(text_config, "max_position_embeddings", None) or 1 << 62
         eos = target.generation_config.eos_token_id
@@ -256,6 +290,7 @@ class AdaFlashEngine:
             eos_ids=frozenset(params.eos_ids() or self.default_eos),
             generator=torch.Generator().manual_seed(seed),
         )
+        request.gate = SkipGate(max_skip=self.settings.max_skip)
         if self.draft_source == "hybrid":
             request.lookup_index = LookupIndex()
             request.lookup_index.extend(prompt)
@@ -332,8 +367,13 @@ class AdaFlashEngine:
         self.running.extend(admitted)
         prefill_tokens = sum(len(r.prompt) for r in admitted)
 
-        gamma = self.gamma * self.admission.gamma_scale()
-        lengths, block_states, rows, lookups, fallbacks = self._draft(decoding, gamma)
+        gamma = (self.settings.gamma or 1.0) * self.admission.gamma_scale()
+        if self.goodput:
+            self._calibrate_once()
+            drafted = self._draft_goodput(decoding, prefill_tokens, len(admitted))
+        else:
+            drafted = self._draft(decoding, gamma)
+        lengths, block_states, rows, lookups, fallbacks, ran = drafted
         drafter_seconds = time.perf_counter() - started
         lengths = self.admission.fit_lengths(lengths, self.admission.config.token_budget - prefill_tokens)
         full = self.record_full_drafts and self.round_recorder is not None
@@ -343,6 +383,8 @@ class AdaFlashEngine:
         target_started = time.perf_counter()
         accepted, next_tokens, features = self._verify(admitted, decoding, drafts)
         target_seconds = time.perf_counter() - target_started
+        if self.goodput:
+            self._learn(decoding, len(admitted), prefill_tokens, drafts, sources, accepted, target_seconds)
 
         outputs, committed = self._commit(
             admitted, decoding, drafts, accepted, next_tokens, features, full_drafts, sources
@@ -370,50 +412,37 @@ class AdaFlashEngine:
                 seconds=time.perf_counter() - started,
                 lookup_verifies=sources.count("lookup"),
                 lookup_accepted=sum(a for a, s in zip(accepted[len(admitted) :], sources) if s == "lookup"),
+                skipped_drafter=ran.count(False) if self.drafter is not None else 0,
+                zero_length_verifies=lengths.count(0),
             )
         )
         return aborted + outputs
 
     def _draft(self, decoding: list[Request], gamma: float):
         """Per-request draft lengths; the block states of one batched drafter forward (None without one); each
-        request's row in them (None: no block verified); its lookup proposal (None: not a lookup round); and the
-        count of non-finite blocks."""
+        request's row in them (None: no block verified); its lookup proposal (None: not a lookup round); the count
+        of non-finite blocks; and whether each request ran the drafter."""
         count = len(decoding)
-        lengths, rows, lookups = [0] * count, [None] * count, [None] * count
+        lengths, rows, lookups, ran = [0] * count, [None] * count, [None] * count, [False] * count
         if self.drafter is None or not decoding:
-            return lengths, None, rows, lookups, 0
+            return lengths, None, rows, lookups, 0, ran
         # The bonus token needs one slot of the request's budget, so at most remaining - 1 drafts.
         room = [min(self.block_size - 1, r.remaining - 1) for r in decoding]
-        proposals = [None] * count
-        if self.draft_source == "hybrid":
-            for i, r in enumerate(decoding):
-                proposals[i] = r.lookup_index.propose(room[i], r.eos_ids)
-                if self.lookup_history is not None:
-                    suffix = r.lookup_index.tail(self.lookup_history.max_ngram)
-                    shared = self.lookup_history.propose(room[i], r.eos_ids, suffix=suffix)
-                    if shared is not None and (
-                        proposals[i] is None or shared.match_length > proposals[i].match_length
-                    ):
-                        proposals[i] = shared
-                proposals[i] = truncate_lookup(proposals[i], r.lookup, self.lookup_min_prob)
-                if r.last_acceptance is not None and choose_lookup(
-                    proposals[i], r.lookup, r.last_acceptance, self.block_size
-                ):
-                    lookups[i] = proposals[i].tokens
+        proposals = self._lookup_proposals(decoding, room)
+        for i, r in enumerate(decoding):
+            if r.last_acceptance is not None and choose_lookup(
+                proposals[i], r.lookup, r.last_acceptance, self.block_size
+            ):
+                lookups[i] = proposals[i].tokens
         drafting = [i for i in range(count) if lookups[i] is None]
         if not drafting:
-            return [len(t) for t in lookups], None, rows, lookups, 0
+            return [len(t) for t in lookups], None, rows, lookups, 0, ran
         block_lengths, states, finite = self._drafter_forward([decoding[i] for i in drafting], gamma)
         for row, i in enumerate(drafting):
             request = decoding[i]
+            ran[i] = True
             if not finite[row]:
-                request.drafter_fallbacks += 1
-                if request.drafter_fallbacks == 1:
-                    logger.warning(
-                        f"{request.request_id}: non-finite drafter block, verifying no block drafts in such steps "
-                        "(output unchanged; counted in StepStats.drafter_fallbacks and the request's "
-                        "drafter_fallbacks; warned once per request)"
-                    )
+                self._count_fallback(request)
             if proposals[i] is not None and choose_lookup(
                 proposals[i], request.lookup, request.last_acceptance, self.block_size
             ):
@@ -422,7 +451,146 @@ class AdaFlashEngine:
                 rows[i] = row
                 lengths[i] = min(block_lengths[row], room[i]) if finite[row] else 0
         lengths = [n if t is None else len(t) for n, t in zip(lengths, lookups)]
-        return lengths, states, rows, lookups, finite.count(False)
+        return lengths, states, rows, lookups, finite.count(False), ran
+
+    def _lookup_proposals(self, decoding: list[Request], room: list[int]) -> list:
+        """Each request's lookup continuation (hybrid; None elsewhere): the longer match of its own tokens and the
+        shared history, cut by ``lookup_min_prob``."""
+        proposals = [None] * len(decoding)
+        if self.draft_source != "hybrid":
+            return proposals
+        for i, r in enumerate(decoding):
+            proposals[i] = r.lookup_index.propose(room[i], r.eos_ids)
+            if self.lookup_history is not None:
+                suffix = r.lookup_index.tail(self.lookup_history.max_ngram)
+                shared = self.lookup_history.propose(room[i], r.eos_ids, suffix=suffix)
+                if shared is not None and (
+                    proposals[i] is None or shared.match_length > proposals[i].match_length
+                ):
+                    proposals[i] = shared
+            proposals[i] = truncate_lookup(proposals[i], r.lookup, self.settings.lookup_min_prob)
+        return proposals
+
+    def _count_fallback(self, request: Request) -> None:
+        request.drafter_fallbacks += 1
+        if request.drafter_fallbacks == 1:
+            logger.warning(
+                f"{request.request_id}: non-finite drafter block, verifying no block drafts in such steps "
+                "(output unchanged; counted in StepStats.drafter_fallbacks and the request's "
+                "drafter_fallbacks; warned once per request)"
+            )
+
+    def _draft_goodput(self, decoding: list[Request], prefill_tokens: int, admitted: int):
+        """``_draft`` for ``length_mode="goodput"``: the drafter runs for the requests whose ``SkipGate`` is open
+        and whose lookup continuation (hybrid) is not expected to do better alone; then one plan over every
+        request's options (its block, its lookup) maximises the step's expected committed tokens per second
+        (``drafting.plan_round``) under the token budget."""
+        count = len(decoding)
+        lengths, rows, lookups, ran = [0] * count, [None] * count, [None] * count, [False] * count
+        room = [min(self.block_size - 1, r.remaining - 1) for r in decoding]
+        proposals = self._lookup_proposals(decoding, room)
+        options = [[g] if (g := lookup_gains(p, r.lookup)) else [] for p, r in zip(proposals, decoding)]
+        kinds = [["lookup"] if o else [] for o in options]
+        running, base_tokens = count + admitted, prefill_tokens + count
+        curve = self.cost.target_curve(running)
+        if not decoding or curve is None or not self.cost.knows_target(base_tokens, running):
+            return lengths, None, rows, lookups, 0, ran  # a plain step measures the baseline first
+        base = {"base_tokens": base_tokens, "base_committed": float(running), "target_seconds": curve}
+        share = self.cost.drafter_seconds(count) / count
+        drafting = [i for i, r in enumerate(decoding) if room[i] > 0 and r.gate.should_draft()]
+        drafting = [
+            i for i in drafting if not self._lookup_alone_wins(decoding[i], options[i], room[i], share, base)
+        ]
+        states, drafter_seconds, fallbacks = None, 0.0, 0
+        if drafting:
+            tick = time.perf_counter()
+            _, states, finite = self._drafter_forward([decoding[i] for i in drafting], 1.0)
+            heads = [decoding[i].last_acceptance for i in drafting]
+            confidences = self._confidences(states, [room[i] for i in drafting], heads)
+            self.last_drafter_forward = (len(drafting), time.perf_counter() - tick)
+            drafter_seconds = self.cost.drafter_seconds(len(drafting))
+            for row, i in enumerate(drafting):
+                request, ran[i], rows[i] = decoding[i], True, row
+                request.last_gains = []
+                if not finite[row]:
+                    self._count_fallback(request)
+                    fallbacks += 1
+                    continue
+                request.last_gains = self.acceptance.gains(confidences[row], heads[row])
+                request.goodput_round = (confidences[row], heads[row])
+                options[i], kinds[i] = [request.last_gains, *options[i]], ["diffusion", *kinds[i]]
+        budget = self.admission.config.token_budget - base_tokens
+        plan = plan_round(options, drafter_seconds=drafter_seconds, budget=budget, **base)
+        paid = plan.goodput > running / curve(base_tokens)  # faster than the plain step would have been
+        for i, request in enumerate(decoding):
+            source = None if plan.sources[i] is None else kinds[i][plan.sources[i]]
+            lengths[i] = plan.lengths[i]
+            if source == "lookup":
+                lookups[i], rows[i] = proposals[i].tokens[: lengths[i]], None
+            if ran[i]:
+                request.gate.record(paid and source == "diffusion")
+        return lengths, states, rows, lookups, fallbacks, ran
+
+    def _lookup_alone_wins(
+        self, request: Request, options: list, room: int, share: float, base: dict
+    ) -> bool:
+        """Whether the request's lookup continuation, without the drafter, beats its last block's gains with it."""
+        if not options or request.last_gains is None:
+            return False
+        alone = plan_round([options], drafter_seconds=0.0, **base)
+        drafted = plan_round([[request.last_gains[:room], *options]], drafter_seconds=share, **base)
+        return alone.goodput >= drafted.goodput
+
+    def _confidences(self, states, rooms: list[int], heads: list[float]) -> list[list[float]]:
+        """Per drafting request, the drafter's confidence (softmax maximum) in its proposals for block rows 1..n:
+        the first ``CONFIDENCE_ROWS`` rows, all ``room`` rows where the chain of acceptances could reach past them."""
+        lm_head = self.target.get_output_embeddings()
+
+        def confidence(widths, start):
+            pieces = [states[row, 1 + start : 1 + w] for row, w in enumerate(widths) if w > start]
+            if not pieces:
+                return []
+            logits, _ = draft_logits(torch.cat(pieces), lm_head, self.drafter.draft_token_ids)
+            return torch.softmax(logits.float(), dim=-1).amax(dim=-1).nan_to_num(0.0).tolist()
+
+        first = [min(room, CONFIDENCE_ROWS) for room in rooms]
+        flat, out = confidence(first, 0), []
+        for w in first:
+            out.append(flat[:w])
+            flat = flat[w:]
+        more = [
+            room if room > w and out[row] and self.acceptance.gains(out[row], heads[row])[-1] > 0.01 else 0
+            for row, (room, w) in enumerate(zip(rooms, first))
+        ]
+        flat = confidence(more, CONFIDENCE_ROWS)
+        for row, w in enumerate(more):
+            if w:
+                out[row] += flat[: w - CONFIDENCE_ROWS]
+                flat = flat[w - CONFIDENCE_ROWS :]
+        return out
+
+    def _learn(self, decoding, admitted: int, prefill_tokens: int, drafts, sources, accepted, target_seconds):
+        """Goodput: feed the step's timings to the cost model and its verified blocks to the acceptance model."""
+        running = len(decoding) + admitted
+        self.cost.observe_target(
+            prefill_tokens + len(decoding) + sum(map(len, drafts)), target_seconds, running
+        )
+        if self.last_drafter_forward is not None:
+            self.cost.observe_drafter(*self.last_drafter_forward)
+            self.last_drafter_forward = None
+        for request, draft, source, n_accepted in zip(decoding, drafts, sources, accepted[admitted:]):
+            if source == "diffusion" and draft and request.goodput_round is not None:
+                self.acceptance.update(*request.goodput_round, len(draft), n_accepted)
+            request.goodput_round = None
+
+    def _calibrate_once(self) -> None:
+        if self.settings.calibrate and not self.cost.calibrated:
+            budget = self.admission.config.token_budget
+            sizes = [n for n in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256) if n <= budget]
+            layers = [i + 1 for i in self.drafter.config.target_layer_ids]
+            calibrate_target(
+                self.target, self.cost, sizes=sizes, repeats=2, budget_s=2.0, output_hidden_states=layers
+            )
 
     def _drafter_forward(self, decoding: list[Request], gamma: float):
         """One batched drafter forward over ``decoding``: k̂ per request, the block states, finite flags; sets each
@@ -459,7 +627,7 @@ class AdaFlashEngine:
         if self.mode == "dflash":
             lengths = [self.block_size - 1] * len(decoding)
         else:
-            lengths = drafter.predict_draft_length(out.acceptance_prob, gamma, self.min_len).tolist()
+            lengths = drafter.predict_draft_length(out.acceptance_prob, gamma, self.settings.min_len).tolist()
         return lengths, states, finite.tolist()
 
     def _propose(

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from adaflash_hf.drafting import SkipGate
 from adaflash_hf.lookup import LookupIndex, LookupRecord
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
@@ -79,6 +80,11 @@ class Request:
     lookup_index: LookupIndex | None = None  # hybrid only: the committed tokens, for lookup proposals
     lookup: LookupRecord = field(default_factory=LookupRecord)  # the request's lookup rounds so far
     last_acceptance: float | None = None  # the length head's newest â for this request
+    # goodput only: whether the next steps run the drafter, the newest block's expected gains, and the
+    # (confidences, â) of the block verified this step, for the acceptance model
+    gate: SkipGate = field(default_factory=SkipGate)
+    last_gains: list[float] | None = None
+    goodput_round: tuple[list[float], float] | None = None
 
     @property
     def anchor(self) -> int:
