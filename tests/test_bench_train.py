@@ -17,6 +17,7 @@ COLUMNS = [
     "draft vocab",
     "layers",
     "CE positions",
+    "soft KL weight",
     "s/step",
     "blocks/s",
     "speed-up vs today",
@@ -26,7 +27,14 @@ COLUMNS = [
 
 
 def test_quick_run_writes_json_and_a_table_with_speedups_against_today(tmp_path, capsys):
-    variants = ["today", "split-24", "split-24-bf16-dv", "split-24-dv-1layer", "split-512-dv-1layer-lp6"]
+    variants = [
+        "today",
+        "split-24",
+        "split-24-bf16-dv",
+        "split-24-dv-1layer",
+        "split-512-dv-1layer-lp6",
+        "split-512-dv-1layer-lp6-soft",
+    ]
     argv = ["--quick", "--in-process", "--steps", "1", "--warmup", "0", "--variants", *variants]
     assert bench.main([*argv, "--output", str(tmp_path / "train.json")]) == 0
     table = capsys.readouterr().out.splitlines()
@@ -48,6 +56,8 @@ def test_quick_run_writes_json_and_a_table_with_speedups_against_today(tmp_path,
         entries["split-512-dv-1layer-lp6"]["loss_positions"] == 6
         and entries["today"]["loss_positions"] is None
     )
+    assert entries["split-512-dv-1layer-lp6-soft"]["soft_target_weight"] == 0.5
+    assert entries["split-512-dv-1layer-lp6"]["soft_target_weight"] == 0.0
     for entry in entries.values():
         assert entry["blocks_per_step"] > 0 and entry["blocks_per_s"] > 0 and entry["peak_rss_mib"] > 0
 

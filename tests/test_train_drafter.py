@@ -1,5 +1,6 @@
 """Offline drafter training: the DFlash recipe (anchors, masks, labels, weights), the loss, and DrafterTrainer."""
 
+import gzip
 import json
 import math
 import os
@@ -12,7 +13,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
-from transformers import PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast, TrainerCallback
 
 from adaflash_hf.trainers import DrafterTrainer, DrafterTrainingConfig
 from adaflash_hf.trainers.dflash_recipe import (
@@ -208,38 +209,94 @@ def test_trainer_runs_logs_checkpoints_and_uses_two_learning_rates(
     assert (checkpoints[-1] / "model.safetensors").is_file()
 
 
-def test_training_resumes_from_a_checkpoint(target_factory, drafter_factory, trainer_args):
-    target = target_factory("qwen3")
-    args = trainer_args()
-    DrafterTrainer(
-        model=drafter_factory(target), args=args, target=target, train_dataset=_sequences()
-    ).train()
-    resumed_args = trainer_args(max_steps=8)
-    trainer = DrafterTrainer(
-        model=drafter_factory(target), args=resumed_args, target=target, train_dataset=_sequences()
+class StopAt(TrainerCallback):
+    """Stops a run at ``step`` with a checkpoint, as a time budget or a killed job leaves it."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            control.should_training_stop = control.should_save = True
+        return control
+
+
+def test_a_resumed_run_continues_the_step_count_the_lr_schedule_and_the_learning_curve(
+    target_factory, drafter_factory, trainer_args, tmp_path
+):
+    from tests.test_learning_curve import corpus
+
+    target = target_factory("llama")
+    corpus(target, tmp_path, drafter_factory(target).config.target_layer_ids, name="heldout", per_domain=2)
+    common = dict(
+        max_steps=8,
+        logging_steps=1,
+        save_steps=4,
+        warmup_ratio=0.25,
+        eval_strategy="steps",
+        eval_steps=2,
+        domains=["chat", "math"],
+        heldout_corpus_dir=str(tmp_path / "heldout"),
+        heldout_features_dir=str(tmp_path / "heldout-features"),
     )
-    trainer.train(resume_from_checkpoint=f"{args.output_dir}/checkpoint-6")
-    assert trainer.state.global_step == 8
+
+    def trainer(name, **kwargs):
+        args = trainer_args(output_dir=str(tmp_path / name), **common)
+        return DrafterTrainer(
+            model=drafter_factory(target), args=args, target=target, train_dataset=_sequences(), **kwargs
+        )
+
+    straight = trainer("straight")
+    straight.train()
+    trainer("resumed", callbacks=[StopAt(4)]).train()
+    curve_file = tmp_path / "resumed" / "learning_curve.json"
+    before = json.loads(curve_file.read_text())["points"]
+    resumed = trainer("resumed")
+    resumed.train(resume_from_checkpoint=str(tmp_path / "resumed" / "checkpoint-4"))
+
+    assert resumed.state.global_step == 8
+    learning_rates = [
+        {e["step"]: e["learning_rate"] for e in t.state.log_history if "learning_rate" in e}
+        for t in (straight, resumed)
+    ]
+    assert list(learning_rates[1]) == list(range(1, 9))
+    assert learning_rates[1] == pytest.approx(learning_rates[0], rel=1e-12)  # no restart of warm-up or cosine
+    points = json.loads(curve_file.read_text())["points"]
+    assert [p["step"] for p in points] == [2, 4, 6, 8] and points[:2] == before  # appended, not restarted
+    straight_points = json.loads((tmp_path / "straight" / "learning_curve.json").read_text())["points"]
+    assert (
+        [p["blocks_seen"] for p in points]
+        == [p["blocks_seen"] for p in straight_points]
+        == [48, 96, 144, 192]
+    )
 
 
-def test_offline_feature_cache_gives_the_same_loss(target_factory, drafter_factory, trainer_args, tmp_path):
-    from adaflash_hf.trainers.train_drafter_trainer import SequenceCollator, TargetFeatures
+def test_recorded_corpus_features_equal_the_on_the_fly_ones_and_nothing_is_cached(
+    target_factory, drafter_factory, tmp_path
+):
+    from adaflash_hf.corpus import save_features
+    from adaflash_hf.trainers.target_features import SequenceCollator, TargetFeatures
 
     target = target_factory("qwen3")
-    drafter = drafter_factory(target)
-    batch = SequenceCollator(0, 64)(list(_sequences(n=3)))
-    on_the_fly = TargetFeatures(target, drafter.config.target_layer_ids)(
-        batch["input_ids"], batch["attention_mask"], batch["sequence_key"]
+    layer_ids = drafter_factory(target).config.target_layer_ids
+    records = [{"id": str(i), "domain": "math", **row} for i, row in enumerate(_sequences(n=3))]
+    batch = SequenceCollator(0, 64)(records)
+    on_the_fly, _ = TargetFeatures(target, layer_ids)(batch["input_ids"], batch["attention_mask"])
+    hidden = target(batch["input_ids"][:1], output_hidden_states=True).hidden_states
+    recorded = torch.stack([hidden[i + 1][0, :-1] for i in layer_ids], dim=1).to(torch.bfloat16)
+    save_features(tmp_path / "features", records[0], recorded, layer_ids)  # only the first record has a file
+    files = sorted((tmp_path / "features").rglob("*"))
+    mixed, _ = TargetFeatures(target, layer_ids, tmp_path / "features")(
+        batch["input_ids"], batch["attention_mask"], batch["records"]
     )
-    cached = TargetFeatures(target, drafter.config.target_layer_ids, tmp_path / "features")
-    first = cached(batch["input_ids"], batch["attention_mask"], batch["sequence_key"])
-    assert len(list((tmp_path / "features").glob("*.safetensors"))) == 3
-    second = cached(batch["input_ids"], batch["attention_mask"], batch["sequence_key"])  # from disk
-    assert torch.allclose(first, on_the_fly, atol=1e-2) and torch.allclose(second, on_the_fly, atol=1e-2)
+    assert sorted((tmp_path / "features").rglob("*")) == files  # the missing two were not written anywhere
+    torch.testing.assert_close(mixed[1:], on_the_fly[1:], atol=0, rtol=0)
+    torch.testing.assert_close(mixed[0, :47], on_the_fly[0, :47], atol=2e-2, rtol=2e-2)  # bf16 on disk
+    assert torch.all(mixed[0, 47:] == 0)  # no anchor's context reaches the last token
 
 
 def test_script_trains_under_accelerate_launch_with_two_processes(target_factory, drafter_factory, tmp_path):
-    """DDP on CPU: two processes, the real script, a tiny target folder and a prepared sequences file."""
+    """DDP on CPU: two processes, the real script, a tiny target folder and a corpus of token ids."""
     target = target_factory("llama")
     target.save_pretrained(tmp_path / "target")
     vocab = {f"t{i}": i for i in range(target.config.vocab_size)}
@@ -247,14 +304,16 @@ def test_script_trains_under_accelerate_launch_with_two_processes(target_factory
         tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="t0")), pad_token="t0"
     )
     tokenizer.save_pretrained(tmp_path / "target")
-    with open(tmp_path / "sequences.jsonl", "w") as handle:
+    (tmp_path / "corpus").mkdir()
+    with gzip.open(tmp_path / "corpus" / "math.jsonl.gz", "wt") as handle:
         for i, row in enumerate(_sequences(n=8)):
             handle.write(json.dumps({"id": str(i), "domain": "math", **row}) + "\n")
     command = [
         sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2",
         "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
         str(Path(__file__).resolve().parents[1] / "trainers" / "train_drafter.py"),
-        "--target_model", str(tmp_path / "target"), "--sequences_file", str(tmp_path / "sequences.jsonl"),
+        "--target_model", str(tmp_path / "target"), "--corpus_dir", str(tmp_path / "corpus"),
+        "--domains", "math",
         "--output_dir", str(tmp_path / "out"), "--max_steps", "3", "--per_device_train_batch_size", "2",
         "--num_anchors", "4", "--drafter_layers", "1", "--mask_token_id", "3", "--eval_prompts_per_domain", "0",
         "--save_steps", "3", "--logging_steps", "1", "--report_to", "none", "--disable_tqdm", "true",
@@ -265,40 +324,6 @@ def test_script_trains_under_accelerate_launch_with_two_processes(target_factory
     assert (tmp_path / "out" / "model.safetensors").is_file()
     state = json.loads((tmp_path / "out" / "checkpoint-3" / "trainer_state.json").read_text())
     assert state["global_step"] == 3 and any("ce" in entry for entry in state["log_history"])
-
-
-def _tiny_tokenizer(vocab_size):
-    from tokenizers.pre_tokenizers import WhitespaceSplit
-
-    backend = Tokenizer(WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
-    backend.pre_tokenizer = WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="t0", eos_token="t1")
-    tokenizer.chat_template = "{% for m in messages %}t2 {{ m['content'] }} t3 {% endfor %}"
-    return tokenizer
-
-
-def test_regenerated_sequences_are_the_targets_greedy_responses_and_resume(target_factory, tmp_path):
-    from adaflash_hf.training_data import build_sequences, read_sequences
-
-    target = target_factory("llama")
-    tokenizer = _tiny_tokenizer(target.config.vocab_size)
-    rows = [
-        {
-            "id": f"{domain}-{i}",
-            "domain": domain,
-            "prompt": " ".join(f"t{4 + (i * 7 + j) % 400}" for j in range(3 + i)),
-        }
-        for domain in ("chat", "code")
-        for i in range(3)
-    ]
-    out = tmp_path / "seqs.jsonl"
-    build_sequences(target, tokenizer, rows[:2], out, max_new_tokens=6, batch_size=4)
-    records = build_sequences(target, tokenizer, rows, out, max_new_tokens=6, batch_size=2)
-    assert sorted(r["id"] for r in records) == sorted(r["id"] for r in rows)  # resumed, nothing twice
-    for record in read_sequences(out):
-        prompt = torch.tensor([record["input_ids"][: record["prompt_length"]]])
-        expected = target.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
-        assert record["input_ids"] == expected[0].tolist()  # left padding in the batch changed nothing
 
 
 def test_split_layout_gives_the_dense_loss_and_gradients(target_factory, drafter_factory):
@@ -520,3 +545,56 @@ def test_offline_and_online_training_declare_the_drafter_arguments_once():
         assert issubclass(cls, DrafterArguments)
         assert {f.name: f.default for f in dataclasses.fields(cls) if f.name in shared} == shared
         assert not any(name in vars(cls)["__annotations__"] for name in shared), cls.__name__
+
+
+def test_a_time_budget_stops_with_a_log_line_a_checkpoint_and_a_curve_point(
+    target_factory, drafter_factory, trainer_args, tmp_path
+):
+    from tests.test_learning_curve import corpus
+
+    target = target_factory("llama")
+    corpus(target, tmp_path, drafter_factory(target).config.target_layer_ids, name="heldout", per_domain=2)
+    args = trainer_args(
+        max_train_seconds=1e-9,  # spent after the first step
+        logging_steps=5,
+        domains=["chat", "math"],
+        heldout_corpus_dir=str(tmp_path / "heldout"),
+        heldout_features_dir=str(tmp_path / "heldout-features"),
+    )
+    trainer = DrafterTrainer(
+        model=drafter_factory(target), args=args, target=target, train_dataset=_sequences()
+    )
+    trainer.train()
+    assert trainer.state.global_step == 1
+    assert [c.name for c in Path(args.output_dir).glob("checkpoint-*")] == ["checkpoint-1"]
+    assert trainer.state.log_history[0]["blocks_seen"] == trainer.blocks_seen  # exact on resume
+    points = json.loads((Path(args.output_dir) / "learning_curve.json").read_text())["points"]
+    assert [p["step"] for p in points] == [1]
+
+
+def test_max_train_seconds_must_be_positive(tmp_path):
+    with pytest.raises(ValueError, match="max_train_seconds: expected None or > 0, got 0"):
+        DrafterTrainingConfig(output_dir=str(tmp_path), max_train_seconds=0, report_to="none")
+
+
+@pytest.mark.parametrize("script", ["train_drafter", "opd"])
+def test_the_trainer_scripts_help_lists_config(script):
+    import importlib
+
+    module = importlib.import_module(f"adaflash_hf.trainers.{script}")
+    text = module.make_parser().format_help()
+    assert "--config FILE" in text and "YAML file of this command's options" in text
+    (parsed, *rest) = module.make_parser().parse_args_and_config(
+        []
+    )  # the option never reaches the dataclasses
+    assert not hasattr(parsed, "config")
+
+
+def test_the_script_needs_a_corpus_and_says_how_to_build_one(tmp_path):
+    from adaflash_hf.trainers.train_drafter import main
+
+    args = DrafterTrainingConfig(output_dir=str(tmp_path), report_to="none")
+    with pytest.raises(
+        ValueError, match=r"corpus_dir: expected a corpus written by `adaflash corpus --out-dir DIR`"
+    ):
+        main(args)

@@ -3,7 +3,8 @@
 For a sequence of length S and anchors a_1..a_n, block b is ``[token[a_b], MASK x (k-1)]`` at positions
 ``a_b .. a_b+k-1``; row j of the block is labelled with ``token[a_b + j]`` (same-position labels, j >= 1). A block sees
 the context strictly before its anchor (the target's hidden state at a_b is not known at inference) and all rows of its
-own block (bidirectional), never another block. CE is weighted by ``exp(-(j-1)/gamma)``. The length head learns the
+own block (bidirectional), never another block. CE is weighted by ``exp(-(j-1)/gamma)``, optionally mixed with a KL
+to the target's recorded top-k distribution over the same label (``soft_target_kl``). The length head learns the
 realised accepted fraction of each block, ``cumprod(argmax == label).sum() / (k-1)``, from detached states.
 
 Two layouts of that attention: ``dense`` builds the [B, 1, Q, S + Q] mask (Q = num_anchors * k, so cost grows with
@@ -115,6 +116,72 @@ def dense_block_mask(anchors: torch.Tensor, seq: int, block_size: int) -> torch.
     return torch.cat([context_visible, own_block.expand(batch, rows, rows)], dim=-1)[:, None]
 
 
+@dataclass
+class SoftTargets:
+    """The target's top-k distribution over the token at each position of a batch (the corpus records it per response
+    token, ``corpus.load_soft_targets``; row r of a record sits at position prompt_length + r)."""
+
+    ids: torch.Tensor  # [B, S, k] target vocabulary ids, -1 where nothing is recorded (prompt, padding)
+    logprobs: torch.Tensor  # [B, S, k] log-softmax over the target's whole vocabulary
+
+    def at_rows(self, blocks: BlockBatch, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(ids, logprobs)`` [R, k] of the block rows selected by ``rows`` [B, Q]: the distribution over each row's
+        label, the token at the row's absolute position."""
+        positions = blocks.position_ids[:, -rows.shape[1] :].clamp(max=self.ids.shape[1] - 1)
+        batch_index = torch.arange(rows.shape[0], device=rows.device)[:, None].expand_as(rows)
+        index = (batch_index[rows], positions[rows])
+        return self.ids[index], self.logprobs[index]
+
+
+def soft_target_kl(
+    logits: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_logprobs: torch.Tensor,
+    weights: torch.Tensor,
+    draft_token_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weighted mean over rows of KL(p || q), the target's recorded top-k against the drafter, and the rows used.
+
+    ``logits`` [R, V] are the drafter's (over ``draft_token_ids`` when given), ``topk_ids`` / ``topk_logprobs`` [R, k]
+    the target's (-1 ids: nothing recorded), ``weights`` [R] the CE's position weights. Both distributions are
+    coarse-grained to k + 1 outcomes, the top-k tokens and the lumped tail (p's tail: 1 - its top-k mass; q's: the
+    drafter's mass on every other token), so the KL is exactly 0 when the drafter equals the target and needs nothing
+    unrecorded. Top-k ids outside the draft vocabulary are dropped and p renormalised over the rest: the target
+    conditioned on what the drafter can draft (its unrecorded tail taken as draftable). The tail is 1 minus the recorded
+    top-k mass, good to the log-probs' fp16 rounding (~1e-3), so a row whose dropped ids hold nearly all the mass is
+    conditioned only approximately. Float32 throughout.
+    """
+    recorded = topk_ids >= 0
+    if draft_token_ids is None:
+        slots = topk_ids.clamp(min=0)
+        kept = recorded
+    else:
+        slots = torch.searchsorted(draft_token_ids, topk_ids.clamp(min=0)).clamp(
+            max=draft_token_ids.numel() - 1
+        )
+        kept = recorded & (draft_token_ids[slots] == topk_ids)
+    target_probs = topk_logprobs.float().exp() * recorded
+    tail = (1.0 - target_probs.sum(-1)).clamp(min=0.0)  # fp16 log-probs can sum a little past 1
+    p_kept = target_probs * kept
+    total = p_kept.sum(-1) + tail
+    tiny = torch.finfo(torch.float32).tiny
+    used = recorded.any(-1) & (total > tiny)
+    p_kept, p_tail = p_kept / total.clamp(min=tiny)[:, None], tail / total.clamp(min=tiny)
+
+    log_q = torch.log_softmax(logits.float(), dim=-1)
+    log_q_kept = log_q.gather(-1, slots)
+    is_kept = torch.zeros_like(log_q, dtype=torch.bool)
+    row_index = torch.arange(logits.shape[0], device=logits.device)[:, None].expand_as(slots)
+    is_kept[row_index[kept], slots[kept]] = True
+    # A finite fill (not -inf) keeps logsumexp's backward finite when every token is kept (V <= k).
+    log_q_tail = torch.logsumexp(log_q.masked_fill(is_kept, -1e4), dim=-1)
+    kl_rows = (torch.xlogy(p_kept, p_kept) - p_kept * log_q_kept).sum(-1)
+    kl_rows = kl_rows + torch.xlogy(p_tail, p_tail) - p_tail * log_q_tail
+    row_weights = weights.float() * used
+    kl = (kl_rows * row_weights).sum() / row_weights.sum().clamp(min=tiny)
+    return kl, used
+
+
 def block_ce_and_head_loss(
     drafter_hidden: torch.Tensor,
     acceptance_prob: torch.Tensor,
@@ -123,8 +190,11 @@ def block_ce_and_head_loss(
     block_size: int,
     draft_token_ids: torch.Tensor | None = None,
     loss_positions: int | None = None,
+    soft_targets: SoftTargets | None = None,
+    soft_target_weight: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
-    """Weighted same-position CE of the drafter and the length head's MSE against realised acceptance.
+    """The drafter's token loss (weighted same-position CE, mixed with a KL to the target's distribution) and the
+    length head's MSE against realised acceptance.
 
     ``drafter_hidden`` [B, Q, H]; ``acceptance_prob`` [B, n] (from detached states). Logits are computed only for
     supervised rows, and only over ``draft_token_ids`` (sorted target ids, a reduced draft vocabulary) when given:
@@ -135,7 +205,11 @@ def block_ce_and_head_loss(
     ``loss_positions`` N limits the CE (and so the lm_head projection, the step's largest cost) to rows 1..N of each
     block; the rest weigh ``exp(-(j-1)/gamma)``, little under a short decay. The realised acceptance stays exact: the
     rows after N are projected (without gradient) only for blocks whose first N drafts were all correct, the only
-    blocks where they decide it. ``accuracy`` is then over rows 1..N. Returns (ce, head_mse, metrics).
+    blocks where they decide it. ``accuracy`` is then over rows 1..N.
+
+    With ``soft_target_weight`` w > 0 the token loss is (1 - w) CE + w KL, the KL (``soft_target_kl``, metric
+    ``soft_kl``) over the same rows, logits and position weights as the CE, against ``soft_targets``. Returns
+    (token loss, head_mse, metrics); ``ce`` in the metrics is always the hard CE.
     """
     labels = blocks.labels
     rows = labels != IGNORE
@@ -149,39 +223,27 @@ def block_ce_and_head_loss(
         return zero, acceptance_prob.sum() * 0.0, {"ce": 0.0, "accuracy": 0.0, "head_mse": 0.0, "blocks": 0}
     row_labels = labels[rows]
     weights = blocks.weights[rows]
-    extra = {}
     head = lm_head_weight if draft_token_ids is None else lm_head_weight[draft_token_ids]
-    if draft_token_ids is None:
-        logits = drafter_hidden[rows] @ head.T  # [R, V]
-        targets = row_labels
-    else:
-        logits = drafter_hidden[rows] @ head.T  # [R, N]
-        slot = torch.searchsorted(draft_token_ids, row_labels).clamp(max=draft_token_ids.numel() - 1)
-        in_vocab = draft_token_ids[slot] == row_labels
-        targets = torch.where(in_vocab, slot, torch.full_like(slot, IGNORE))
-        weights = weights * in_vocab
-        extra["draft_vocab_coverage"] = float(in_vocab.float().mean())
-    ce_rows = F.cross_entropy(logits.float(), targets, reduction="none", ignore_index=IGNORE)
-    # Rows 1.. of a supervised block weigh >= exp(-(k-2)/gamma) each, so the sum is 0 only when no label is in the
-    # draft vocabulary; then the CE is 0 rather than 0/0.
-    ce = (ce_rows * weights).sum() / weights.sum().clamp(min=torch.finfo(torch.float32).tiny)
+    logits = drafter_hidden[rows] @ head.T  # [R, V], or [R, N] over the draft vocabulary
+    ce, extra = _weighted_ce(logits, row_labels, weights, draft_token_ids)
+    token_loss = ce
+    if soft_target_weight > 0:
+        if soft_targets is None:
+            raise ValueError(
+                f"soft_targets: expected the target's top-k with soft_target_weight={soft_target_weight}, got None"
+            )
+        kl, used = soft_target_kl(logits, *soft_targets.at_rows(blocks, rows), weights, draft_token_ids)
+        token_loss = (1.0 - soft_target_weight) * ce + soft_target_weight * kl
+        extra.update(soft_kl=float(kl.detach()), soft_target_rows=float(used.float().mean()))
 
     predicted = logits.detach().argmax(-1)
     if draft_token_ids is not None:
         predicted = draft_token_ids[predicted]
     correct = torch.zeros_like(labels, dtype=torch.bool)
     correct[rows] = predicted == row_labels
-    accepted = accepted_drafts(correct, block_size)
-    if late is not None:
-        # Blocks that accepted all N scored rows: project their later rows too, without gradient.
-        full = (accepted == loss_positions).repeat_interleave(block_size, dim=1) & late
-        if full.any():
-            with torch.no_grad():
-                late_predicted = (drafter_hidden[full] @ head.T).argmax(-1)
-                if draft_token_ids is not None:
-                    late_predicted = draft_token_ids[late_predicted]
-            correct[full] = late_predicted == labels[full]
-            accepted = accepted_drafts(correct, block_size)
+    accepted = _realised_accepted(
+        correct, late, drafter_hidden, head, labels, block_size, loss_positions, draft_token_ids
+    )
     realised = accepted.float() / (block_size - 1)
     valid_blocks = blocks.anchors >= 0
     head_mse = F.mse_loss(acceptance_prob[valid_blocks].float(), realised[valid_blocks])
@@ -193,7 +255,56 @@ def block_ce_and_head_loss(
         "blocks": int(valid_blocks.sum()),
         **extra,
     }
-    return ce, head_mse, metrics
+    return token_loss, head_mse, metrics
+
+
+def _weighted_ce(
+    logits: torch.Tensor,
+    row_labels: torch.Tensor,
+    weights: torch.Tensor,
+    draft_token_ids: torch.Tensor | None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The position-weighted CE of ``logits`` [R, V or N] against ``row_labels`` [R] (target ids); a label outside the
+    draft vocabulary has no term. Returns (ce, metrics: the draft vocabulary's coverage of the labels)."""
+    extra = {}
+    targets, ce_weights = row_labels, weights
+    if draft_token_ids is not None:
+        slot = torch.searchsorted(draft_token_ids, row_labels).clamp(max=draft_token_ids.numel() - 1)
+        in_vocab = draft_token_ids[slot] == row_labels
+        targets = torch.where(in_vocab, slot, torch.full_like(slot, IGNORE))
+        ce_weights = weights * in_vocab
+        extra["draft_vocab_coverage"] = float(in_vocab.float().mean())
+    ce_rows = F.cross_entropy(logits.float(), targets, reduction="none", ignore_index=IGNORE)
+    # Rows 1.. of a supervised block weigh >= exp(-(k-2)/gamma) each, so the sum is 0 only when no label is in the
+    # draft vocabulary; then the CE is 0 rather than 0/0.
+    return (ce_rows * ce_weights).sum() / ce_weights.sum().clamp(min=torch.finfo(torch.float32).tiny), extra
+
+
+def _realised_accepted(
+    correct: torch.Tensor,
+    late: torch.Tensor | None,
+    drafter_hidden: torch.Tensor,
+    head: torch.Tensor,
+    labels: torch.Tensor,
+    block_size: int,
+    loss_positions: int | None,
+    draft_token_ids: torch.Tensor | None,
+) -> torch.Tensor:
+    """Accepted drafts per block [B, n] from ``correct`` (rows 1..N scored); the ``late`` rows after N are projected,
+    without gradient, only for blocks that accepted all N, the only blocks where they decide the acceptance."""
+    accepted = accepted_drafts(correct, block_size)
+    if late is None:
+        return accepted
+    full = (accepted == loss_positions).repeat_interleave(block_size, dim=1) & late
+    if not full.any():
+        return accepted
+    with torch.no_grad():
+        late_predicted = (drafter_hidden[full] @ head.T).argmax(-1)
+        if draft_token_ids is not None:
+            late_predicted = draft_token_ids[late_predicted]
+    correct = correct.clone()
+    correct[full] = late_predicted == labels[full]
+    return accepted_drafts(correct, block_size)
 
 
 def accepted_drafts(correct: torch.Tensor, block_size: int) -> torch.Tensor:

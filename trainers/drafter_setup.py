@@ -1,12 +1,15 @@
 """The drafter a training script starts from (``trainers/train_drafter.py`` and ``trainers/opd.py``): the arguments
 both scripts share (``DrafterArguments``), and the drafter loaded from a checkpoint or built fresh for the target with
-its final-norm initialisation and optional draft vocabulary (``build_drafter``)."""
+its final-norm initialisation, optional draft vocabulary (``build_drafter``) and optional start from the target's own
+last layers (``init_from_target``)."""
 
+import argparse
 from dataclasses import dataclass, field
 
 import torch
 from transformers.utils import logging
 
+from adaflash_hf.cli import CONFIG_HELP
 from adaflash_hf.draft_vocab import build_draft_vocab
 from adaflash_hf.modeling import AdaFlashConfig, AdaFlashDrafter
 from adaflash_hf.modeling.configuration_adaflash import build_target_layer_ids
@@ -53,12 +56,20 @@ class DrafterArguments:
     )
 
 
+def add_config_option(parser):
+    """List ``--config FILE`` in a script's ``--help`` (``parser``: its TrlParser). TrlParser takes ``--config FILE``
+    out of argv itself before parsing, so this option is never parsed: SUPPRESS keeps a ``config`` attribute from
+    reaching the dataclasses. It documents the flag, nothing more."""
+    parser.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS, help=CONFIG_HELP)
+    return parser
+
+
 def build_drafter(args, target, records: list[dict] | None = None) -> AdaFlashDrafter:
     """The drafter a training script starts from: ``args.drafter_init`` loaded in the target's dtype, or a fresh one
     for ``target`` (the ``DrafterArguments`` fields; with ``draft_vocab_size`` a reduced draft vocabulary from
     ``records``). ``args`` is a ``DrafterTrainingConfig`` or OPD's script arguments, both ``DrafterArguments``; the
-    offline-only fields (``draft_vocab_size``, ``final_norm_init``) are read with defaults. Checked against the target
-    before it is returned."""
+    offline-only fields (``draft_vocab_size``, ``final_norm_init``, ``init_from_target``) are read with defaults.
+    Checked against the target before it is returned."""
     if args.drafter_init:
         drafter = AdaFlashDrafter.from_pretrained(args.drafter_init, dtype=target.dtype)
     else:
@@ -97,5 +108,58 @@ def build_drafter(args, target, records: list[dict] | None = None) -> AdaFlashDr
             else:
                 row_norm = target.get_output_embeddings().weight.norm(dim=-1).mean()
                 drafter.norm.weight.fill_(float(1.0 / row_norm))
+        if getattr(args, "init_from_target", False):
+            init_from_target(drafter, target)
     drafter.check_target(target)
     return drafter
+
+
+# The drafter layer's own names for what a Llama/Qwen-style target layer holds; q_norm / k_norm are Qwen3's and
+# stay at identity (ones) for a target without them, which then computes exactly the target layer's projections.
+_OPTIONAL_IN_TARGET = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
+
+
+@torch.no_grad()
+def init_from_target(drafter: AdaFlashDrafter, target) -> None:
+    """Start ``drafter`` from the target's own weights instead of random ones (the sweep arm ``init_from_target``).
+
+    Drafter layer i takes target layer L - n + i (its last n decoder layers, in order); ``hidden_norm`` takes the
+    first copied layer's ``input_layernorm`` and ``fc`` passes the deepest tapped layer through (identity on its block
+    of the concatenated context, zero elsewhere), so the context keys and values start as the copied layer would
+    compute them from that hidden state. Every shape is checked before anything is copied: a mismatch (other head
+    count, head_dim, intermediate size, biases) is an error naming the parameter and both shapes.
+    """
+    layers = target.get_decoder().layers
+    n = len(drafter.layers)
+    if n > len(layers):
+        raise ValueError(
+            f"init_from_target: expected at most the target's {len(layers)} decoder layers, got a drafter of {n}"
+        )
+    pairs = []
+    for i, layer in enumerate(drafter.layers):
+        source_index = len(layers) - n + i
+        source = layers[source_index].state_dict()
+        own = dict(layer.named_parameters())
+        unmapped = sorted(set(source) - set(own))
+        if unmapped:
+            raise ValueError(
+                f"init_from_target: expected target layer {source_index}'s parameters to map onto drafter layer "
+                f"{i}, got {unmapped} that the drafter has no place for"
+            )
+        for name, value in own.items():
+            if name not in source and name in _OPTIONAL_IN_TARGET:
+                continue
+            found = tuple(source[name].shape) if name in source else "no such parameter"
+            if found != tuple(value.shape):
+                raise ValueError(
+                    f"init_from_target: layers.{i}.{name}: expected shape {tuple(value.shape)} (the drafter's), got "
+                    f"{found} in target layer {source_index} (a different head count, head_dim or intermediate size?)"
+                )
+            pairs.append((value, source[name]))
+    for value, source in pairs:
+        value.copy_(source)
+    drafter.hidden_norm.weight.copy_(layers[len(layers) - n].input_layernorm.weight)
+    hidden = drafter.config.hidden_size
+    deepest = drafter.config.target_layer_ids.index(max(drafter.config.target_layer_ids))
+    drafter.fc.weight.zero_()
+    drafter.fc.weight[:, deepest * hidden : (deepest + 1) * hidden] = torch.eye(hidden)

@@ -30,7 +30,7 @@ from adaflash_hf.online.config import OnlineConfig
 from adaflash_hf.online.loop import MetricsLogger, TrafficSource, run_online
 from adaflash_hf.online.weights import load_state, publishable_state
 from adaflash_hf.serving import MODES, AdaFlashEngine, AdmissionConfig, SamplingParams
-from adaflash_hf.trainers.drafter_setup import DrafterArguments, build_drafter
+from adaflash_hf.trainers.drafter_setup import DrafterArguments, add_config_option, build_drafter
 from adaflash_hf.trainers.opd_config import OPDConfig
 from adaflash_hf.trainers.opd_trainer import OPDTrainer
 
@@ -151,10 +151,12 @@ def main(
 def make_parser(subparsers=None) -> TrlParser:
     dataclass_types = (OPDScriptArguments, OnlineConfig, OPDConfig, ModelConfig)
     if subparsers is not None:
-        return subparsers.add_parser(
+        parser = subparsers.add_parser(
             "opd", help="Online on-policy distillation.", dataclass_types=dataclass_types
         )
-    return TrlParser(dataclass_types)
+    else:
+        parser = TrlParser(dataclass_types)
+    return add_config_option(parser)
 
 
 if __name__ == "__main__":

@@ -20,29 +20,7 @@ class DrafterTrainingConfig(DrafterArguments, TrainingArguments):
         default_factory=lambda: ["chat", "code", "math"],
         metadata={"help": "Training domains of adaflash_hf.data."},
     )
-    samples_per_domain: int | None = field(
-        default=400, metadata={"help": "Prompts per domain (None = the whole train split)."}
-    )
-    sequences_file: str | None = field(
-        default=None,
-        metadata={
-            "help": "JSONL of training sequences, used as is when it exists. Default: <output_dir>/sequences.jsonl, "
-            "built here (and resumed after an interruption)."
-        },
-    )
-    regenerate_responses: bool = field(
-        default=True,
-        metadata={"help": "Train on the target's own greedy responses (True) or the dataset's (False)."},
-    )
-    max_new_tokens: int = field(default=192, metadata={"help": "Response length when regenerating."})
-    generation_batch_size: int = field(default=32, metadata={"help": "Batch size of response regeneration."})
     max_length: int = field(default=512, metadata={"help": "Sequences are truncated to this many tokens."})
-    feature_cache_dir: str | None = field(
-        default=None,
-        metadata={
-            "help": "Offline mode: cache target hidden states here (computed once) instead of on the fly."
-        },
-    )
     num_anchors: int = field(default=24, metadata={"help": "Random anchors (blocks) per sequence and step."})
     attention_layout: str = field(
         default="split",
@@ -62,14 +40,16 @@ class DrafterTrainingConfig(DrafterArguments, TrainingArguments):
     corpus_dir: str | None = field(
         default=None,
         metadata={
-            "help": "A corpus written by `adaflash corpus` (<domain>.jsonl.gz of token ids): train on its "
-            "sequences of `domains` instead of regenerating responses."
+            "help": "The training corpus, written by `adaflash corpus` (<domain>.jsonl.gz of token ids): the script "
+            "trains on its sequences of `domains` (required by trainers/train_drafter.py)."
         },
     )
     corpus_features_dir: str | None = field(
         default=None,
         metadata={
-            "help": "Target features the corpus builder recorded; sequences without a file get theirs computed."
+            "help": "Target features (and top-k) the corpus builder recorded (`adaflash corpus --features-dir`). "
+            "Sequences without a file, or all when None, get theirs from a target forward each step, not cached "
+            "(cheap on a GPU)."
         },
     )
     max_train_sequences: int | None = field(
@@ -116,6 +96,38 @@ class DrafterTrainingConfig(DrafterArguments, TrainingArguments):
             "help": "CE only on drafted positions 1..N of each block (None: all block_size - 1). The lm_head "
             "projection is the step's largest cost and later positions weigh exp(-(j-1)/gamma), little under a short "
             "decay; the length head's realised acceptance stays exact."
+        },
+    )
+    soft_target_weight: float = field(
+        default=0.0,
+        metadata={
+            "help": "Weight w in [0, 1] of the KL to the target's top-k distribution: token loss (1 - w) CE + w KL, "
+            "on the same drafted positions and decay weights (0: hard CE only). The top-k come from the corpus's "
+            "feature files (recorded by `adaflash corpus --topk`), or from the target's forward for sequences "
+            "without one."
+        },
+    )
+    soft_target_topk: int = field(
+        default=32,
+        metadata={
+            "help": "Top-k of the target's distribution taken by the on-the-fly forward (sequences without a "
+            "feature file); recorded files keep the corpus's --topk."
+        },
+    )
+    init_from_target: bool = field(
+        default=False,
+        metadata={
+            "help": "A fresh drafter's decoder layers start as copies of the target's last decoder layers (q_norm / "
+            "k_norm at identity where the target has none), hidden_norm as the first copied layer's input norm, and "
+            "fc passes the deepest tapped layer through; False: random. Not with drafter_init."
+        },
+    )
+    max_train_seconds: float | None = field(
+        default=None,
+        metadata={
+            "help": "Stop after this many seconds of training, with a log line, a checkpoint and (with held-out "
+            "data) a learning-curve point, so --resume_from_checkpoint continues; the LR schedule still spans "
+            "max_steps. None: stop at max_steps only."
         },
     )
     length_head_loss_weight: float = field(default=1.0, metadata={"help": "Weight of the length head's MSE."})
@@ -177,6 +189,17 @@ class DrafterTrainingConfig(DrafterArguments, TrainingArguments):
             )
         if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
             raise ValueError(f"draft_vocab_size: expected None or >= 1, got {self.draft_vocab_size}")
+        if not 0.0 <= self.soft_target_weight <= 1.0:
+            raise ValueError(f"soft_target_weight: expected a float in [0, 1], got {self.soft_target_weight}")
+        if self.soft_target_topk < 1:
+            raise ValueError(f"soft_target_topk: expected >= 1, got {self.soft_target_topk}")
+        if self.init_from_target and self.drafter_init:
+            raise ValueError(
+                f"init_from_target: expected False when drafter_init is set (a loaded drafter keeps its weights), "
+                f"got True with drafter_init={self.drafter_init!r}"
+            )
+        if self.max_train_seconds is not None and self.max_train_seconds <= 0:
+            raise ValueError(f"max_train_seconds: expected None or > 0, got {self.max_train_seconds}")
         if self.length_head_variant not in ("two_model", "paper"):
             raise ValueError(
                 f"length_head_variant: expected 'two_model' or 'paper', got {self.length_head_variant!r}"

@@ -1,22 +1,19 @@
 """DrafterTrainer: offline DFlash/AdaFlash drafter training on a frozen target, as a transformers ``Trainer``.
 
-The model being trained is the ``AdaFlashDrafter``; the frozen target supplies hidden states (on the fly, or from a
-feature cache in offline mode), its raw embedding table for the block inputs and its lm_head for the logits. Overridden
-hooks: ``compute_loss`` (``recipe_loss``: the recipe in ``dflash_recipe``, under bf16 autocast when ``args.bf16``, CPU
-included), ``create_optimizer`` (drafter and length head in two AdamW
+The model being trained is the ``AdaFlashDrafter``; the frozen target supplies hidden states (from the corpus's feature
+files or on the fly, ``target_features.TargetFeatures``), its raw embedding table for the block inputs and its lm_head
+for the logits. Overridden hooks: ``compute_loss`` (``recipe_loss``: the recipe in ``dflash_recipe``, under bf16
+autocast when ``args.bf16``, CPU included), ``create_optimizer`` (drafter and length head in two AdamW
 groups), ``_clip_grad_norm`` (each group clipped on its own, so the head never shrinks the drafter's update),
 ``evaluate`` (tau of real speculative generation on held-out prompts) and ``log`` (recipe metrics).
 """
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections import defaultdict
-from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 from transformers import GenerationConfig, Trainer, TrainerCallback
 from transformers.utils import logging
 
@@ -24,8 +21,19 @@ from adaflash_hf.corpus import load_features, read_corpus
 from adaflash_hf.learning_curve import LearningCurve, heldout_acceptance
 from adaflash_hf.modeling import AdaFlashDrafter
 from adaflash_hf.stats import tau_of
-from adaflash_hf.trainers.dflash_recipe import block_ce_and_head_loss, build_blocks, sample_anchors
+from adaflash_hf.trainers.dflash_recipe import (
+    SoftTargets,
+    block_ce_and_head_loss,
+    build_blocks,
+    sample_anchors,
+)
 from adaflash_hf.trainers.optim import clip_each_group, split_drafter_and_head, two_group_adamw
+from adaflash_hf.trainers.target_features import (
+    SequenceCollator,
+    TargetFeatures,
+    missing_soft_targets,
+    soft_targets_error,
+)
 
 logger = logging.get_logger(__name__)
 
@@ -41,11 +49,13 @@ def recipe_loss(
     embedding_weight: torch.Tensor,
     lm_head_weight: torch.Tensor,
     draft_token_ids: torch.Tensor | None = None,
+    soft_targets: SoftTargets | None = None,
 ):
-    """One training forward of the recipe and its loss ``ce + length_head_loss_weight * head_mse``.
+    """One training forward of the recipe and its loss ``token_loss + length_head_loss_weight * head_mse``.
 
     ``model`` is the drafter (or its DDP wrapper), ``config`` its ``AdaFlashConfig``; ``args`` supplies
-    ``loss_decay_gamma``, ``length_head_loss_weight``, ``attention_layout`` and ``loss_positions``. Shared by ``DrafterTrainer`` and
+    ``loss_decay_gamma``, ``length_head_loss_weight``, ``attention_layout``, ``loss_positions`` and
+    ``soft_target_weight`` (the token loss mixes the CE with a KL to ``soft_targets``). Shared by ``DrafterTrainer`` and
     ``adaflash bench train`` so the benchmark times the trainer's own step. Returns (loss, drafter output, metrics).
     """
     split = args.attention_layout == "split"
@@ -68,7 +78,7 @@ def recipe_loss(
     acceptance = out.acceptance_prob
     if acceptance.dim() == 1:
         acceptance = acceptance[:, None]
-    ce, head_mse, metrics = block_ce_and_head_loss(
+    token_loss, head_mse, metrics = block_ce_and_head_loss(
         out.last_hidden_state,
         acceptance,
         lm_head_weight,
@@ -76,8 +86,10 @@ def recipe_loss(
         config.block_size,
         draft_token_ids,
         loss_positions=getattr(args, "loss_positions", None),
+        soft_targets=soft_targets,
+        soft_target_weight=getattr(args, "soft_target_weight", 0.0),
     )
-    return ce + args.length_head_loss_weight * head_mse, out, metrics
+    return token_loss + args.length_head_loss_weight * head_mse, out, metrics
 
 
 def check_draft_vocab(draft_token_ids: torch.Tensor | None, draft_vocab_size: int | None) -> None:
@@ -88,100 +100,6 @@ def check_draft_vocab(draft_token_ids: torch.Tensor | None, draft_vocab_size: in
         raise ValueError(
             f"draft_vocab_size: expected the drafter's draft vocabulary ({drafted}), got {draft_vocab_size}"
         )
-
-
-class SequenceCollator:
-    """Right-pads token sequences; ``loss_mask`` marks response tokens (the positions the drafter learns)."""
-
-    def __init__(self, pad_token_id: int, max_length: int):
-        self.pad_token_id = pad_token_id
-        self.max_length = max_length
-
-    def __call__(self, records: list[dict]) -> dict:
-        lengths = [min(len(r["input_ids"]), self.max_length) for r in records]
-        width = max(lengths)
-        input_ids = torch.full((len(records), width), self.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros_like(input_ids)
-        loss_mask = torch.zeros_like(input_ids)
-        for i, (record, length) in enumerate(zip(records, lengths)):
-            input_ids[i, :length] = torch.tensor(record["input_ids"][:length])
-            attention_mask[i, :length] = 1
-            loss_mask[i, record["prompt_length"] : length] = 1
-        batch = {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
-        batch["sequence_key"] = [
-            _sequence_key(r["input_ids"][:length]) for r, length in zip(records, lengths)
-        ]
-        # Corpus records name their feature file by id and domain (adaflash_hf.corpus.feature_file).
-        batch["records"] = [{"id": r.get("id", ""), "domain": r.get("domain", "")} for r in records]
-        return batch
-
-
-def _sequence_key(tokens: list[int]) -> str:
-    return hashlib.sha1(str(tokens).encode()).hexdigest()[:20]
-
-
-class TargetFeatures:
-    """Target context features ``cat(hidden_states[id + 1])`` per sequence, on the fly or cached on disk."""
-
-    def __init__(
-        self,
-        target,
-        target_layer_ids: list[int],
-        cache_dir: str | Path | None = None,
-        corpus_features_dir: str | Path | None = None,
-    ):
-        self.target = target
-        self.layer_ids = list(target_layer_ids)
-        self.cache_dir = Path(cache_dir) if cache_dir else None
-        self.corpus_features_dir = Path(corpus_features_dir) if corpus_features_dir else None
-        if self.cache_dir:
-            self.cache_dir.mkdir(parents=True, exist_ok=True)
-
-    @torch.no_grad()
-    def __call__(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        keys: list[str],
-        records: list[dict] | None = None,
-    ) -> torch.Tensor:
-        """``records`` (id, domain) find the features the corpus builder recorded; the rest come from the disk cache
-        or a target forward. Features of the last token of a sequence are zeros: no anchor's context reaches it."""
-        cached = [self._load(key) for key in keys] if self.cache_dir else [None] * len(keys)
-        if self.corpus_features_dir and records:
-            for i, record in enumerate(records):
-                if cached[i] is None and record.get("id"):
-                    cached[i] = load_features(self.corpus_features_dir, record, self.layer_ids)
-        missing = [i for i, feature in enumerate(cached) if feature is None]
-        if missing:
-            rows = torch.tensor(missing, device=input_ids.device)
-            hidden = self.target(
-                input_ids=input_ids[rows],
-                attention_mask=attention_mask[rows],
-                output_hidden_states=[i + 1 for i in self.layer_ids],
-            ).hidden_states
-            fresh = torch.cat([hidden[i + 1] for i in self.layer_ids], dim=-1)
-            for slot, i in enumerate(missing):
-                cached[i] = fresh[slot]
-                if self.cache_dir:
-                    # Cached features are bf16; the first epoch uses the same rounded values as later ones.
-                    length = int(attention_mask[i].sum())
-                    cached[i] = fresh[slot, :length].to(torch.bfloat16).contiguous()
-                    save_file({"features": cached[i]}, self._path(keys[i]))
-        width = input_ids.shape[1]
-        out = torch.zeros(
-            len(keys), width, cached[0].shape[-1], dtype=self.target.dtype, device=input_ids.device
-        )
-        for i, feature in enumerate(cached):
-            out[i, : feature.shape[0]] = feature[:width].to(out.dtype)
-        return out
-
-    def _path(self, key: str) -> Path:
-        return self.cache_dir / f"{key}.safetensors"
-
-    def _load(self, key: str) -> torch.Tensor | None:
-        path = self._path(key)
-        return load_file(path)["features"] if path.is_file() else None
 
 
 class LogSpacedEvaluation(TrainerCallback):
@@ -199,6 +117,26 @@ class LogSpacedEvaluation(TrainerCallback):
         return control
 
 
+class TimeBudget(TrainerCallback):
+    """Stop once ``seconds`` of training have passed, logging, saving a checkpoint and (``evaluate``) adding a
+    learning-curve point at that step: a run spread over working periods, or a GPU run with a fixed budget, ends
+    resumable with its blocks-seen count exact. The learning-rate schedule still spans ``max_steps``."""
+
+    def __init__(self, seconds: float, evaluate: bool = False):
+        self.seconds = seconds
+        self.evaluate = evaluate
+        self.started: float | None = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.started = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if time.perf_counter() - self.started >= self.seconds:
+            control.should_training_stop = control.should_log = control.should_save = True
+            control.should_evaluate = control.should_evaluate or self.evaluate
+        return control
+
+
 class DrafterTrainer(Trainer):
     """Trains an ``AdaFlashDrafter`` against a frozen ``target``. See the module docstring for the hooks."""
 
@@ -213,14 +151,27 @@ class DrafterTrainer(Trainer):
         super().__init__(model=model, args=args, processing_class=tokenizer, **kwargs)
         self.target = target.to(self.accelerator.device)
         check_draft_vocab(getattr(model, "draft_token_ids", None), args.draft_vocab_size)
+        soft_topk = args.soft_target_topk if args.soft_target_weight > 0 else 0
+        if soft_topk and args.corpus_features_dir:
+            # Checked here, before any forward: a corpus recorded without top-k fails now, not hours into a run.
+            records = self.train_dataset if self.train_dataset is not None else []
+            if {"id", "domain"} <= set(getattr(records, "column_names", ())):
+                records = records.select_columns(["id", "domain"])  # not the token ids of 13k sequences
+            missing = missing_soft_targets(args.corpus_features_dir, records)
+            if missing:
+                raise soft_targets_error(args.corpus_features_dir, missing, len(records))
         self.features = TargetFeatures(
-            self.target, model.config.target_layer_ids, args.feature_cache_dir, args.corpus_features_dir
+            self.target, model.config.target_layer_ids, args.corpus_features_dir, soft_topk
         )
         self.heldout_records, self.heldout_features, self.curve = [], [], None
         if args.heldout_corpus_dir:
             self._load_heldout(model)
             if args.curve_points_per_decade and args.eval_strategy == "no":
                 self.add_callback(LogSpacedEvaluation(args.curve_points_per_decade))
+        if args.max_train_seconds is not None:
+            self.add_callback(
+                TimeBudget(args.max_train_seconds, evaluate=bool(eval_prompts or args.heldout_corpus_dir))
+            )
         self.eval_prompts = eval_prompts or []
         self.anchor_generator = torch.Generator().manual_seed(args.seed + self.accelerator.process_index)
         self._metrics: dict[str, list[float]] = defaultdict(list)
@@ -229,9 +180,7 @@ class DrafterTrainer(Trainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         drafter: AdaFlashDrafter = self.accelerator.unwrap_model(model)
         input_ids, loss_mask = inputs["input_ids"], inputs["loss_mask"]
-        features = self.features(
-            input_ids, inputs["attention_mask"], inputs["sequence_key"], inputs.get("records")
-        )
+        features, soft_targets = self.features(input_ids, inputs["attention_mask"], inputs.get("records"))
         anchors = sample_anchors(loss_mask, self.args.num_anchors, self.anchor_generator)
         # accelerate autocasts only the drafter's forward; the lm_head logits, the largest matmul, need it too.
         with self.accelerator.autocast():
@@ -246,6 +195,7 @@ class DrafterTrainer(Trainer):
                 self.target.get_input_embeddings().weight,
                 self.target.get_output_embeddings().weight,
                 getattr(drafter, "draft_token_ids", None),
+                soft_targets,
             )
         for name, value in metrics.items():
             self._metrics[name].append(value)

@@ -10,8 +10,9 @@ tokens whose first 64 are prompt (unsupervised). Speed does not depend on the va
 
 Variants (``VARIANTS``) start from ``today`` (the recipe before issue 12: dense [Q, S + Q] mask, float32, full
 vocabulary, 24 anchors) and change the attention layout and anchor count, bf16 autocast, the vocabulary (``dv``: a
-draft vocabulary of 8192 ids) and the drafter's depth. The draft vocabulary is the batch's most frequent label tokens
-filled up with random other ids (random tokens are nearly all covered; a real subset comes from corpus frequencies).
+draft vocabulary of 8192 ids), the drafter's depth and the soft-target KL (``soft``: random top-32 targets). The draft
+vocabulary is the batch's most frequent label tokens filled up with random other ids (random tokens are nearly all
+covered; a real subset comes from corpus frequencies).
 A row has 384 candidate anchors, so ``split-512`` trains 384 blocks a row: ``blocks/step`` counts the trained ones.
 
 Each variant runs in a fresh process: one warm-up step, then ``--steps`` timed steps; blocks/s is the median over
@@ -37,7 +38,7 @@ from transformers import LlamaConfig
 from adaflash_hf.cli import CONFIG_HELP, parse_args_with_config
 from adaflash_hf.modeling import AdaFlashConfig, AdaFlashDrafter
 from adaflash_hf.modeling.configuration_adaflash import build_target_layer_ids
-from adaflash_hf.trainers.dflash_recipe import IGNORE, sample_anchors
+from adaflash_hf.trainers.dflash_recipe import IGNORE, SoftTargets, sample_anchors
 from adaflash_hf.trainers.optim import clip_each_group, split_drafter_and_head, two_group_adamw
 from adaflash_hf.trainers.train_drafter_config import DrafterTrainingConfig
 from adaflash_hf.trainers.train_drafter_trainer import recipe_loss
@@ -69,6 +70,14 @@ VARIANTS = {
         "drafter_layers": 1,
         "loss_positions": 3,
     },
+    # The soft-target arm of the sweep (examples/configs/sweep_soft_targets.yaml): CE mixed with the KL to a top-32.
+    "split-512-dv-1layer-lp6-soft": {
+        "num_anchors": 512,
+        "draft_vocab": True,
+        "drafter_layers": 1,
+        "loss_positions": 6,
+        "soft_target_weight": 0.5,
+    },
 }
 VARIANT_DEFAULTS = {
     "attention_layout": "split",
@@ -76,7 +85,9 @@ VARIANT_DEFAULTS = {
     "draft_vocab": False,
     "drafter_layers": 2,
     "loss_positions": None,
+    "soft_target_weight": 0.0,
 }
+SOFT_TOPK = 32  # the corpus builder's default --topk
 # SmolLM2-135M-Instruct, the default target of trainers/train_drafter.py, and the trainer's default batch.
 SHAPES = {
     "real": {
@@ -153,6 +164,7 @@ def _setup(variant: str, shape: dict, context_layers: int):
         bf16=spec["bf16"],
         draft_vocab_size=shape["draft_vocab"] if spec["draft_vocab"] else None,
         loss_positions=spec["loss_positions"],
+        soft_target_weight=spec["soft_target_weight"],
     )
     return spec, drafter, args
 
@@ -175,6 +187,15 @@ def measure_variant(
     if args.draft_vocab_size:
         labels = torch.where(loss_mask.bool(), input_ids, torch.full_like(input_ids, IGNORE))
         draft_ids = top_label_vocab(labels, args.draft_vocab_size, vocab, g)
+    soft = None
+    if args.soft_target_weight > 0:
+        # Log-probs of a top-k out of a larger distribution (their mass below 1), as the corpus records them.
+        logprobs = torch.log_softmax(torch.randn(batch, seq, SOFT_TOPK + 1, generator=g), dim=-1)[
+            ..., :SOFT_TOPK
+        ]
+        soft = SoftTargets(
+            ids=torch.randint(0, vocab, (batch, seq, SOFT_TOPK), generator=g), logprobs=logprobs
+        )
     groups = split_drafter_and_head(drafter)
     optimizer = two_group_adamw(groups, args)
 
@@ -192,6 +213,7 @@ def measure_variant(
                 embedding,
                 embedding,
                 draft_ids,
+                soft,
             )
         loss.backward()
         clip_each_group(groups, args.max_grad_norm)
@@ -220,6 +242,7 @@ def measure_variant(
         "draft_vocab_size": args.draft_vocab_size,
         "drafter_layers": spec["drafter_layers"],
         "loss_positions": spec["loss_positions"],
+        "soft_target_weight": spec["soft_target_weight"],
         "seconds_per_step": statistics.median(seconds),
         "blocks_per_s": statistics.median(rates),
         "peak_rss_mib": peak / 2**20,
@@ -279,18 +302,18 @@ def format_table(results: dict) -> str:
         f"{s['seq']} tokens, hidden {s['hidden_size']}, vocabulary {s['vocab_size']}, {s['context_layers']} context "
         f"layers, block {s['block_size']}; {s['threads']} thread(s), median of {s['steps']} steps",
         "",
-        "| variant | layout | anchors | blocks/step | bf16 | draft vocab | layers | CE positions | s/step | blocks/s "
-        "| speed-up vs today | peak RSS MiB | step MiB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| variant | layout | anchors | blocks/step | bf16 | draft vocab | layers | CE positions | soft KL weight "
+        "| s/step | blocks/s | speed-up vs today | peak RSS MiB | step MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for e in results["variants"]:
         if "error" in e:
-            lines.append(f"| {e['variant']} | {e['error']} |" + " |" * 11)
+            lines.append(f"| {e['variant']} | {e['error']} |" + " |" * 12)
             continue
         lines.append(
             f"| {e['variant']} | {e['attention_layout']} | {e['num_anchors']} | {e['blocks_per_step']:.0f} | "
             f"{'yes' if e['bf16'] else 'no'} | {e['draft_vocab_size'] or 'full'} | {e['drafter_layers']} | "
-            f"{e.get('loss_positions') or 'all'} | "
+            f"{e.get('loss_positions') or 'all'} | {e.get('soft_target_weight') or 0:g} | "
             f"{_fmt(e['seconds_per_step'], 3)} | {_fmt(e['blocks_per_s'])} | {_fmt(e['speedup_vs_today'], 2)} | "
             f"{_fmt(e['peak_rss_mib'], 0)} | {_fmt(e['step_mib'], 0)} |"
         )
