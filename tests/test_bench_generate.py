@@ -35,7 +35,8 @@ def _corrupt_last_token(target, drafter, input_ids, config):
 def test_summary_has_one_row_per_domain_and_method(results):
     rows = [(row["domain"], row["method"]) for row in results["summary"]]
     assert rows == [(domain, method) for domain in PROMPTS for method in bench.METHODS]
-    assert set(results) == {"settings", "ok", "summary", "records"}
+    assert set(results) == {"settings", "ok", "summary", "records", "cost_curve"}
+    assert results["cost_curve"]["1"][1] == 1.0  # goodput measured the verify cost, relative to one token
     assert {
         "tau",
         "tokens_per_s",

@@ -9,7 +9,10 @@ Methods, run on the same held-out prompts (``adaflash_hf.data``, chat template) 
 ``speculation_type="dflash"`` with our weights, the AdaFlash hook switched off; it embeds ``mask_token_id`` with the
 target's embedding, so a drafter with a learned mask embedding drafts worse there); ``adaflash_fixed``
 (``block_size - 1`` drafts per round); ``adaflash_adaptive`` (the length head's k̂); ``adaflash_hybrid`` (adaptive,
-with ``adaflash_draft_source="hybrid"``: each round verifies the block or a lookup continuation, ``adaflash_hf.lookup``).
+with ``adaflash_draft_source="hybrid"``: each round verifies the block or a lookup continuation, ``adaflash_hf.lookup``);
+``adaflash_goodput`` and ``adaflash_hybrid_goodput`` (``adaflash_length_mode="goodput"``: per round the k from 0 up
+with the most expected committed tokens per second on this machine, ``adaflash_hf.drafting``), both modes side by side
+in one run rather than behind a ``--length-mode`` switch, since the comparison is the point.
 
 Every timed call's output must equal plain greedy's token for token (``lossless``); calls are interleaved per prompt
 and repeat (plain, lookup, native, fixed, adaptive, hybrid, then again) after one warm-up call per method, so machine noise
@@ -24,7 +27,9 @@ after the outputs are written.
 Outputs in ``--output-dir``: ``results.json`` (``settings``, ``ok``, ``summary``: one row per domain and method,
 ``records``: one per domain, prompt and method), ``table.md`` and three plots: ``acceptance_per_position.png``
 (P(draft j accepted | verified) per domain), ``acceptance_hist.png`` (per-round accepted / verified per domain) and
-``source_share.png`` (per domain, the share of rounds each draft source won, for the AdaFlash methods).
+``source_share.png`` (per domain, the share of rounds each draft source won, for the AdaFlash methods), and
+``cost_curve.png``: the target forward's measured seconds by tokens in it, relative to one token, as the goodput
+methods' cost model learnt it on this machine (``cost_curve`` in results.json).
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ from transformers.utils import logging
 
 import adaflash_hf
 from adaflash_hf import AdaFlashDrafter
+from adaflash_hf.bench.machine import cpu_flags, plot_cost_curve
 from adaflash_hf.cli import CONFIG_HELP, parse_args_with_config
 from adaflash_hf.stats import tau_of
 
@@ -59,8 +65,16 @@ METHODS = (
     "adaflash_fixed",
     "adaflash_adaptive",
     "adaflash_hybrid",
+    "adaflash_goodput",
+    "adaflash_hybrid_goodput",
 )
-ADAFLASH_METHODS = ("adaflash_fixed", "adaflash_adaptive", "adaflash_hybrid")
+ADAFLASH_METHODS = (
+    "adaflash_fixed",
+    "adaflash_adaptive",
+    "adaflash_hybrid",
+    "adaflash_goodput",
+    "adaflash_hybrid_goodput",
+)
 PROMPT_LOOKUP_TOKENS = 10
 WARMUP_TOKENS = 16
 DEFAULT_DRAFTER = Path(__file__).resolve().parents[2] / "examples" / "drafters" / "smollm2-135m-adaflash"
@@ -111,6 +125,17 @@ def _adaflash_hybrid(target, drafter, input_ids, config):
     return _generate(target, input_ids, config, assistant_model=drafter)
 
 
+def _adaflash_goodput(target, drafter, input_ids, config):
+    config.adaflash_length_mode = "goodput"
+    return _generate(target, input_ids, config, assistant_model=drafter)
+
+
+def _adaflash_hybrid_goodput(target, drafter, input_ids, config):
+    config.adaflash_length_mode = "goodput"
+    config.adaflash_draft_source = "hybrid"
+    return _generate(target, input_ids, config, assistant_model=drafter)
+
+
 # Looked up at call time, so a test can swap one entry.
 RUNNERS = {
     "plain": _plain,
@@ -119,6 +144,8 @@ RUNNERS = {
     "adaflash_fixed": _adaflash_fixed,
     "adaflash_adaptive": _adaflash_adaptive,
     "adaflash_hybrid": _adaflash_hybrid,
+    "adaflash_goodput": _adaflash_goodput,
+    "adaflash_hybrid_goodput": _adaflash_hybrid_goodput,
 }
 
 
@@ -242,11 +269,15 @@ def run_benchmark(
         for domain in prompts
         for method in methods
     ]
+    from adaflash_hf.drafting import cost_model_for
+
+    cost = cost_model_for(target, "generate")
     return {
         "settings": {
             **_settings(drafter, prompts, methods, max_new_tokens, repeats, gamma, min_len),
             "lookup_min_prob": lookup_min_prob,
         },
+        "cost_curve": {"1": cost.relative_curve(1)} if cost.target[0] else {},
         "ok": all(r["lossless"] and r["stats_agree"] is not False for r in records),
         "summary": summary,
         "records": records,
@@ -282,6 +313,7 @@ def _settings(drafter, prompts, methods, max_new_tokens: int, repeats: int, gamm
         "gamma": gamma,
         "min_len": min_len,
         "threads": torch.get_num_threads(),
+        "cpu": cpu_flags(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
     }
@@ -384,6 +416,7 @@ def _summarise(records: list[dict]) -> dict:
         "tokens_per_s": sum(r["new_tokens"] for r in records) / sum(r["median_seconds"] for r in records),
         "speedup": math.exp(statistics.fmean(math.log(r["speedup"]) for r in records)),
         "mean_verify_length": statistics.fmean(verified) if verified else None,
+        "zero_length_share": verified.count(0) / len(verified) if verified else None,
         "acceptance_rate": sum(accepted) / sum(verified) if sum(verified) else None,
         "acceptance_per_position": acceptance_per_position(verified, accepted),
         "lossless": all(r["lossless"] for r in records),
@@ -405,6 +438,8 @@ def _summarise(records: list[dict]) -> dict:
             if source == "lookup"
         ]
         row["lookup_share"] = len(lookup) / rounds if rounds else None
+        skipped = sum(r["stats"]["skipped_drafter_forwards"] for r in records)
+        row["skipped_drafter_share"] = skipped / rounds if rounds else None
         verified = sum(k for k, _ in lookup)
         row["lookup_acceptance"] = sum(a for _, a in lookup) / verified if verified else None
         row.update(length_head_figures([r["stats"] for r in records]))
@@ -442,6 +477,10 @@ def _fmt(value, spec: str = ".2f", suffix: str = "") -> str:
     return "–" if value is None else f"{value:{spec}}{suffix}"
 
 
+def _percent(share) -> str:
+    return _fmt(None if share is None else 100 * share, ".0f", "%")
+
+
 def markdown_table(results: dict) -> str:
     """One row per (domain, method)."""
     settings = results["settings"]
@@ -449,16 +488,17 @@ def markdown_table(results: dict) -> str:
         f"Greedy, {settings['max_new_tokens']} new tokens, median of {settings['repeats']} repeats, "
         f"{settings['threads']} threads; prompts per domain: {settings['prompts_per_domain']}.",
         "",
-        "| domain | method | τ | τ (stats) | tokens/s | speed-up | mean verify len | acceptance | lookup rounds "
-        "| lookup acceptance | length head mean abs(â - a*) | lossless |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| domain | method | τ | τ (stats) | tokens/s | speed-up | mean verify len | k=0 rounds | drafter skipped "
+        "| acceptance | lookup rounds | lookup acceptance | length head mean abs(â - a*) | lossless |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for row in results["summary"]:
         lines.append(
             f"| {row['domain']} | {row['method']} | {_fmt(row['tau'])} | {_fmt(row['tau_stats'])} | "
             f"{_fmt(row['tokens_per_s'], '.1f')} | {_fmt(row['speedup'], '.2f', 'x')} | "
-            f"{_fmt(row['mean_verify_length'])} | {_fmt(row['acceptance_rate'])} | "
-            f"{_fmt(None if row['lookup_share'] is None else 100 * row['lookup_share'], '.0f', '%')} | "
+            f"{_fmt(row['mean_verify_length'])} | {_percent(row.get('zero_length_share'))} | "
+            f"{_percent(row.get('skipped_drafter_share'))} | {_fmt(row['acceptance_rate'])} | "
+            f"{_percent(row['lookup_share'])} | "
             f"{_fmt(row['lookup_acceptance'])} | {_fmt(row.get('head_abs_error'))} | "
             f"{'yes' if row['lossless'] else 'NO'} |"
         )
@@ -597,6 +637,8 @@ def write_outputs(results: dict, output_dir: Path) -> None:
     if set(results["settings"]["methods"]) & set(ADAFLASH_METHODS):
         plot_source_share(results, output_dir / "source_share.png")
         plot_k_hat_distribution(results, output_dir / "k_hat_distribution.png")
+    if results.get("cost_curve"):
+        plot_cost_curve(results["cost_curve"], output_dir / "cost_curve.png", results["settings"].get("cpu"))
 
 
 # ---------------------------------------------------------------------------------------------------------- CLI

@@ -1,5 +1,7 @@
 """Throughput of the batched engine under concurrency: plain batched decoding vs fixed-length DFlash vs AdaFlash vs
-hybrid (AdaFlash with ``draft_source="hybrid"``: per request and step, the block or a lookup continuation).
+hybrid (AdaFlash with ``draft_source="hybrid"``: per request and step, the block or a lookup continuation), and the
+same two with ``length_mode="goodput"`` (``goodput``, ``hybrid_goodput``: k from 0 up per request by the step's
+expected committed tokens per second on this machine, ``adaflash_hf.drafting``).
 
     adaflash bench serve [--drafter DIR|random] [--concurrency 1 2 4 8 16 32] [--requests-per-level 32]
                          [--max-new-tokens 128] [--modes plain dflash adaflash hybrid] [--repeats 1] [--threads 2]
@@ -20,7 +22,8 @@ drafts verified per verify; acceptance rate = accepted / verified drafts; lookup
 from lookup (hybrid), with their own acceptance rate. ``lossless`` checks every request's
 tokens against plain's. Goals (issue 6): AdaFlash ≥ 1.0x plain at every concurrency, and ≥ 1.2x fixed-length
 DFlash at concurrency ≥ 8; (issue 14) hybrid ahead of plain and AdaFlash at concurrency 8 and 16. Outputs in ``--output-dir``: ``results.json``, ``table.md`` and
-``speedup_vs_concurrency.png``. Exit status 1 when a mode is not lossless.
+``speedup_vs_concurrency.png`` (and ``cost_curve.png``, the goodput cost model's measured target-forward seconds by
+tokens per running-request bucket). Exit status 1 when a mode is not lossless.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import transformers
 from transformers.utils import logging
 
 from adaflash_hf import AdaFlashConfig, AdaFlashDrafter
+from adaflash_hf.bench.machine import cpu_flags, plot_cost_curve
 from adaflash_hf.cli import CONFIG_HELP, parse_args_with_config
 from adaflash_hf.serving import MODES as ENGINE_MODES
 from adaflash_hf.serving import AdaFlashEngine, AdmissionConfig, SamplingParams
@@ -52,7 +56,16 @@ DOMAINS = ("chat", "code", "math")
 QUICK = {"concurrency": [1, 2], "requests_per_level": 2, "max_new_tokens": 16, "repeats": 1}
 FULL = {"concurrency": [1, 2, 4, 8, 16, 32], "requests_per_level": 32, "max_new_tokens": 128, "repeats": 1}
 WARMUP_TOKENS = 8
-MODES = (*ENGINE_MODES, "hybrid")
+MODES = (*ENGINE_MODES, "hybrid", "goodput", "hybrid_goodput")
+# bench mode -> (engine mode, draft source, length mode)
+ENGINE_SETTINGS = {
+    "plain": ("plain", "diffusion", None),
+    "dflash": ("dflash", "diffusion", None),
+    "adaflash": ("adaflash", "diffusion", "adaptive"),
+    "hybrid": ("adaflash", "hybrid", "adaptive"),
+    "goodput": ("adaflash", "diffusion", "goodput"),
+    "hybrid_goodput": ("adaflash", "hybrid", "goodput"),
+}
 
 
 def run_level(
@@ -69,13 +82,15 @@ def run_level(
     admission = AdmissionConfig(
         max_running=concurrency, token_budget=concurrency * block + max(len(p) for p in prompts)
     )
+    engine_mode, source, length_mode = ENGINE_SETTINGS[mode]
     engine = AdaFlashEngine(
         target,
         drafter if mode != "plain" else None,
-        mode="adaflash" if mode == "hybrid" else mode,
+        mode=engine_mode,
         admission=admission,
-        draft_source="hybrid" if mode == "hybrid" else "diffusion",
-        lookup_min_prob=lookup_min_prob if mode == "hybrid" else 0.0,
+        draft_source=source,
+        lookup_min_prob=lookup_min_prob if source == "hybrid" else 0.0,
+        length_mode=length_mode,
     )
     params = SamplingParams(max_new_tokens=max_new_tokens)
     ids = [engine.add_request(p, params) for p in prompts]
@@ -95,6 +110,8 @@ def run_level(
         "accepted": sum(s.accepted for s in stats),
         "lookup_verifies": sum(s.lookup_verifies for s in stats),
         "lookup_accepted": sum(s.lookup_accepted for s in stats),
+        "zero_length_verifies": sum(s.zero_length_verifies for s in stats),
+        "skipped_drafter": sum(s.skipped_drafter for s in stats),
         "mean_running": statistics.fmean(s.running for s in stats),
         "drafter_seconds": sum(s.drafter_seconds for s in stats),
         "target_seconds": sum(s.target_seconds for s in stats),
@@ -116,6 +133,8 @@ def _summarise(
         "mean_verify_length": first["draft_tokens"] / first["verifies"] if first["verifies"] else 0.0,
         "acceptance_rate": first["accepted"] / first["draft_tokens"] if first["draft_tokens"] else 0.0,
         "lookup_share": first["lookup_verifies"] / first["verifies"] if first["verifies"] else 0.0,
+        "zero_length_share": first["zero_length_verifies"] / first["verifies"] if first["verifies"] else 0.0,
+        "skipped_drafter_share": first["skipped_drafter"] / first["verifies"] if first["verifies"] else 0.0,
         "steps": first["steps"],
         "mean_running": first["mean_running"],
         "drafter_share": statistics.median(r["drafter_seconds"] / r["seconds"] for r in runs),
@@ -181,13 +200,24 @@ def run_benchmark(
             "gamma": None if drafter is None else drafter.config.length_head_gamma,
             "lookup_min_prob": lookup_min_prob,
             "threads": torch.get_num_threads(),
+            "cpu": cpu_flags(),
             "torch": torch.__version__,
             "transformers": transformers.__version__,
         },
         "ok": all(row["lossless"] for row in summary),
         "goals": _goals(summary),
+        "cost_curve": _cost_curves(target, concurrency) if {"goodput", "hybrid_goodput"} & set(modes) else {},
         "summary": summary,
     }
+
+
+def _cost_curves(target, concurrency: list[int]) -> dict:
+    """The engine cost model's relative curve per running-request bucket measured in this run."""
+    from adaflash_hf.drafting import cost_model_for
+
+    cost = cost_model_for(target, "engine")
+    curves = {str(level): cost.relative_curve(level) for level in concurrency}
+    return {level: curve for level, curve in curves.items() if curve}
 
 
 def _goals(summary: list[dict]) -> dict:
@@ -203,6 +233,11 @@ def _goals(summary: list[dict]) -> dict:
         goals["adaflash_1.2x_dflash_at_8_plus"] = all(
             rows[c, "adaflash"]["tokens_per_s"] >= 1.2 * rows[c, "dflash"]["tokens_per_s"] for c in high
         )
+    if all((c, "goodput") in rows for c in levels):
+        # issue 21: never slower than plain beyond noise
+        goals["goodput_at_least_0.97x_plain_everywhere"] = all(
+            rows[c, "goodput"]["speedup_vs_plain"] >= 0.97 for c in levels
+        )
     both = [c for c in (8, 16) if all((c, m) in rows for m in ("plain", "adaflash", "hybrid"))]
     if both:
         goals["hybrid_ahead_of_plain_and_adaflash_at_8_16"] = all(
@@ -214,14 +249,15 @@ def _goals(summary: list[dict]) -> dict:
 
 def markdown_table(results: dict) -> str:
     lines = [
-        "| concurrency | mode | tokens/s | speed-up vs plain | τ | mean verify length | acceptance | lookup share "
-        "| lossless |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|:---:|",
+        "| concurrency | mode | tokens/s | speed-up vs plain | τ | mean verify length | k=0 verifies | drafter "
+        "skipped | acceptance | lookup share | lossless |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|:---:|",
     ]
     for r in results["summary"]:
         lines.append(
             f"| {r['concurrency']} | {r['mode']} | {r['tokens_per_s']:.1f} | {r['speedup_vs_plain']:.2f}x | "
-            f"{r['tau']:.2f} | {r['mean_verify_length']:.2f} | {r['acceptance_rate']:.2f} | "
+            f"{r['tau']:.2f} | {r['mean_verify_length']:.2f} | {100 * r.get('zero_length_share', 0):.0f}% | "
+            f"{100 * r.get('skipped_drafter_share', 0):.0f}% | {r['acceptance_rate']:.2f} | "
             f"{100 * r['lookup_share']:.0f}% | {'yes' if r['lossless'] else 'NO'} |"
         )
     goals = ", ".join(f"{name}: {'met' if met else 'NOT met'}" for name, met in results["goals"].items())
@@ -259,6 +295,8 @@ def write_outputs(results: dict, output_dir: Path) -> None:
     (output_dir / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     (output_dir / "table.md").write_text(markdown_table(results))
     plot_speedup(results, output_dir / "speedup_vs_concurrency.png")
+    if results.get("cost_curve"):
+        plot_cost_curve(results["cost_curve"], output_dir / "cost_curve.png", results["settings"].get("cpu"))
 
 
 def heldout_prompts(tokenizer, count: int, max_prompt_tokens: int) -> list[torch.Tensor]:
