@@ -152,25 +152,42 @@ class CostModel:
 
     def __init__(self, window: int = 9):
         self.window = window
-        self.target: dict[int, dict[int, deque]] = {
-            0: {}
-        }  # running bucket (0: pooled) -> token bucket -> seconds
+        # running bucket (0: pooled over every load) -> token bucket -> seconds
+        self.target: dict[int, dict[int, deque]] = {0: {}}
         self.drafter: dict[int, deque] = {}  # drafting requests' bucket -> seconds
         self.calibrated = False
+        self.frozen = False  # a profile given by the user (or a test): observations are ignored
+
+    @classmethod
+    def profile(cls, target_seconds: dict[int, float], drafter_seconds: float = 0.0) -> CostModel:
+        """A fixed cost model from known timings (tokens -> seconds of one target forward), for a machine profiled
+        beforehand or a test; it learns nothing. Install it with ``use_cost_model``."""
+        model = cls(window=1)
+        for tokens, seconds in target_seconds.items():
+            model.observe_target(tokens, seconds)
+        if drafter_seconds:
+            model.observe_drafter(1, drafter_seconds)
+        model.calibrated = model.frozen = True
+        return model
 
     def observe_target(self, tokens: int, seconds: float, running: int = 1) -> None:
+        if self.frozen:
+            return
         bucket = _token_bucket(tokens)
         for key in (0, _running_bucket(running)):
             table = self.target.setdefault(key, {})
             table.setdefault(bucket, deque(maxlen=self.window)).append(float(seconds))
 
     def observe_drafter(self, requests: int, seconds: float) -> None:
+        if self.frozen:
+            return
         bucket = _running_bucket(requests)
         self.drafter.setdefault(bucket, deque(maxlen=self.window)).append(float(seconds))
 
     def knows_target(self, tokens: int, running: int = 1) -> bool:
-        """Whether the size bucket of ``tokens`` has been measured (at any load)."""
-        return _token_bucket(tokens) in self.target[0]
+        """Whether a size of at most ``tokens`` has been measured (at any load): below the smallest measured size the
+        curve is flat, which would make a plain step look as dear as a verify."""
+        return any(size <= _token_bucket(tokens) for size in self.target[0])
 
     def target_curve(self, running: int = 1) -> Callable[[int], float] | None:
         """``n -> seconds`` for a forward of n tokens with ``running`` requests, or None before any measurement."""
@@ -241,6 +258,16 @@ def cost_model_for(target, kind: str) -> CostModel:
     parameter = next(target.parameters())
     models = _COST_MODELS.setdefault(target, {})
     return models.setdefault((kind, str(parameter.device), str(parameter.dtype)), CostModel())
+
+
+def use_cost_model(target, kind: str, model: CostModel) -> None:
+    """Make ``model`` the cost model of ``target`` (current device and dtype) for ``kind`` forwards."""
+    if kind not in ("generate", "engine"):
+        raise ValueError(f"kind: expected 'generate' or 'engine', got {kind!r}")
+    if not isinstance(model, CostModel):
+        raise TypeError(f"model: expected a CostModel, got {type(model).__name__}")
+    parameter = next(target.parameters())
+    _COST_MODELS.setdefault(target, {})[(kind, str(parameter.device), str(parameter.dtype))] = model
 
 
 @torch.no_grad()
@@ -444,20 +471,28 @@ def plan_round(
 class SkipGate:
     """Per request: whether the next round runs the drafter. A drafted round that did not pay (no draft chosen, or
     the step slower than plain decoding would have been) skips the next ``backoff`` rounds, doubling up to
-    ``max_skip`` while probes keep losing; a round that pays resets it."""
+    ``max_skip`` while probes keep losing; a round that pays resets it.
+
+    The first drafted round and the one after each run of skips are probes (``probing``): they verify at least one
+    draft, so the acceptance model keeps getting labels even where it thinks drafting hopeless (a drafter that is
+    better than its confidence says would otherwise never be tried again). That costs one verified token per
+    probe, at most once every ``max_skip + 1`` rounds."""
 
     max_skip: int = 16
     backoff: int = 0
     skip_left: int = 0
+    probing: bool = True
 
     def should_draft(self) -> bool:
-        """Consumes one skipped round when skipping."""
+        """Consumes one skipped round when skipping; the round after the last skipped one is a probe."""
         if self.skip_left > 0:
             self.skip_left -= 1
+            self.probing = self.skip_left == 0
             return False
         return True
 
     def record(self, paid: bool) -> None:
+        self.probing = False
         if paid:
             self.backoff = 0
         else:

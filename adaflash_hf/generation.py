@@ -394,12 +394,15 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
         drafted, confidences = self._confident_rows(out.last_hidden_state, room, head)
         gains = self.acceptance.gains(confidences, head) if finite else []
         plan = plan_round([[gains, lookup_option]], drafter_seconds=drafter_seconds, **base)
+        length = plan.lengths[0]
+        if length == 0 and self.gate.probing and gains:
+            length = 1  # a probe verifies one draft: the acceptance model's label (SkipGate)
         self.gate.record(plan.lengths[0] > 0 and plan.goodput > 1.0 / curve(1))
         self.last_gains = gains
         if plan.sources[0] == 1:
-            return self._lookup_round(input_ids, proposal, started, plan.lengths[0])
+            return self._lookup_round(input_ids, proposal, started, length)
         extra = {"confidences": confidences, "head": head}
-        return self._diffusion_round(input_ids, drafted, plan.lengths[0], head, started, extra)
+        return self._diffusion_round(input_ids, drafted, length, head, started, extra)
 
     def _confident_rows(self, block_hidden, room: int, head: float):
         """Logits of block rows 1..n and the drafter's confidence in each proposal (its softmax maximum), for the

@@ -20,6 +20,7 @@ from transformers.generation.logits_process import (
 )
 
 from adaflash_hf import AdaFlashCandidateGenerator
+from adaflash_hf.drafting import CostModel, use_cost_model
 
 VOCAB = 16
 SCALE = 12.0
@@ -119,11 +120,24 @@ def min_p_value(counts, marginals) -> float:
     return min(chi_square_p_value(counts[i], marginals[i]) for i in range(POSITIONS))
 
 
+def goodput_settings(target) -> dict:
+    """``length_mode="goodput"`` with verification free on this (profiled) machine, so drafts do get verified."""
+    use_cost_model(target, "generate", CostModel.profile({1: 1.0, 16: 1.0}))
+    return {"adaflash_length_mode": "goodput"}
+
+
 @pytest.mark.parametrize("proposal", ["argmax", "sample"])
 def test_sampled_marginals_equal_the_targets(proposal, setup):
     target, drafter, marginals = setup
     counts = sample_counts(target, drafter, proposal)
     assert drafter.last_stats.drafting_rounds >= 1
+    assert min_p_value(counts, marginals) > FAMILY_ALPHA / POSITIONS
+
+
+def test_goodput_sampled_marginals_equal_the_targets(setup):
+    target, drafter, marginals = setup
+    counts = sample_counts(target, drafter, "argmax", **goodput_settings(target))
+    assert sum(drafter.last_stats.verify_lengths) >= 1
     assert min_p_value(counts, marginals) > FAMILY_ALPHA / POSITIONS
 
 
@@ -149,6 +163,13 @@ def test_the_same_test_rejects_a_broken_verifier_contract(broken, proposal, setu
     target, drafter, marginals = setup
     monkeypatch.setattr(AdaFlashCandidateGenerator, "_propose", broken)
     counts = sample_counts(target, drafter, proposal)
+    assert min_p_value(counts, marginals) < FAMILY_ALPHA / POSITIONS
+
+
+def test_the_same_test_rejects_a_broken_verifier_contract_under_goodput(setup, monkeypatch):
+    target, drafter, marginals = setup
+    monkeypatch.setattr(AdaFlashCandidateGenerator, "_propose", _accept_all)
+    counts = sample_counts(target, drafter, "argmax", **goodput_settings(target))
     assert min_p_value(counts, marginals) < FAMILY_ALPHA / POSITIONS
 
 

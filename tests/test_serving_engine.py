@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from adaflash_hf import AdaFlashDrafter
+from adaflash_hf.drafting import CostModel, use_cost_model
 from adaflash_hf.serving import MODES, AdaFlashEngine, AdmissionConfig, SamplingParams
 
 
@@ -117,6 +118,31 @@ def test_batched_equals_serial_under_churn_with_an_oracle_drafter(setup, mode, s
     assert_outputs_equal_references(results, aborted, expected)
     assert sum(s.accepted for s in engine.stats) > 0, "the oracle must get drafts accepted"
     assert max(s.running for s in engine.stats) > 1
+
+
+@pytest.mark.parametrize("profile", [{1: 1.0, 64: 1.0}, {1: 1.0, 2: 1.5, 8: 3.0}], ids=["free", "dear"])
+def test_batched_equals_serial_under_churn_with_goodput(setup, profile):
+    # Verification free (long drafts) or dear (k = 0 and skipped drafter forwards): lossless either way.
+    target, drafter = setup
+    use_cost_model(target, "engine", CostModel.profile(profile, drafter_seconds=0.05))
+    prompts = random_prompts(8, seed=11)
+    rng = random.Random(11)
+    params = [SamplingParams(max_new_tokens=rng.randint(1, 24)) for _ in prompts]
+    expected = [greedy_reference(target, p, s.max_new_tokens) for p, s in zip(prompts, params)]
+    oracle, weight = make_batched_oracle(target, drafter)
+    engine = AdaFlashEngine(target, oracle, length_mode="goodput", admission=AdmissionConfig(max_running=5))
+    references = {}
+    oracle.arm(engine, references, weight, seed=11)
+    add = lambda rid, i: references.__setitem__(rid, prompts[i].tolist() + expected[i])  # noqa: E731
+    results, aborted = run_with_churn(engine, prompts, params, 11, on_add=add)
+    assert_outputs_equal_references(results, aborted, expected)
+    assert max(s.running for s in engine.stats) > 1
+    if profile[1] == profile[max(profile)]:
+        assert sum(s.accepted for s in engine.stats) > 0, (
+            "free verification: the oracle's drafts get verified"
+        )
+    else:
+        assert sum(s.skipped_drafter for s in engine.stats) > 0
 
 
 @pytest.mark.parametrize("mode", MODES)

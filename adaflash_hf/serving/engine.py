@@ -522,11 +522,14 @@ class AdaFlashEngine:
         budget = self.admission.config.token_budget - base_tokens
         plan = plan_round(options, drafter_seconds=drafter_seconds, budget=budget, **base)
         paid = plan.goodput > running / curve(base_tokens)  # faster than the plain step would have been
+        spare = budget - sum(plan.lengths)
         for i, request in enumerate(decoding):
             source = None if plan.sources[i] is None else kinds[i][plan.sources[i]]
             lengths[i] = plan.lengths[i]
             if source == "lookup":
                 lookups[i], rows[i] = proposals[i].tokens[: lengths[i]], None
+            elif ran[i] and not lengths[i] and request.gate.probing and request.last_gains and spare > 0:
+                lengths[i], spare = 1, spare - 1  # a probe verifies one draft: the acceptance model's label
             if ran[i]:
                 request.gate.record(paid and source == "diffusion")
         return lengths, states, rows, lookups, fallbacks, ran
@@ -624,7 +627,7 @@ class AdaFlashEngine:
             request.last_acceptance = acceptance
         states = out.last_hidden_state
         finite = torch.isfinite(states).flatten(1).all(1) & torch.isfinite(out.acceptance_prob.float())
-        if self.mode == "dflash":
+        if self.settings.length_mode == "fixed":
             lengths = [self.block_size - 1] * len(decoding)
         else:
             lengths = drafter.predict_draft_length(out.acceptance_prob, gamma, self.settings.min_len).tolist()

@@ -1,0 +1,332 @@
+"""Cost-aware drafting (``length_mode="goodput"``): the choice with injected timings and acceptance estimates (no
+wall-clock), the cost and acceptance models, the settings object, and lossless generate/engine runs whose rounds
+include k = 0 and skipped drafter forwards."""
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+from adaflash_hf.drafting import (
+    AcceptanceModel,
+    CostModel,
+    DraftingSettings,
+    SkipGate,
+    plan_lengths,
+    plan_round,
+    use_cost_model,
+)
+from adaflash_hf.serving import AdaFlashEngine, SamplingParams
+
+BLOCK = 16
+
+
+def linear_cost(per_token: float, base: float = 1.0):
+    return lambda n: base + per_token * (n - 1)
+
+
+def chain(rate: float, length: int = BLOCK - 1) -> list[float]:
+    return [rate**j for j in range(1, length + 1)]
+
+
+# ------------------------------------------------------------------------------------------------ the choice
+def test_no_draft_when_even_one_draft_cannot_pay():
+    # One draft accepted with p = 0.3 commits 1.3 tokens for 1.5x the time of a plain step.
+    lengths, goodput, _ = plan_lengths(
+        [chain(0.3)], base_tokens=1, base_committed=1.0, drafter_seconds=0.0, target_seconds=linear_cost(0.5)
+    )
+    assert lengths == [0] and goodput == pytest.approx(1.0)
+
+
+def test_the_drafter_cost_alone_can_make_drafting_lose_to_plain():
+    kwargs = dict(base_tokens=1, base_committed=1.0, target_seconds=linear_cost(0.02))
+    plain = 1.0 / kwargs["target_seconds"](1)
+    lengths, goodput, _ = plan_lengths([chain(0.2)], drafter_seconds=0.0, **kwargs)
+    assert lengths == [2] and goodput > plain  # 1.24 tokens for 1.04 steps
+    _, goodput, _ = plan_lengths([chain(0.2)], drafter_seconds=0.3, **kwargs)
+    assert goodput < plain  # the same drafts no longer pay for a drafter forward
+
+
+def test_the_whole_block_when_verification_is_free_and_acceptance_high():
+    lengths, goodput, expected = plan_lengths(
+        [chain(0.95)], base_tokens=1, base_committed=1.0, drafter_seconds=0.1, target_seconds=lambda n: 1.0
+    )
+    assert lengths == [BLOCK - 1]
+    assert expected == pytest.approx(sum(chain(0.95))) and goodput == pytest.approx((1 + expected) / 1.1)
+
+
+def test_the_choice_follows_the_measured_curve_jumps_included():
+    # fp32 on a 2-core CPU: flat to 3 tokens, then a jump (design.md §9).
+    curve = {1: 1.0, 2: 1.07, 3: 1.13, 4: 1.53, 5: 1.55, 8: 1.84, 16: 1.97}
+    cost = CostModel.profile(curve)
+    gains = [0.6, 0.3, 0.15, 0.08]
+    lengths, _, _ = plan_lengths(
+        [gains], base_tokens=1, base_committed=1.0, drafter_seconds=0.0, target_seconds=cost.target_curve()
+    )
+    assert lengths == [2]  # 3 tokens stay before the jump; a 3rd draft (0.15) cannot pay 0.40 more
+
+
+def test_drafts_go_to_the_requests_whose_drafts_pay_and_stay_inside_the_token_budget():
+    gains = [chain(0.9), chain(0.05), chain(0.6)]
+    kwargs = dict(
+        base_tokens=3, base_committed=3.0, drafter_seconds=0.0, target_seconds=linear_cost(0.05, 3.0)
+    )
+    lengths, _, _ = plan_lengths(gains, **kwargs)
+    assert lengths[1] == 0 and lengths[0] > lengths[2] > 0
+    # Water filling under a budget: the most likely drafts first, never more than the budget.
+    budgeted, _, _ = plan_lengths(gains, budget=5, **kwargs)
+    assert sum(budgeted) <= 5 and budgeted[1] == 0
+    assert budgeted == [4, 0, 1]  # 0.9^1..0.9^4 = 0.9..0.66 beat 0.6 only after 0.9; 0.6^2 = 0.36 < 0.9^4
+
+
+def test_gains_are_made_non_increasing_so_drafts_are_prefixes():
+    lengths, _, _ = plan_lengths(
+        [[0.1, 0.9, 0.9]],
+        base_tokens=1,
+        base_committed=1.0,
+        drafter_seconds=0.0,
+        target_seconds=lambda n: 1.0,
+    )
+    assert lengths == [3]  # every gain clipped to 0.1 still pays when verification is free
+
+
+def test_each_request_gets_the_option_with_the_higher_goodput():
+    block, lookup = chain(0.5), chain(0.9, 6)
+    plan = plan_round(
+        [[block, lookup], [block], [lookup]],
+        base_tokens=3,
+        base_committed=3.0,
+        drafter_seconds=0.0,
+        target_seconds=linear_cost(0.01, 3.0),
+    )
+    assert plan.sources == [1, 0, 0] and plan.lengths[0] == 6
+
+
+def test_the_skip_gate_backs_off_while_probes_lose_and_reopens_when_one_pays():
+    gate = SkipGate(max_skip=4)
+    assert gate.should_draft() and gate.probing  # the first drafted round is a probe
+    pattern = []
+    for paid in (False, False, False, False, True, False):
+        gate.record(paid)
+        assert not gate.probing
+        skipped = 0
+        while not gate.should_draft():
+            skipped += 1
+        pattern.append(skipped)
+        assert gate.probing == (skipped > 0)  # the round after skips is a probe
+    assert pattern == [1, 2, 4, 4, 0, 1]
+
+
+# --------------------------------------------------------------------------------------------- the models
+def test_the_cost_curve_interpolates_never_decreases_and_extrapolates_the_last_slope():
+    cost = CostModel.profile({1: 1.0, 3: 1.2, 4: 1.1, 8: 2.0})
+    curve = cost.target_curve()
+    assert curve(2) == pytest.approx(1.1) and curve(4) == pytest.approx(1.2)  # 1.1 at 4 raised to 1.2
+    assert curve(12) == pytest.approx(2.0 + 4 * (2.0 - 1.2) / 4)
+    assert cost.relative_curve() == {1: 1.0, 3: 1.2, 4: 1.2, 8: 2.0}
+
+
+def test_a_timing_spike_does_not_move_the_median_and_observations_learn():
+    cost = CostModel()
+    for seconds in (0.03, 0.031, 0.029, 0.9, 0.03):
+        cost.observe_target(1, seconds)
+    assert cost.target_seconds(1) == pytest.approx(0.03)
+    assert cost.target_seconds(2) == pytest.approx(0.03)  # unmeasured: optimistic, so it gets measured
+    for seconds in (0.05,) * 5:
+        cost.observe_target(2, seconds)
+    assert cost.target_seconds(2) == pytest.approx(0.05)
+
+
+def test_a_load_gets_its_own_curve_once_it_has_two_sizes():
+    cost = CostModel()
+    cost.observe_target(4, 1.0, running=4)
+    assert cost.target_seconds(4, running=4) == pytest.approx(1.0)  # the pooled table still answers
+    cost.observe_target(1, 0.5, running=1)
+    cost.observe_target(8, 3.0, running=4)
+    assert cost.target_seconds(6, running=4) == pytest.approx(2.0)  # the 4-running table: 1.0 at 4, 3.0 at 8
+    assert cost.target_seconds(1, running=1) == pytest.approx(0.5)
+
+
+def test_a_profile_learns_nothing():
+    cost = CostModel.profile({1: 1.0, 2: 1.5}, drafter_seconds=0.1)
+    cost.observe_target(2, 99.0)
+    cost.observe_drafter(1, 99.0)
+    assert cost.target_seconds(2) == 1.5 and cost.drafter_seconds(1) == 0.1
+
+
+def test_the_acceptance_model_follows_realised_acceptance():
+    model = AcceptanceModel()
+    assert model.probability(0.9, 0.5, 1) == pytest.approx(
+        0.9
+    )  # the drafter's confidence at its word at first
+    for _ in range(300):  # an overconfident drafter: its first draft is always rejected
+        model.update([0.9, 0.9], head=0.5, verified=2, accepted=0)
+    assert model.probability(0.9, 0.5, 1) < 0.2
+    gains = model.gains([0.9, 0.9, 0.9], head=0.5)
+    assert gains[0] > gains[1] > gains[2] > 0
+
+
+def test_the_acceptance_model_learns_the_heads_signal():
+    model = AcceptanceModel()
+    for _ in range(400):  # confidence says nothing; the head's â does
+        model.update([0.5], head=0.9, verified=1, accepted=1)
+        model.update([0.5], head=0.1, verified=1, accepted=0)
+    assert model.probability(0.5, 0.9, 1) > 0.8 > 0.2 > model.probability(0.5, 0.1, 1)
+
+
+# ----------------------------------------------------------------------------------------------- settings
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            {"length_mode": "fast"},
+            r"^length_mode: expected one of \('adaptive', 'fixed', 'goodput'\), got 'fast'",
+        ),
+        ({"gamma": True}, r"^gamma: expected a number > 0, got True"),
+        ({"min_len": True}, r"^min_len: expected an int >= 0, got True"),
+        ({"max_skip": 0}, r"^max_skip: expected an int >= 1, got 0"),
+        ({"calibrate": "yes"}, r"^calibrate: expected True or False, got 'yes'"),
+        (
+            {"lookup_history_tokens": 64},
+            r"^lookup_history_tokens: expected None, or an int >= 1 with draft_source",
+        ),
+    ],
+)
+def test_bad_settings_name_the_field(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        DraftingSettings(**kwargs)
+
+
+def test_generate_knobs_are_the_settings_fields():
+    config = GenerationConfig(adaflash_length_mode="goodput", adaflash_max_skip=4)
+    settings = DraftingSettings.from_generation_config(config)
+    assert (settings.length_mode, settings.max_skip, settings.gamma) == ("goodput", 4, None)
+    with pytest.raises(
+        ValueError, match=r"^generation_config\.adaflash_max_skip: expected an int >= 1, got -1"
+    ):
+        DraftingSettings.from_generation_config(GenerationConfig(adaflash_max_skip=-1))
+
+
+def test_bad_goodput_settings_fail_before_any_forward(target_factory, drafter_factory):
+    target = target_factory("qwen3")
+    drafter = drafter_factory(target)
+    calls = []
+    for model in (target, drafter):
+        model.register_forward_pre_hook(lambda *_: calls.append(1))
+    with pytest.raises(ValueError, match=r"^generation_config\.adaflash_calibrate: expected True or False"):
+        target.generate(torch.tensor([[1, 2, 3]]), assistant_model=drafter, adaflash_calibrate="no")
+    with pytest.raises(ValueError, match=r"^length_mode: expected 'fixed' or unset with mode='dflash'"):
+        AdaFlashEngine(target, drafter, mode="dflash", length_mode="goodput")
+    with pytest.raises(ValueError, match=r"^drafting: expected a DraftingSettings or its fields .*got both"):
+        AdaFlashEngine(target, drafter, drafting=DraftingSettings(), gamma=1.0)
+    assert not calls
+
+
+# ------------------------------------------------------------------------------------------ lossless runs
+def greedy(target, prompt, tokens, **kwargs):
+    return target.generate(prompt, max_new_tokens=tokens, do_sample=False, **kwargs)
+
+
+@pytest.fixture
+def fresh_target(target_factory):
+    return target_factory("llama", seed=3)
+
+
+def test_goodput_generate_equals_greedy_across_k0_rounds_and_skipped_forwards(fresh_target, oracle_factory):
+    target = fresh_target
+    prompt = torch.randint(0, 500, (1, 9), generator=torch.Generator().manual_seed(0))
+    reference = greedy(target, prompt, 60)
+    drafter = oracle_factory(target, reference, seed=2)
+    # Verification costs 10% a token and the drafter 5% of a step: a block pays only where it is accepted.
+    use_cost_model(target, "generate", CostModel.profile({1: 1.0, 16: 2.5}, drafter_seconds=0.05))
+    out = greedy(target, prompt, 60, assistant_model=drafter, adaflash_length_mode="goodput")
+    assert torch.equal(out, reference)
+    stats = drafter.last_stats
+    assert stats.zero_length_rounds > 0 and stats.skipped_drafter_forwards > 0
+    assert sum(stats.verify_lengths) > 0 and sum(stats.accepted_lengths) > 0
+    assert (
+        "k0_rounds=" in stats.summary() and stats.to_dict()["zero_length_rounds"] == stats.zero_length_rounds
+    )
+
+
+def test_goodput_drafts_nothing_where_drafts_cannot_pay(fresh_target, drafter_factory):
+    target = fresh_target
+    drafter = drafter_factory(target)
+    use_cost_model(target, "generate", CostModel.profile({1: 1.0, 2: 3.0}, drafter_seconds=0.5))
+    prompt = torch.randint(0, 500, (1, 7), generator=torch.Generator().manual_seed(1))
+    out = greedy(
+        target, prompt, 40, assistant_model=drafter, adaflash_length_mode="goodput", adaflash_max_skip=8
+    )
+    assert torch.equal(out, greedy(target, prompt, 40))
+    stats = drafter.last_stats
+    probes = stats.drafting_rounds - stats.skipped_drafter_forwards
+    assert (
+        max(stats.verify_lengths) == 1 and sum(stats.verify_lengths) == probes
+    )  # a probe verifies one draft
+    assert (
+        probes <= 4 + stats.drafting_rounds // 9
+    )  # backs off (1, 2, 4, 8) to a probe every max_skip + 1 = 9
+
+
+def records_by_context(records):
+    return {r.context_length: r.drafted_tokens for r in records if r.source == "diffusion"}
+
+
+def test_the_block_after_skipped_forwards_equals_the_block_without_skipping(fresh_target, drafter_factory):
+    target = fresh_target
+    drafter = drafter_factory(target)
+    prompt = torch.randint(0, 500, (1, 11), generator=torch.Generator().manual_seed(2))
+    plain_records, skip_records = [], []
+    drafter.round_recorder = plain_records.append
+    greedy(target, prompt, 40, assistant_model=drafter, adaflash_length_mode="fixed")
+    use_cost_model(target, "generate", CostModel.profile({1: 1.0, 2: 3.0}, drafter_seconds=0.5))
+    drafter.round_recorder = skip_records.append
+    greedy(target, prompt, 40, assistant_model=drafter, adaflash_length_mode="goodput", adaflash_max_skip=4)
+    drafter.round_recorder = None
+    unskipped, after_skips = records_by_context(plain_records), records_by_context(skip_records)
+    probes = sorted(after_skips)
+    assert len(probes) >= 3 and max(b - a for a, b in zip(probes, probes[1:])) > 1  # gaps: skipped forwards
+    for context_length in probes:
+        assert after_skips[context_length] == unskipped[context_length], context_length
+
+
+def test_goodput_engine_equals_greedy_and_reports_k0_and_skips(fresh_target, drafter_factory):
+    target = fresh_target
+    drafter = drafter_factory(target)
+    use_cost_model(target, "engine", CostModel.profile({1: 1.0, 4: 1.1, 64: 3.0}, drafter_seconds=0.05))
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 500, (n,), generator=g) for n in (5, 12, 3, 8)]
+    expected = [greedy(target, p[None], 16)[0, len(p) :].tolist() for p in prompts]
+    engine = AdaFlashEngine(target, drafter, length_mode="goodput", draft_source="hybrid")
+    assert engine.generate(prompts, SamplingParams(max_new_tokens=16)) == expected
+    assert sum(s.zero_length_verifies for s in engine.stats) > 0
+    assert sum(s.skipped_drafter for s in engine.stats) > 0
+
+
+def test_the_engines_block_after_skipped_forwards_equals_the_block_without_skipping(
+    fresh_target, drafter_factory
+):
+    target = fresh_target
+    drafter = drafter_factory(target)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 500, (n,), generator=g) for n in (6, 10, 4)]
+    use_cost_model(target, "engine", CostModel.profile({1: 1.0, 2: 3.0, 8: 9.0}, drafter_seconds=0.5))
+    runs = {}
+    for length_mode in ("fixed", "goodput"):
+        engine = AdaFlashEngine(
+            target, drafter, drafting=DraftingSettings(length_mode=length_mode, max_skip=4)
+        )
+        engine.record_full_drafts = True
+        records = []
+        engine.round_recorder = lambda request, record, records=records: records.append(
+            (request.prompt, record)
+        )
+        engine.generate(prompts, SamplingParams(max_new_tokens=24))
+        runs[length_mode] = {
+            (tuple(p), r.context_length): r.drafted_tokens
+            for p, r in records
+            if len(r.drafted_tokens) == BLOCK - 1
+        }
+    probes = runs["goodput"]
+    assert len(probes) >= 6
+    for key, drafted in probes.items():
+        assert drafted == runs["fixed"][key], key
