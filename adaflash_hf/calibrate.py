@@ -12,8 +12,10 @@ length head and must run fixed-length. Calibration gives it an adaptive length f
 3. only the length head is fitted (MSE of â against a*) on the cached block states, which are the head's whole input
    (it reads detached drafter states): the drafter's forward runs once per answer, never per step.
 
-Sequences are split into a fit set and a held-out set; the report gives the head's mean |â - a*| and the adaptive
-draft length's expected accepted drafts on the held-out blocks, before and after.
+Sequences are split into a fit set and a held-out set (one in ``1 / holdout_fraction``, and at least one: a split
+with nothing held out is refused); the report gives the head's mean |â - a*| and the adaptive draft length's expected
+accepted drafts on the held-out blocks, before and after. ``holdout_fraction=0`` scores the fit blocks instead, and
+the report and its summary say so.
 
     report = calibrate_length_head(drafter, records, features, target)          # in place; returns figures
     adaflash calibrate-head --drafter path/to/dflash --output-dir out/          # the same from the command line
@@ -152,9 +154,10 @@ def calibrate_length_head(
 ) -> dict:
     """Fit ``drafter``'s length head in place on ``records`` (the target's greedy answers) and their ``features``.
 
-    Every ``1 / holdout_fraction``-th record is held out (at least one when there are two or more). Returns the
-    held-out figures before and after, those of each of ``reference_heads`` (e.g. the head a checkpoint was trained
-    with) on the same blocks, the fit loss curve and the seconds spent.
+    Every ``1 / holdout_fraction``-th record is held out, and at least one: fewer than two records with a full block
+    are refused. Returns the held-out figures before and after, those of each of ``reference_heads`` (e.g. the head a
+    checkpoint was trained with) on the same blocks, the fit loss curve and the seconds spent. With
+    ``holdout_fraction=0`` nothing is held out and the figures are those of the fit blocks (``scored_on: "fit"``).
     """
     if not 0 <= holdout_fraction < 1:
         raise ValueError(f"holdout_fraction: expected 0 <= value < 1, got {holdout_fraction}")
@@ -169,9 +172,20 @@ def calibrate_length_head(
             f"records: expected at least one answer of {drafter.config.block_size} tokens or more (a full block), "
             f"got none of {len(records)}"
         )
-    every = max(2, round(1 / holdout_fraction)) if holdout_fraction > 0 and len(blocks) > 1 else 0
-    held = [b for i, b in enumerate(blocks) if every and i % every == every - 1]
-    fit = [b for i, b in enumerate(blocks) if not (every and i % every == every - 1)]
+    every = max(2, round(1 / holdout_fraction)) if holdout_fraction > 0 else 0
+    held_out = {i for i in range(len(blocks)) if every and i % every == every - 1}
+    if every and not held_out:
+        if len(blocks) < 2:
+            raise ValueError(
+                _too_few_to_hold_out(
+                    f"records with a full block ({drafter.config.block_size} tokens)",
+                    len(blocks),
+                    holdout_fraction,
+                )
+            )
+        held_out = {len(blocks) - 1}  # fewer sequences than one period of the split: still hold one out
+    held = [b for i, b in enumerate(blocks) if i in held_out]
+    fit = [b for i, b in enumerate(blocks) if i not in held_out]
     fit_states, fit_realised = torch.cat([s for s, _ in fit]), torch.cat([r for _, r in fit])
     held_states = torch.cat([s for s, _ in held]) if held else fit_states
     held_realised = torch.cat([r for _, r in held]) if held else fit_realised
@@ -182,6 +196,7 @@ def calibrate_length_head(
     )
     after = head_figures(drafter, held_states, held_realised)
     report = {
+        "scored_on": "held_out" if held else "fit",
         "sequences": {"fit": len(fit), "held_out": len(held)},
         "blocks": {"fit": int(fit_realised.numel()), "held_out": int(held_realised.numel())},
         "before": before,
@@ -195,11 +210,22 @@ def calibrate_length_head(
         "seconds": {"collect": collected, "total": time.perf_counter() - start},
     }
     logger.info(
-        f"length head calibrated on {report['blocks']['fit']} blocks in {report['steps']} steps: held-out |â - a*| "
-        f"{before['head_mae']:.3f} -> {after['head_mae']:.3f}, mean k̂ {before['mean_k_hat']:.2f} -> "
-        f"{after['mean_k_hat']:.2f}"
+        f"length head calibrated on {report['blocks']['fit']} blocks in {report['steps']} steps: "
+        f"{_scored_on(report)} |â - a*| {before['head_mae']:.3f} -> {after['head_mae']:.3f}, mean k̂ "
+        f"{before['mean_k_hat']:.2f} -> {after['mean_k_hat']:.2f}"
     )
     return report
+
+
+def _too_few_to_hold_out(what: str, count: int, holdout_fraction: float) -> str:
+    return (
+        f"{what}: expected at least 2 sequences to hold one out (holdout_fraction={holdout_fraction}), got {count}; add "
+        "prompts, or pass holdout_fraction=0 (--holdout-fraction 0) to score the fit set"
+    )
+
+
+def _scored_on(report: dict) -> str:
+    return "held-out" if report.get("scored_on", "held_out") == "held_out" else "fit-set (nothing held out)"
 
 
 # ----------------------------------------------------------------------------------------------------------- CLI
@@ -221,7 +247,11 @@ def make_parser() -> argparse.ArgumentParser:
         help="an existing corpus of the target's greedy answers (else one is generated under "
         "<output-dir>/corpus from --prompts-per-domain prompts)",
     )
-    parser.add_argument("--features-dir", help="features of --corpus-dir (else recorded while generating)")
+    parser.add_argument(
+        "--features-dir",
+        help="the features of --corpus-dir (adaflash corpus --features-dir); required with --corpus-dir, else "
+        "recorded while generating",
+    )
     parser.add_argument(
         "--max-sequences", type=int, default=None, help="use at most this many corpus answers (evenly spaced)"
     )
@@ -239,6 +269,40 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--config", metavar="FILE", help=CONFIG_HELP)
     return parser
+
+
+def _check_args(args) -> None:
+    """Every check that needs no model, before the drafter, the target or any prompt loads."""
+    if args.corpus_dir is not None:
+        if not Path(args.corpus_dir).is_dir():
+            raise FileNotFoundError(
+                f"--corpus-dir: expected an existing corpus folder, got {args.corpus_dir!r}"
+            )
+        if args.features_dir is None:
+            raise ValueError(
+                "--features-dir: expected the features of --corpus-dir (adaflash corpus --features-dir), got none"
+            )
+        if not Path(args.features_dir).is_dir():
+            raise FileNotFoundError(
+                f"--features-dir: expected an existing features folder, got {args.features_dir!r}"
+            )
+    if not 0 <= args.holdout_fraction < 1:
+        raise ValueError(f"--holdout-fraction: expected 0 <= value < 1, got {args.holdout_fraction}")
+    for name in ("prompts_per_domain", "max_new_tokens", "steps"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}: expected an int >= 1, got {getattr(args, name)}")
+    if args.corpus_dir is None:
+        sequences = args.prompts_per_domain * len(args.domains)
+        if args.max_sequences is not None:
+            sequences = min(sequences, args.max_sequences)
+        if args.holdout_fraction > 0 and sequences < 2:
+            raise ValueError(
+                _too_few_to_hold_out(
+                    f"--prompts-per-domain {args.prompts_per_domain} x {len(args.domains)} domain(s)",
+                    sequences,
+                    args.holdout_fraction,
+                )
+            )
 
 
 def _corpus(args, target, tokenizer, layer_ids) -> tuple[list[dict], list[torch.Tensor]]:
@@ -267,10 +331,6 @@ def _corpus(args, target, tokenizer, layer_ids) -> tuple[list[dict], list[torch.
     if args.max_sequences is not None and len(records) > args.max_sequences:
         step = len(records) / args.max_sequences
         records = [records[int(i * step)] for i in range(args.max_sequences)]
-    if features_dir is None:
-        raise ValueError(
-            "--features-dir: expected the features of --corpus-dir (adaflash corpus --features-dir), got none"
-        )
     features = [load_features(features_dir, record, layer_ids) for record in records]
     missing = [r["id"] for r, f in zip(records, features) if f is None]
     if missing:
@@ -287,6 +347,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     parser = make_parser()
     args = parse_args_with_config(parser, argv)
+    _check_args(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     drafter = AdaFlashDrafter.from_pretrained(args.drafter)
@@ -320,7 +381,7 @@ def main(argv: list[str] | None = None) -> dict:
 def summary_line(report: dict) -> str:
     before, after = report["before"], report["after"]
     line = (
-        f"held-out |â - a*| {before['head_mae']:.3f} -> {after['head_mae']:.3f}; accepted drafts per verified "
+        f"{_scored_on(report)} |â - a*| {before['head_mae']:.3f} -> {after['head_mae']:.3f}; accepted drafts per verified "
         f"{before['acceptance_of_verified']:.2f} -> {after['acceptance_of_verified']:.2f}; "
         f"mean k̂ {before['mean_k_hat']:.2f} -> {after['mean_k_hat']:.2f} ({report['steps']} steps, "
         f"{report['seconds']['total']:.0f} s)"

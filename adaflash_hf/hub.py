@@ -269,18 +269,24 @@ def push_drafter(
         if dry_run:
             return [(op.path_in_repo, Path(op.path_or_fileobj).stat().st_size) for op in operations]
         api = api or HfApi(library_name="adaflash-hf", library_version=adaflash_hf.__version__)
-        url = api.create_repo(repo_id, private=private, exist_ok=True, token=token, repo_type="model")
-        repo_id = url.repo_id if isinstance(getattr(url, "repo_id", None), str) else repo_id
-        if revision is not None and not revision.startswith("refs/pr/"):
-            api.create_branch(repo_id, branch=revision, exist_ok=True, token=token, repo_type="model")
-        logger.info(f"Uploading {len(operations)} files to {repo_id}@{revision or 'main'} in one commit")
-        return api.create_commit(
-            repo_id,
-            operations=operations,
-            commit_message=commit_message
-            or f"Upload AdaFlash drafter (adaflash-hf {adaflash_hf.__version__})",
-            revision=revision,
-            create_pr=create_pr,
-            token=token,
-            repo_type="model",
-        )
+        try:
+            url = api.create_repo(repo_id, private=private, exist_ok=True, token=token, repo_type="model")
+            repo_id = url.repo_id if isinstance(getattr(url, "repo_id", None), str) else repo_id
+            if revision is not None and not revision.startswith("refs/pr/"):
+                api.create_branch(repo_id, branch=revision, exist_ok=True, token=token, repo_type="model")
+            logger.info(f"Uploading {len(operations)} files to {repo_id}@{revision or 'main'} in one commit")
+            return api.create_commit(
+                repo_id,
+                operations=operations,
+                commit_message=commit_message
+                or f"Upload AdaFlash drafter (adaflash-hf {adaflash_hf.__version__})",
+                revision=revision,
+                create_pr=create_pr,
+                token=token,
+                repo_type="model",
+            )
+        except ConnectionError as error:  # HF_HUB_OFFLINE's OfflineModeIsEnabled among them
+            raise ConnectionError(
+                f"the Hub is unreachable, nothing was uploaded to {repo_id} ({type(error).__name__}: {error}); "
+                "--dry-run (dry_run=True) stages the drafter and lists what would be uploaded, without the Hub"
+            ) from error

@@ -23,7 +23,13 @@ def trainer_script(filename: str) -> Path | None:
 
 
 def launch_command(script: Path, launcher_args: argparse.Namespace, script_args: list[str]) -> list[str]:
-    """``accelerate launch [launcher options] SCRIPT ARGS...`` as an argv list for the current interpreter."""
+    """``accelerate launch [launcher options] SCRIPT ARGS...`` as an argv list for the current interpreter.
+
+    The script's ``--help`` runs it with plain Python: printing options needs no processes, and accelerate would open
+    the help with its warning about the process count it picked (0 on a CPU-only machine without a config).
+    """
+    if {"-h", "--help"} & set(script_args):
+        return [sys.executable, str(script), *script_args]
     command = [sys.executable, "-m", "accelerate.commands.launch"]
     if launcher_args.accelerate_config:
         command += ["--config_file", launcher_args.accelerate_config]

@@ -6,8 +6,11 @@ transformers' Muse-Glimmer assistant) so that ``AdaFlashDrafter.from_pretrained`
 
 from __future__ import annotations
 
+import inspect
 import os
-from typing import Any
+import types
+from functools import cache
+from typing import Any, Union, get_args, get_origin
 
 from huggingface_hub.dataclasses import strict
 from transformers.configuration_utils import PreTrainedConfig
@@ -36,6 +39,23 @@ def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> lis
     return [start + round(i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
 
 
+def check_local_path(pretrained_model_name_or_path) -> None:
+    """Raise FileNotFoundError for a missing local path: a path object, or a name no Hub repo id can be (``./x``,
+    ``/x``, ``~/x``, ``a/b/c``, a backslash), instead of the Hub's "Repo id must be in the form ..." later."""
+    text = str(pretrained_model_name_or_path)
+    path_like = (
+        isinstance(pretrained_model_name_or_path, os.PathLike)
+        or text.startswith((".", "/", "~"))
+        or "\\" in text
+        or text.count("/") > 1
+    )
+    if path_like and not os.path.exists(text):
+        raise FileNotFoundError(
+            f"pretrained_model_name_or_path: expected an existing drafter folder or an 'org/name' Hub repo id, "
+            f"got {text!r}, which does not exist"
+        )
+
+
 def check_draft_token_ids(token_ids: list[int], vocab_size: int | None) -> None:
     """Raise unless ``token_ids`` is a non-empty, strictly increasing list of ids inside ``vocab_size``."""
     if not token_ids:
@@ -55,6 +75,36 @@ def check_draft_token_ids(token_ids: list[int], vocab_size: int | None) -> None:
         raise ValueError(
             f"draft_token_ids: expected ids in 0..{vocab_size - 1} (vocab_size={vocab_size}), got {token_ids[-1]}"
         )
+
+
+def _matches(value: Any, expected: Any) -> bool:
+    """``isinstance`` for the annotations of AdaFlashConfig, where a bool is not an int and an int is a float."""
+    origin = get_origin(expected)
+    if origin in (Union, types.UnionType):
+        return any(_matches(value, option) for option in get_args(expected))
+    if origin is list:
+        return isinstance(value, list) and all(_matches(item, get_args(expected)[0]) for item in value)
+    if expected is type(None):
+        return value is None
+    if expected in (int, float) and isinstance(value, bool):
+        return False
+    if expected is float:
+        return isinstance(value, (int, float))
+    return isinstance(value, origin or expected)
+
+
+def _type_name(expected: Any) -> str:
+    return expected.__name__ if isinstance(expected, type) else str(expected)
+
+
+def check_field_types(config: AdaFlashConfig) -> None:
+    """Raise a ValueError naming the first field whose value does not match its annotation (e.g. block_size 16.5)."""
+    for name, expected in _field_types().items():
+        value = getattr(config, name)
+        if not _matches(value, expected):
+            raise ValueError(
+                f"{name}: expected {_type_name(expected)}, got {value!r} ({type(value).__name__})"
+            )
 
 
 @strict(accept_kwargs=True)
@@ -120,6 +170,9 @@ class AdaFlashConfig(PreTrainedConfig):
     source_layout: str = "adaflash"
 
     def __post_init__(self, **kwargs):
+        # The strict dataclass cannot check types here (the annotations are strings), and a float block_size or a
+        # string hidden_size would only fail later, far from the config: check them first, by name.
+        check_field_types(self)
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None:
@@ -257,6 +310,7 @@ class AdaFlashConfig(PreTrainedConfig):
     # AdaFlash) or use transformers' Muse-Glimmer assistant schema; both are translated into our fields here.
     @classmethod
     def get_config_dict(cls, pretrained_model_name_or_path, **kwargs):
+        check_local_path(pretrained_model_name_or_path)
         folder = os.path.join(str(pretrained_model_name_or_path), kwargs.get("subfolder") or "")
         if os.path.isdir(folder) and not os.path.isfile(os.path.join(folder, "config.json")):
             raise FileNotFoundError(
@@ -269,6 +323,12 @@ class AdaFlashConfig(PreTrainedConfig):
     @classmethod
     def from_dict(cls, config_dict: dict[str, Any], **kwargs):
         return super().from_dict(translate_foreign_config(dict(config_dict)), **kwargs)
+
+
+@cache
+def _field_types() -> dict[str, Any]:
+    # AdaFlashConfig's own fields only: the annotations of PreTrainedConfig name types this module does not import.
+    return inspect.get_annotations(AdaFlashConfig, eval_str=True)
 
 
 def detect_layout(config_dict: dict[str, Any]) -> str:

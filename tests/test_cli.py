@@ -141,8 +141,8 @@ def test_train_launches_the_script_through_accelerate(monkeypatch, tmp_path):
         "--config",
         "run.yaml",
         "--accelerate-config=acc.yaml",
-        "--",
-        "--help",
+        "--",  # everything after it goes to the script, even an option of ours
+        "--dry-run",
     ]
     assert cli.main(argv) == 0
     assert launched == [
@@ -155,7 +155,7 @@ def test_train_launches_the_script_through_accelerate(monkeypatch, tmp_path):
             "--num_processes",
             "2",
         ]
-        + [str(script), "--config", "run.yaml", "--help"]
+        + [str(script), "--config", "run.yaml", "--dry-run"]
     ]
 
 

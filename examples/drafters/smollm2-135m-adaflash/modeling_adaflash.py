@@ -36,7 +36,12 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.utils import cached_file
 
-from .configuration_adaflash import TARGET_FINGERPRINT, AdaFlashConfig, check_draft_token_ids
+from .configuration_adaflash import (
+    TARGET_FINGERPRINT,
+    AdaFlashConfig,
+    check_draft_token_ids,
+    check_local_path,
+)
 
 SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 # Muse-Glimmer names the context projection ``encoder.*``; everything else is shared with z-lab DFlash.
@@ -587,6 +592,18 @@ class AdaFlashDrafter(AdaFlashPreTrainedModel):
                 f"(len(target_layer_ids)={self.config.num_context_features} x hidden {hidden}), "
                 f"got {context_hidden_states.shape[-1]}"
             )
+        drafter_dtype = self.fc.weight.dtype
+        # Under autocast the matmuls cast for themselves; otherwise a mismatch fails deep inside a layer with torch's
+        # "expected m1 and m2 to have the same dtype" (transformers' native DFlash path feeds the target's dtype).
+        if not torch.is_autocast_enabled(noise_embeds.device.type):
+            inputs = {"noise_embeds": noise_embeds, "context_hidden_states": context_hidden_states}
+            for name, tensor in inputs.items():
+                if tensor.dtype != drafter_dtype:
+                    raise TypeError(
+                        f"{name}: expected the drafter's dtype {drafter_dtype}, got {tensor.dtype}; load "
+                        "the drafter in the target's dtype with from_pretrained(..., dtype=target.dtype), or call "
+                        "drafter.to(target.dtype)"
+                    )
         n_ctx = context_hidden_states.shape[1]
         past = cache.get_seq_length() if cache is not None else 0
         if block_anchors is None:
@@ -627,6 +644,11 @@ class AdaFlashDrafter(AdaFlashPreTrainedModel):
     # ------------------------------------------------------------------------------------------------ validation
     def check_target(self, target: nn.Module) -> None:
         """Raise a clear error, before any forward pass, when this drafter cannot serve ``target``."""
+        if not isinstance(target, nn.Module) or not hasattr(target, "get_input_embeddings"):
+            raise TypeError(
+                "target: expected the target model (a transformers PreTrainedModel, e.g. from "
+                f"AutoModelForCausalLM.from_pretrained), got a {type(target).__name__}"
+            )
         cfg = self.config
         cfg.check_target_config(target.config)
         embedding_rows = target.get_input_embeddings().weight.shape[0]
@@ -673,11 +695,16 @@ class AdaFlashDrafter(AdaFlashPreTrainedModel):
 
     def _adjust_missing_and_unexpected_keys(self, loading_info) -> None:
         super()._adjust_missing_and_unexpected_keys(loading_info)
-        # from_pretrained judges these itself (restored from an export's sidecar, or a fresh head with its own warning,
-        # or an error): keep them for it, out of transformers' load report, which would call them newly initialised.
-        self._missing_on_load = set(loading_info.missing_keys)
-        own = {*self.length_head_parameter_names(), "mask_embedding"}
-        loading_info.missing_keys = {key for key in loading_info.missing_keys if key not in own}
+        # from_pretrained judges these itself: a key restored from an export's sidecar, a fresh head with its own
+        # warning, or its strict error naming them all. Keep them for it, out of transformers' load report, which
+        # would print them as newly initialised just before that error.
+        self._load_problems = {
+            "missing_keys": set(loading_info.missing_keys),
+            "unexpected_keys": set(loading_info.unexpected_keys),
+            "mismatched_keys": set(loading_info.mismatched_keys),
+        }
+        for name in self._load_problems:
+            setattr(loading_info, name, set())
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
@@ -688,6 +715,7 @@ class AdaFlashDrafter(AdaFlashPreTrainedModel):
         without a sidecar, which has no length head: the head is freshly initialised and a warning says so.
         """
         path = pretrained_model_name_or_path
+        check_local_path(path)
         want_info = kwargs.pop("output_loading_info", False)
         if kwargs.get("ignore_mismatched_sizes"):
             raise ValueError("ignore_mismatched_sizes: expected False (drafter loading is strict), got True")
@@ -710,7 +738,8 @@ class AdaFlashDrafter(AdaFlashPreTrainedModel):
         model, info = super().from_pretrained(path, *model_args, output_loading_info=True, **kwargs)
         _load_sidecar_tensors(model, sidecar)
         head_keys = set(model.length_head_parameter_names())
-        missing = model.__dict__.pop("_missing_on_load", set(info.get("missing_keys") or ())) - set(sidecar)
+        problems_on_load = model.__dict__.pop("_load_problems", info)
+        missing = set(problems_on_load.get("missing_keys") or ()) - set(sidecar)
         fresh_head = (
             model.config.source_layout in ("dflash", "muse_glimmer") and head_keys and head_keys <= missing
         )
@@ -719,10 +748,10 @@ class AdaFlashDrafter(AdaFlashPreTrainedModel):
         problems = []
         if missing:
             problems.append(f"missing keys {sorted(missing)}")
-        if info.get("unexpected_keys"):
-            problems.append(f"unexpected keys {sorted(info['unexpected_keys'])}")
-        if info.get("mismatched_keys"):
-            problems.append(f"wrong-shaped keys {sorted(map(str, info['mismatched_keys']))}")
+        if problems_on_load.get("unexpected_keys"):
+            problems.append(f"unexpected keys {sorted(problems_on_load['unexpected_keys'])}")
+        if problems_on_load.get("mismatched_keys"):
+            problems.append(f"wrong-shaped keys {sorted(map(str, problems_on_load['mismatched_keys']))}")
         if info.get("error_msgs"):
             problems.append(f"errors {info['error_msgs']}")
         if problems:
