@@ -296,3 +296,4 @@ def test_the_sweep_arms_differ_in_their_arm_only_and_see_equal_blocks(monkeypatc
         )
         assert args.heldout_corpus_dir == base.heldout_corpus_dir and args.corpus_dir == base.corpus_dir, arm
         assert args.seed == base.seed and args.draft_vocab_size == base.draft_vocab_size == 8192
+        assert args.final_norm_init == base.final_norm_init and args.loss_positions == base.loss_positions
