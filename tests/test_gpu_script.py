@@ -1,7 +1,6 @@
 """examples/gpu/train_drafter.sh on its CPU dry path (DEVICE=cpu): a tiny target, corpus and starting drafter, a time
 budget that stops the first run after one step, and a second run of the same command that resumes to max_steps."""
 
-import gzip
 import json
 import os
 import subprocess
@@ -9,11 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from tokenizers import Tokenizer
-from tokenizers.models import WordLevel
-from transformers import PreTrainedTokenizerFast
 
-from tests.test_train_drafter import _sequences
+from tests.test_train_drafter import tiny_script_inputs
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "gpu" / "train_drafter.sh"
@@ -22,20 +18,11 @@ SCRIPT = ROOT / "examples" / "gpu" / "train_drafter.sh"
 @pytest.fixture
 def tiny_setup(target_factory, drafter_factory, tmp_path):
     target = target_factory("llama")
-    target.save_pretrained(tmp_path / "target")
-    vocab = {f"t{i}": i for i in range(target.config.vocab_size)}
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="t0")), pad_token="t0"
-    )
-    tokenizer.save_pretrained(tmp_path / "target")
+    tiny_script_inputs(target, tmp_path)
     # The "shipped drafter" the first run starts from: one layer, a draft vocabulary of 64 ids.
     drafter_factory(target, num_hidden_layers=1, draft_token_ids=list(range(0, 512, 8))).save_pretrained(
         tmp_path / "drafter"
     )
-    (tmp_path / "corpus").mkdir()
-    with gzip.open(tmp_path / "corpus" / "math.jsonl.gz", "wt") as handle:
-        for i, row in enumerate(_sequences(n=8)):
-            handle.write(json.dumps({"id": str(i), "domain": "math", **row}) + "\n")
     return tmp_path
 
 

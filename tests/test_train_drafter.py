@@ -295,19 +295,24 @@ def test_recorded_corpus_features_equal_the_on_the_fly_ones_and_nothing_is_cache
     assert torch.all(mixed[0, 47:] == 0)  # no anchor's context reaches the last token
 
 
-def test_script_trains_under_accelerate_launch_with_two_processes(target_factory, drafter_factory, tmp_path):
-    """DDP on CPU: two processes, the real script, a tiny target folder and a corpus of token ids."""
-    target = target_factory("llama")
-    target.save_pretrained(tmp_path / "target")
+def tiny_script_inputs(target, folder: Path) -> None:
+    """What the training script needs on disk: ``folder/target`` (the model and a word-level tokenizer) and
+    ``folder/corpus`` (8 math sequences as `adaflash corpus` writes them)."""
+    target.save_pretrained(folder / "target")
     vocab = {f"t{i}": i for i in range(target.config.vocab_size)}
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="t0")), pad_token="t0"
     )
-    tokenizer.save_pretrained(tmp_path / "target")
-    (tmp_path / "corpus").mkdir()
-    with gzip.open(tmp_path / "corpus" / "math.jsonl.gz", "wt") as handle:
+    tokenizer.save_pretrained(folder / "target")
+    (folder / "corpus").mkdir()
+    with gzip.open(folder / "corpus" / "math.jsonl.gz", "wt") as handle:
         for i, row in enumerate(_sequences(n=8)):
             handle.write(json.dumps({"id": str(i), "domain": "math", **row}) + "\n")
+
+
+def test_script_trains_under_accelerate_launch_with_two_processes(target_factory, drafter_factory, tmp_path):
+    """DDP on CPU: two processes, the real script, a tiny target folder and a corpus of token ids."""
+    tiny_script_inputs(target_factory("llama"), tmp_path)
     command = [
         sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2",
         "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
