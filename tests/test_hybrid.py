@@ -168,7 +168,9 @@ def test_bad_lookup_min_prob_raises_before_any_forward(value, target_factory, dr
     config = GenerationConfig(
         max_new_tokens=4, adaflash_draft_source="hybrid", adaflash_lookup_min_prob=value
     )
-    with pytest.raises(ValueError, match=r"^generation_config\.adaflash_lookup_min_prob: expected a number in \[0, 1\), got"):
+    with pytest.raises(
+        ValueError, match=r"^generation_config\.adaflash_lookup_min_prob: expected a number in \[0, 1\), got"
+    ):
         target.generate(PROMPT, assistant_model=drafter, generation_config=config)
     with pytest.raises(ValueError, match=r"^lookup_min_prob: expected a number in \[0, 1\), got"):
         AdaFlashEngine(target, drafter, draft_source="hybrid", lookup_min_prob=value)

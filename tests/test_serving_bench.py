@@ -23,7 +23,9 @@ def test_bench_serve_runs_all_modes_and_writes_json_table_and_plot(target_factor
     rows = {(r["concurrency"], r["mode"]): r for r in saved["summary"]}
     modes = ("plain", "dflash", "adaflash", "hybrid", "goodput", "hybrid_goodput")
     assert set(rows) == {(c, m) for c in (1, 4) for m in modes}
-    assert all(0 <= r["zero_length_share"] <= 1 and 0 <= r["skipped_drafter_share"] <= 1 for r in rows.values())
+    assert all(
+        0 <= r["zero_length_share"] <= 1 and 0 <= r["skipped_drafter_share"] <= 1 for r in rows.values()
+    )
     assert rows[4, "plain"]["zero_length_share"] == 1 and rows[4, "dflash"]["zero_length_share"] < 1
     assert all(0 <= r["lookup_share"] <= 1 for r in rows.values()) and rows[4, "plain"]["lookup_share"] == 0
     assert rows[4, "plain"]["requests"] == 4 and rows[1, "plain"]["requests"] == 2
