@@ -364,6 +364,45 @@ def acceptance_model_for(drafter) -> AcceptanceModel:
     return _ACCEPTANCE_MODELS.setdefault(drafter, AcceptanceModel())
 
 
+@dataclass
+class ShadowLabels:
+    """Labels for every proposal a greedy round makes, verified or not: under greedy decoding the committed sequence
+    is the target's own greedy text, so draft j is accepted exactly when it equals the committed token there (given
+    drafts 1..j-1 were). A block the round chose not to verify, or a lookup continuation it did not take, is
+    resolved once the sequence has grown past its first mismatch, and feeds the acceptance model (blocks) or the
+    lookup record (continuations). Without this, a request that stops drafting stops learning that it should
+    draft again. Sampling rounds are not greedy text: there only verified drafts teach (``AcceptanceModel.update``).
+    """
+
+    acceptance: AcceptanceModel
+    record: LookupRecord
+    pending: list[tuple[int, list[int], list[float] | None, float]] = field(default_factory=list)
+
+    def add_block(self, start: int, tokens: Sequence[int], confidences: Sequence[float], head: float) -> None:
+        """Block proposals for positions ``start``, ``start + 1``, ... with the drafter's confidence in each."""
+        if tokens:
+            self.pending.append((start, list(tokens), list(confidences[: len(tokens)]), head))
+
+    def add_lookup(self, start: int, tokens: Sequence[int]) -> None:
+        if tokens:
+            self.pending.append((start, list(tokens), None, 0.0))
+
+    def resolve(self, sequence: Sequence[int]) -> None:
+        """Settle every pending proposal whose outcome ``sequence`` (the committed tokens) now decides."""
+        still = []
+        for start, tokens, confidences, head in self.pending:
+            seen = sequence[start : start + len(tokens)]
+            accepted = next((j for j, (a, b) in enumerate(zip(tokens, seen)) if a != b), len(seen))
+            if accepted == len(seen) < len(tokens):
+                still.append((start, tokens, confidences, head))  # all seen so far agree: wait for more
+                continue
+            if confidences is None:
+                self.record.add(len(tokens), accepted)
+            else:
+                self.acceptance.update(confidences, head, min(len(tokens), accepted + 1), accepted)
+        self.pending = still
+
+
 def lookup_gains(proposal: LookupProposal | None, record: LookupRecord) -> list[float]:
     """P(lookup tokens 1..j all accepted) = a^j (``lookup.lookup_rate``)."""
     if proposal is None or not proposal.tokens:

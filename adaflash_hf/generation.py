@@ -55,6 +55,7 @@ from transformers.utils import logging
 from adaflash_hf.draft_vocab import draft_logits
 from adaflash_hf.drafting import (
     DraftingSettings,
+    ShadowLabels,
     SkipGate,
     acceptance_model_for,
     calibrate_target,
@@ -253,6 +254,8 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
             self.acceptance = acceptance_model_for(drafter)
             self.gate = SkipGate(max_skip=self.settings.max_skip)
             self.last_gains: list[float] | None = None  # the newest drafted block's expected gains
+            # Greedy: every proposal gets its label from the committed text (ShadowLabels); sampling: verified only.
+            self.shadows = None if self.do_sample else ShadowLabels(self.acceptance, self.lookup_record)
             if self.settings.calibrate and not self.cost.calibrated:
                 calibrate_target(
                     target,
@@ -371,6 +374,8 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
         for a while (``SkipGate``)."""
         curve = self.cost.target_curve(1)
         lookup_option = lookup_gains(proposal, self.lookup_record)
+        if self.shadows is not None and proposal is not None:
+            self.shadows.add_lookup(input_ids.shape[1], proposal.tokens)
         if curve is None or not self.cost.knows_target(1) or room == 0:
             return self._plain_round(input_ids, started)  # a plain step measures the k = 0 baseline first
         base = {"base_tokens": 1, "base_committed": 1.0, "target_seconds": curve}
@@ -393,6 +398,9 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
         head, finite = self._head_acceptance(out)
         drafted, confidences = self._confident_rows(out.last_hidden_state, room, head)
         gains = self.acceptance.gains(confidences, head) if finite else []
+        if self.shadows is not None and finite:
+            tokens = drafted[0, : len(confidences)].argmax(-1).tolist()
+            self.shadows.add_block(input_ids.shape[1], tokens, confidences, head)
         plan = plan_round([[gains, lookup_option]], drafter_seconds=drafter_seconds, **base)
         length = plan.lengths[0]
         if length == 0 and self.gate.probing and gains:
@@ -526,13 +534,16 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
         self.stats.verify_seconds += verify_seconds
         self.stats.drafter_seconds += pending["drafter_seconds"]
         self.stats.add_round(pending["length"], accepted, pending["predicted"], pending["source"])
-        if pending["source"] == "lookup":
+        shadows = getattr(self, "shadows", None)
+        if pending["source"] == "lookup" and shadows is None:
             self.lookup_record.add(pending["length"], accepted)
         if self.settings.length_mode == "goodput":
             self.cost.observe_target(pending["length"] + 1, verify_seconds)
             if pending["drafter_ran"]:
                 self.cost.observe_drafter(1, pending["drafter_seconds"])
-            if "confidences" in pending and pending["length"]:
+            if shadows is not None:
+                shadows.resolve(input_ids[0].tolist())
+            elif "confidences" in pending and pending["length"]:
                 self.acceptance.update(pending["confidences"], pending["head"], pending["length"], accepted)
         if pending["source"] == "plain":
             return

@@ -10,11 +10,13 @@ from adaflash_hf.drafting import (
     AcceptanceModel,
     CostModel,
     DraftingSettings,
+    ShadowLabels,
     SkipGate,
     plan_lengths,
     plan_round,
     use_cost_model,
 )
+from adaflash_hf.lookup import LookupRecord
 from adaflash_hf.serving import AdaFlashEngine, SamplingParams
 
 BLOCK = 16
@@ -165,6 +167,20 @@ def test_the_acceptance_model_follows_realised_acceptance():
     assert gains[0] > gains[1] > gains[2] > 0
 
 
+def test_greedy_text_labels_every_proposal_verified_or_not():
+    acceptance, record = AcceptanceModel(learning_rate=0.5), LookupRecord()
+    shadows = ShadowLabels(acceptance, record)
+    shadows.add_block(3, [7, 8, 9], [0.5, 0.5, 0.5], head=0.5)  # drafts for positions 3, 4, 5
+    shadows.add_lookup(3, [7, 1])
+    shadows.resolve([0, 0, 0, 7])  # position 3 agrees with both; nothing decided yet
+    assert len(shadows.pending) == 2 and acceptance.updates == 0
+    shadows.resolve([0, 0, 0, 7, 8])  # the lookup's 1 was wrong: 1 accepted of 2
+    assert (record.accepted, record.rejections) == (1, 1) and len(shadows.pending) == 1
+    shadows.resolve([0, 0, 0, 7, 8, 2])  # the block's 9 was wrong: drafts 1, 2 accepted, 3 rejected
+    assert acceptance.updates == 3 and not shadows.pending
+    assert acceptance.probability(0.5, 0.5, 1) > 0.5 > acceptance.probability(0.5, 0.5, 3)
+
+
 def test_the_acceptance_model_learns_the_heads_signal():
     model = AcceptanceModel()
     for _ in range(400):  # confidence says nothing; the head's â does
@@ -296,10 +312,14 @@ def test_goodput_engine_equals_greedy_and_reports_k0_and_skips(fresh_target, dra
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, 500, (n,), generator=g) for n in (5, 12, 3, 8)]
     expected = [greedy(target, p[None], 16)[0, len(p) :].tolist() for p in prompts]
-    engine = AdaFlashEngine(target, drafter, length_mode="goodput", draft_source="hybrid")
+    engine = AdaFlashEngine(target, drafter, length_mode="goodput")
     assert engine.generate(prompts, SamplingParams(max_new_tokens=16)) == expected
     assert sum(s.zero_length_verifies for s in engine.stats) > 0
     assert sum(s.skipped_drafter for s in engine.stats) > 0
+    # Hybrid: a random target's greedy text loops, so lookup continuations take over; still lossless.
+    hybrid = AdaFlashEngine(target, drafter, length_mode="goodput", draft_source="hybrid")
+    assert hybrid.generate(prompts, SamplingParams(max_new_tokens=16)) == expected
+    assert sum(s.lookup_verifies for s in hybrid.stats) > 0
 
 
 def test_the_engines_block_after_skipped_forwards_equals_the_block_without_skipping(

@@ -53,6 +53,7 @@ from transformers.utils import logging
 from adaflash_hf.draft_vocab import draft_logits, draft_tokens
 from adaflash_hf.drafting import (
     DraftingSettings,
+    ShadowLabels,
     SkipGate,
     acceptance_model_for,
     calibrate_target,
@@ -291,6 +292,8 @@ class AdaFlashEngine:
             generator=torch.Generator().manual_seed(seed),
         )
         request.gate = SkipGate(max_skip=self.settings.max_skip)
+        if self.goodput and params.temperature == 0:
+            request.shadows = ShadowLabels(self.acceptance, request.lookup)
         if self.draft_source == "hybrid":
             request.lookup_index = LookupIndex()
             request.lookup_index.extend(prompt)
@@ -490,6 +493,9 @@ class AdaFlashEngine:
         room = [min(self.block_size - 1, r.remaining - 1) for r in decoding]
         proposals = self._lookup_proposals(decoding, room)
         options = [[g] if (g := lookup_gains(p, r.lookup)) else [] for p, r in zip(proposals, decoding)]
+        for proposal, request in zip(proposals, decoding):
+            if request.shadows is not None and proposal is not None:
+                request.shadows.add_lookup(len(request.prompt) + len(request.output), proposal.tokens)
         kinds = [["lookup"] if o else [] for o in options]
         running, base_tokens = count + admitted, prefill_tokens + count
         curve = self.cost.target_curve(running)
@@ -506,7 +512,7 @@ class AdaFlashEngine:
             tick = time.perf_counter()
             _, states, finite = self._drafter_forward([decoding[i] for i in drafting], 1.0)
             heads = [decoding[i].last_acceptance for i in drafting]
-            confidences = self._confidences(states, [room[i] for i in drafting], heads)
+            confidences, tokens = self._confidences(states, [room[i] for i in drafting], heads)
             self.last_drafter_forward = (len(drafting), time.perf_counter() - tick)
             drafter_seconds = self.cost.drafter_seconds(len(drafting))
             for row, i in enumerate(drafting):
@@ -518,6 +524,9 @@ class AdaFlashEngine:
                     continue
                 request.last_gains = self.acceptance.gains(confidences[row], heads[row])
                 request.goodput_round = (confidences[row], heads[row])
+                if request.shadows is not None:
+                    start = len(request.prompt) + len(request.output)
+                    request.shadows.add_block(start, tokens[row], confidences[row], heads[row])
                 options[i], kinds[i] = [request.last_gains, *options[i]], ["diffusion", *kinds[i]]
         budget = self.admission.config.token_budget - base_tokens
         plan = plan_round(options, drafter_seconds=drafter_seconds, budget=budget, **base)
@@ -544,33 +553,41 @@ class AdaFlashEngine:
         drafted = plan_round([[request.last_gains[:room], *options]], drafter_seconds=share, **base)
         return alone.goodput >= drafted.goodput
 
-    def _confidences(self, states, rooms: list[int], heads: list[float]) -> list[list[float]]:
-        """Per drafting request, the drafter's confidence (softmax maximum) in its proposals for block rows 1..n:
-        the first ``CONFIDENCE_ROWS`` rows, all ``room`` rows where the chain of acceptances could reach past them."""
+    def _confidences(self, states, rooms: list[int], heads: list[float]):
+        """Per drafting request, its argmax proposals for block rows 1..n and the drafter's confidence (softmax
+        maximum) in each: the first ``CONFIDENCE_ROWS`` rows, all ``room`` rows where the chain of acceptances could
+        reach past them (lm_head rows are what costs)."""
         lm_head = self.target.get_output_embeddings()
 
-        def confidence(widths, start):
+        def project(widths, start):
             pieces = [states[row, 1 + start : 1 + w] for row, w in enumerate(widths) if w > start]
             if not pieces:
-                return []
-            logits, _ = draft_logits(torch.cat(pieces), lm_head, self.drafter.draft_token_ids)
-            return torch.softmax(logits.float(), dim=-1).amax(dim=-1).nan_to_num(0.0).tolist()
+                return [], []
+            logits, token_ids = draft_logits(torch.cat(pieces), lm_head, self.drafter.draft_token_ids)
+            confidence, best = torch.softmax(logits.float(), dim=-1).max(dim=-1)
+            best = best if token_ids is None else token_ids[best]
+            return confidence.nan_to_num(0.0).tolist(), best.tolist()
 
         first = [min(room, CONFIDENCE_ROWS) for room in rooms]
-        flat, out = confidence(first, 0), []
-        for w in first:
-            out.append(flat[:w])
-            flat = flat[w:]
-        more = [
-            room if room > w and out[row] and self.acceptance.gains(out[row], heads[row])[-1] > 0.01 else 0
-            for row, (room, w) in enumerate(zip(rooms, first))
-        ]
-        flat = confidence(more, CONFIDENCE_ROWS)
-        for row, w in enumerate(more):
-            if w:
-                out[row] += flat[: w - CONFIDENCE_ROWS]
-                flat = flat[w - CONFIDENCE_ROWS :]
-        return out
+        more = [0] * len(rooms)
+        confidences, tokens = [[] for _ in rooms], [[] for _ in rooms]
+        for start, widths in ((0, first), (CONFIDENCE_ROWS, more)):
+            flat_confidence, flat_tokens = project(widths, start)
+            for row, w in enumerate(widths):
+                n = max(0, w - start)
+                confidences[row] += flat_confidence[:n]
+                tokens[row] += flat_tokens[:n]
+                flat_confidence, flat_tokens = flat_confidence[n:], flat_tokens[n:]
+            if start == 0:
+                more[:] = [
+                    room
+                    if room > w
+                    and confidences[row]
+                    and self.acceptance.gains(confidences[row], heads[row])[-1] > 0.01
+                    else 0
+                    for row, (room, w) in enumerate(zip(rooms, first))
+                ]
+        return confidences, tokens
 
     def _learn(self, decoding, admitted: int, prefill_tokens: int, drafts, sources, accepted, target_seconds):
         """Goodput: feed the step's timings to the cost model and its verified blocks to the acceptance model."""
@@ -582,7 +599,13 @@ class AdaFlashEngine:
             self.cost.observe_drafter(*self.last_drafter_forward)
             self.last_drafter_forward = None
         for request, draft, source, n_accepted in zip(decoding, drafts, sources, accepted[admitted:]):
-            if source == "diffusion" and draft and request.goodput_round is not None:
+            # Greedy requests learn from ShadowLabels (every proposal, after the commit); sampling ones from here.
+            if (
+                source == "diffusion"
+                and draft
+                and request.goodput_round is not None
+                and request.shadows is None
+            ):
                 self.acceptance.update(*request.goodput_round, len(draft), n_accepted)
             request.goodput_round = None
 
@@ -736,8 +759,10 @@ class AdaFlashEngine:
                 request.drafted += len(proposed)
                 request.accepted += n_accepted
                 request.verify_rounds += 1
-                if source == "lookup":
+                if source == "lookup" and request.shadows is None:
                     request.lookup.add(len(proposed), n_accepted)
+                if request.shadows is not None:
+                    request.shadows.resolve(request.prompt + request.output)
             offset += lengths[i]
             if request.finish_reason is not None:
                 self._release(request)

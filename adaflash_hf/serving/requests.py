@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from adaflash_hf.drafting import SkipGate
+from adaflash_hf.drafting import ShadowLabels, SkipGate
 from adaflash_hf.lookup import LookupIndex, LookupRecord
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
@@ -85,6 +85,7 @@ class Request:
     gate: SkipGate = field(default_factory=SkipGate)
     last_gains: list[float] | None = None
     goodput_round: tuple[list[float], float] | None = None
+    shadows: ShadowLabels | None = None  # greedy requests: labels for every proposal from the committed text
 
     @property
     def anchor(self) -> int:
