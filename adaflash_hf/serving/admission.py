@@ -1,7 +1,10 @@
 """EMA admission control (AdaFlash §system): who joins the batch this step, and how many drafts fit.
 
 - Memory: each running request reserves its whole target KV (prompt + max_new_tokens) when it is admitted, and
-  admission stops at ``kv_budget``: the engine can never run out of KV mid-generation, so it never preempts.
+  admission stops at ``kv_budget`` positions: the engine can never run out of KV mid-generation, so it never
+  preempts. ``kv_budget=None`` (the default) becomes half of the memory available when the engine starts (CUDA:
+  free device memory; CPU: MemAvailable) divided by the target's and drafter's KV bytes per position
+  (``default_kv_budget``); pass an int to choose.
 - Compute: one target forward takes at most ``token_budget`` query tokens (prefills + Σ(k̂_i + 1)). Admission
   estimates the verify demand of the running requests from an EMA of tokens per verify, so new prefills do not
   crowd out drafts; after drafting, ``fit_lengths`` trims the longest drafts first until the step fits.
@@ -17,8 +20,43 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
+
+import torch
 
 from adaflash_hf.serving.requests import Request
+
+
+def kv_bytes_per_position(model) -> int:
+    """Bytes of K and V for one cached position over every layer of ``model`` (a target or a drafter)."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    element = next(model.parameters()).element_size()
+    return 2 * config.num_hidden_layers * heads * head_dim * element
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    """Free memory where the KV pool lives: CUDA's free device memory, else the OS's MemAvailable."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30  # unknown OS: assume 8 GiB
+
+
+def default_kv_budget(target, drafter=None, fraction: float = 0.5, available: int | None = None) -> int:
+    """KV positions that fit in ``fraction`` of the available memory (``available`` bytes, default: measured)."""
+    device = next(target.parameters()).device
+    available = available_memory_bytes(device) if available is None else available
+    per_position = kv_bytes_per_position(target) + (
+        kv_bytes_per_position(drafter) if drafter is not None else 0
+    )
+    return max(1, int(available * fraction) // per_position)
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,7 @@ import os
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers.utils import logging
@@ -64,7 +64,7 @@ from adaflash_hf.drafting import (
 from adaflash_hf.generation import CONFIDENCE_ROWS, align_drafter_dtype
 from adaflash_hf.kernels.verify_accept import verify_accept
 from adaflash_hf.lookup import LookupIndex, choose_lookup, truncate_lookup
-from adaflash_hf.serving.admission import AdmissionConfig, AdmissionController
+from adaflash_hf.serving.admission import AdmissionConfig, AdmissionController, default_kv_budget
 from adaflash_hf.serving.cache import (
     DrafterBatch,
     DrafterSlotCache,
@@ -129,6 +129,49 @@ def _filter_logits(rows: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         drop = (cumulative - ordered.softmax(-1)) >= params.top_p
         rows = rows.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
     return rows
+
+
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {list(value.shape)}"
+    return (
+        f"{type(value).__name__} {value!r}"
+        if isinstance(value, (str, bool, type(None)))
+        else type(value).__name__
+    )
+
+
+def _prompt_tokens(prompt_ids) -> list[int]:
+    """One prompt's token ids as a list of ints: a 1-D integer tensor or array, a [1, L] tensor, or a sequence of
+    ints. Anything else (text, None, booleans, floats, a batch of several prompts, nested lists) is refused, naming
+    ``prompt_ids`` and what it got."""
+    expected = "token ids: a 1-D integer tensor, a [1, L] tensor or a list of ints"
+    if isinstance(prompt_ids, (str, bytes)) or prompt_ids is None:
+        raise TypeError(f"prompt_ids: expected {expected} (tokenize text first), got {_describe(prompt_ids)}")
+    if not isinstance(prompt_ids, torch.Tensor):
+        items = list(prompt_ids) if isinstance(prompt_ids, (list, tuple)) else None
+        if items is not None and any(isinstance(t, bool) for t in items):
+            raise TypeError(f"prompt_ids: expected {expected}, got a list holding booleans {items[:8]}")
+        if items is not None and all(isinstance(t, int) for t in items):
+            prompt_ids = torch.tensor(items, dtype=torch.long)
+        else:
+            try:
+                prompt_ids = torch.as_tensor(prompt_ids)
+            except (TypeError, ValueError, RuntimeError):
+                raise TypeError(f"prompt_ids: expected {expected}, got {_describe(prompt_ids)}") from None
+    if prompt_ids.dtype == torch.bool or prompt_ids.is_floating_point() or prompt_ids.is_complex():
+        raise TypeError(f"prompt_ids: expected {expected}, got {_describe(prompt_ids)}")
+    if prompt_ids.dim() == 2 and prompt_ids.shape[0] != 1:
+        raise ValueError(
+            f"prompt_ids: expected one prompt, got a batch of shape {list(prompt_ids.shape)}; add each row as its own "
+            "request (or pass them all to generate)"
+        )
+    if prompt_ids.dim() > 2:
+        raise ValueError(f"prompt_ids: expected one prompt, got {_describe(prompt_ids)}")
+    prompt = prompt_ids.reshape(-1).tolist()
+    if not prompt:
+        raise ValueError("prompt_ids: expected at least one token, got an empty prompt")
+    return prompt
 
 
 def _drafting_settings(mode: str, drafting: DraftingSettings | None, **knobs) -> DraftingSettings:
@@ -228,7 +271,13 @@ class AdaFlashEngine:
             else LookupIndex(max_tokens=self.settings.lookup_history_tokens)
         )
         self.block_size = drafter.config.block_size if drafter is not None else 16
-        self.admission = AdmissionController(admission or AdmissionConfig(), self.block_size)
+        admission = admission or AdmissionConfig()
+        if admission.kv_budget is None:
+            # A request reserves its whole KV up front, so an unbounded pool could ask for more than the machine has.
+            admission = replace(
+                admission, kv_budget=default_kv_budget(target, drafter if self.drafter else None)
+            )
+        self.admission = AdmissionController(admission, self.block_size)
         self.goodput = self.drafter is not None and self.settings.length_mode == "goodput"
         if self.goodput:
             self.cost = cost_model_for(target, "engine")
@@ -263,10 +312,8 @@ class AdaFlashEngine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params: expected SamplingParams, got {type(params).__name__}")
         params.validate(self.vocab_size)
-        prompt = torch.as_tensor(prompt_ids).reshape(-1).tolist()
-        if not prompt:
-            raise ValueError("prompt_ids: expected at least one token, got an empty prompt")
-        invalid = [t for t in prompt if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        prompt = _prompt_tokens(prompt_ids)
+        invalid = [t for t in prompt if not 0 <= t < self.vocab_size]
         if invalid:
             raise ValueError(
                 f"prompt_ids: expected token ids in 0..{self.vocab_size - 1}, got out-of-range ids {invalid[:8]}"
@@ -328,8 +375,31 @@ class AdaFlashEngine:
             yield from self.step()
 
     def generate(self, prompts: Sequence, params: SamplingParams | Sequence[SamplingParams] | None = None):
-        """Run ``prompts`` to completion; returns each request's generated token ids, in order."""
-        params_list = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        """Run ``prompts`` (a list of prompts, or a [N, L] tensor of N) to completion; returns each request's
+        generated token ids, in order. ``params``: one SamplingParams for all, or one per prompt. Every prompt is
+        validated before any is queued, so one bad prompt queues nothing."""
+        if isinstance(prompts, torch.Tensor) and prompts.dim() == 2:
+            prompts = list(prompts)
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise TypeError(f"prompts: expected a non-empty list of prompts, got {_describe(prompts)}")
+        if all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
+            raise TypeError(
+                f"prompts: expected a list of prompts (each a list of token ids), got one flat list of {len(prompts)} "
+                "ints; pass [prompt] for a single prompt"
+            )
+        if isinstance(params, (list, tuple)):
+            if len(params) != len(prompts):
+                raise ValueError(
+                    f"params: expected one SamplingParams per prompt ({len(prompts)}), got {len(params)}"
+                )
+            params_list = list(params)
+        else:
+            params_list = [params] * len(prompts)
+        for i, prompt in enumerate(prompts):
+            try:
+                _prompt_tokens(prompt)
+            except (TypeError, ValueError) as error:
+                raise type(error)(f"prompts[{i}]: {error}") from None
         ids = [self.add_request(p, s) for p, s in zip(prompts, params_list)]
         for _ in self.stream():
             pass

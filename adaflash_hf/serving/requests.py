@@ -37,20 +37,30 @@ class SamplingParams:
         def bad(name, expected, actual):
             return ValueError(f"sampling params {name}: expected {expected}, got {actual!r}")
 
-        if not (isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1):
+        # Booleans are ints to Python, never a count or a token here.
+        def is_int(value) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool)
+
+        def is_number(value) -> bool:
+            return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+        if not (is_int(self.max_new_tokens) and self.max_new_tokens >= 1):
             raise bad("max_new_tokens", "an int >= 1", self.max_new_tokens)
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)):
+        if not (is_number(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0):
             raise bad("temperature", "a finite number >= 0", self.temperature)
-        if self.temperature < 0:
-            raise bad("temperature", "a finite number >= 0", self.temperature)
-        if not (isinstance(self.top_k, int) and self.top_k >= 0):
+        if not (is_int(self.top_k) and self.top_k >= 0):
             raise bad("top_k", "an int >= 0 (0 disables)", self.top_k)
-        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+        if not (is_number(self.top_p) and 0 < self.top_p <= 1):
             raise bad("top_p", "a number in (0, 1]", self.top_p)
-        if self.seed is not None and not isinstance(self.seed, int):
+        if self.seed is not None and not is_int(self.seed):
             raise bad("seed", "an int or None", self.seed)
+        eos = self.eos_token_id
+        if eos is not None and not (
+            is_int(eos) or (isinstance(eos, (tuple, list)) and all(map(is_int, eos)))
+        ):
+            raise bad("eos_token_id", "None, a token id or a tuple of them", eos)
         for token in self.eos_ids():
-            if not (isinstance(token, int) and 0 <= token < vocab_size):
+            if not 0 <= token < vocab_size:
                 raise bad("eos_token_id", f"token ids in 0..{vocab_size - 1}", self.eos_token_id)
 
     def eos_ids(self) -> tuple[int, ...]:
