@@ -281,7 +281,10 @@ def calibrate_target(
     **forward_kwargs,
 ) -> None:
     """Time target forwards of each of ``sizes`` new tokens after ``context`` random tokens (a cropped dynamic cache,
-    as ``generate`` verifies), ``repeats`` each, until ``budget_s`` is spent; feed them to ``cost``."""
+    as ``generate`` verifies) and feed them to ``cost``: one warm-up forward per size, then up to ``repeats`` passes
+    while ``budget_s`` lasts (the first pass always completes). Sizes go coarse to fine (1, the largest, the middle,
+    ...), so a pass cut short still spans the range, and every size is timed right after a 1-token forward, so a
+    neighbour's load hits both sides of the ratio that decides the choice."""
     from transformers import DynamicCache
 
     device = next(target.parameters()).device
@@ -290,24 +293,47 @@ def calibrate_target(
     ids = torch.randint(0, vocab, (1, context + max(sizes)), generator=generator).to(device)
     cache = DynamicCache()
     target(input_ids=ids[:, :context], cache=cache, use_cache=True, logits_to_keep=1)
+
+    def forward(n: int) -> float:
+        position_ids = torch.arange(context, context + n, device=device)[None]
+        tick = time.perf_counter()
+        target(
+            input_ids=ids[:, context : context + n],
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=n,
+            **forward_kwargs,
+        )
+        seconds = time.perf_counter() - tick
+        cache.crop(-n)
+        return seconds
+
+    order = _coarse_to_fine(sorted(set(sizes)))
+    for n in order:
+        forward(n)  # warm-up: the first forward of a shape pays for allocations
     started = time.perf_counter()
-    for _ in range(repeats):
-        for n in sizes:
-            if time.perf_counter() - started > budget_s:
-                break
-            position_ids = torch.arange(context, context + n, device=device)[None]
-            tick = time.perf_counter()
-            target(
-                input_ids=ids[:, context : context + n],
-                position_ids=position_ids,
-                cache=cache,
-                use_cache=True,
-                logits_to_keep=n,
-                **forward_kwargs,
-            )
-            cost.observe_target(n, time.perf_counter() - tick)
-            cache.crop(-n)
+    for repeat in range(repeats):
+        if repeat and time.perf_counter() - started > budget_s:
+            break
+        for n in order:
+            cost.observe_target(1, forward(1))
+            if n != 1:
+                cost.observe_target(n, forward(n))
     cost.calibrated = True
+
+
+def _coarse_to_fine(sizes: list[int]) -> list[int]:
+    """1 and the largest first, then midpoints of the widest gaps: [1, 16, 5, 3, 8, ...] from 1..16."""
+    order, pending = [sizes[0], sizes[-1]], [(0, len(sizes) - 1)]
+    while pending:
+        low, high = pending.pop(0)
+        if high - low < 2:
+            continue
+        middle = (low + high) // 2
+        order.append(sizes[middle])
+        pending += [(low, middle), (middle, high)]
+    return list(dict.fromkeys(order))
 
 
 # -------------------------------------------------------------------------------------------- acceptance model

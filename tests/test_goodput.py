@@ -12,6 +12,7 @@ from adaflash_hf.drafting import (
     DraftingSettings,
     ShadowLabels,
     SkipGate,
+    calibrate_target,
     plan_lengths,
     plan_round,
     use_cost_model,
@@ -146,6 +147,14 @@ def test_a_load_gets_its_own_curve_once_it_has_two_sizes():
     cost.observe_target(8, 3.0, running=4)
     assert cost.target_seconds(6, running=4) == pytest.approx(2.0)  # the 4-running table: 1.0 at 4, 3.0 at 8
     assert cost.target_seconds(1, running=1) == pytest.approx(0.5)
+
+
+def test_calibration_times_every_size_and_marks_the_model(target_factory):
+    target = target_factory("llama")
+    cost = CostModel()
+    calibrate_target(target, cost, sizes=(1, 2, 4, 8), context=16, repeats=2, budget_s=0.0)
+    assert cost.calibrated and sorted(cost.target[0]) == [1, 2, 4, 8]
+    assert len(cost.target[0][1]) == 3 and len(cost.target[0][8]) == 1  # the first pass completes, 1 beside each
 
 
 def test_a_profile_learns_nothing():
