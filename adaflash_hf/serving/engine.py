@@ -12,6 +12,12 @@ budget; ONE packed target forward over Σ(k̂_i + 1) verify tokens plus the prom
 (``cache``); ONE acceptance launch (``verify_accept``) for greedy and sampling requests together; per-request
 commit and rollback. The three modes share every other line, so they are each other's baselines.
 
+``length_mode="goodput"`` (with ``mode="adaflash"``; ``adaflash_hf.drafting``): the drafter runs only for the
+requests whose ``SkipGate`` is open, and one plan over every request's options (its block, its lookup continuation)
+picks each k_i from 0 up to maximise the step's expected committed tokens per second, from the engine's cost model
+(seconds of the packed forward by its tokens and running requests, calibrated once and learnt from the steps) and
+the acceptance model. Knobs come as one ``DraftingSettings`` (``drafting=``) or its fields as keyword arguments.
+
 ``draft_source="hybrid"`` (a drafter mode): each request also keeps a ``LookupIndex`` of its committed tokens, and
 per step verifies either its block or its lookup continuation, whichever ``choose_lookup`` expects to keep more
 tokens. A request whose lookup proposal already beats its last â skips the drafter forward this step; its new
