@@ -5,8 +5,8 @@
     adaflash publish PATH REPO_ID               upload with a model card in one commit (``--dry-run`` to preview)
     adaflash bench NAME ...                     run ``adaflash_hf.bench.NAME:main`` (kernels, generate, serve, opd, train)
     adaflash train ... / adaflash opd ...       ``accelerate launch`` the trainer scripts shipped in adaflash_hf.trainers
-    adaflash corpus ...                         regenerate the drafter training corpus (``adaflash_hf.corpus``)
-    adaflash calibrate-head ...                 fit only the length head from realised acceptance (``adaflash_hf.calibrate``)
+    adaflash corpus ...                         regenerate the drafter training corpus (``trainers/corpus.py``)
+    adaflash calibrate-head ...                 fit only the length head from realised acceptance (``trainers/calibrate_head.py``)
 
 Subcommands backed by modules or scripts missing from this installation are listed as "not available in this version"
 and exit with status 2. ``adaflash <command> --help`` describes each. ``--config FILE`` (YAML) supplies a command's
@@ -17,9 +17,6 @@ stderr with exit status 1; ``ADAFLASH_DEBUG=1`` shows its traceback.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import copy
-import difflib
 import importlib
 import importlib.util
 import inspect
@@ -27,10 +24,9 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import adaflash_hf
-from adaflash_hf.launch import launch_command, trainer_script
+from adaflash_hf.launch import CONFIG_HELP, launch_command, parse_args_with_config, trainer_script
 
 # Heavy modules (torch, transformers, the interop and hub code) are imported by the handlers that need them, and
 # adaflash_hf.install() runs only once a command is chosen: `adaflash --help` stays an argparse program.
@@ -56,9 +52,6 @@ UNAVAILABLE = 2
 # Raised by our checks of the user's input, files and environment: one line on stderr, exit status 1. Anything else is
 # a bug and keeps its traceback; ADAFLASH_DEBUG=1 shows the traceback of these too.
 USER_ERRORS = (ValueError, OSError, ImportError, NotImplementedError)
-CONFIG_HELP = (
-    "YAML file of this command's options (keys: option names, e.g. target_config); the command line wins"
-)
 
 
 def module_available(name: str) -> bool:
@@ -71,144 +64,6 @@ def module_available(name: str) -> bool:
 def _not_available(what: str, reason: str) -> int:
     print(f"adaflash {what}: not available in this version ({reason})", file=sys.stderr)
     return UNAVAILABLE
-
-
-def _load_option_file(path: str) -> dict:
-    import yaml
-
-    try:
-        text = Path(path).read_text()
-    except FileNotFoundError as error:
-        raise FileNotFoundError(f"--config: expected an existing YAML file, got {path!r}") from error
-    try:
-        values = yaml.safe_load(text) or {}
-    except yaml.YAMLError as error:
-        mark = getattr(error, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        raise ValueError(
-            f"--config {path}: expected valid YAML, got {getattr(error, 'problem', None) or error}{where}"
-        ) from error
-    if not isinstance(values, dict):
-        raise ValueError(
-            f"--config {path}: expected a mapping of option names to values, got {type(values).__name__}"
-        )
-    return values
-
-
-def _expected_value(action: argparse.Action) -> str:
-    if action.choices is not None:
-        return "one of " + ", ".join(map(repr, action.choices))
-    return getattr(action.type, "__name__", "a string") if action.type is not None else "a string"
-
-
-def _command_line_strings(action: argparse.Action, value, where: str) -> list[tuple[str, list[str]]]:
-    """``value`` of a config file as the command line would give it: (option string, its strings) per occurrence."""
-    option = action.option_strings[-1]
-    if action.nargs == 0:  # a flag: store_true / store_false / BooleanOptionalAction
-        if not isinstance(value, bool):
-            raise ValueError(f"{where}: expected true or false (the flag {option}), got {value!r}")
-        if isinstance(action, argparse.BooleanOptionalAction):
-            return [(action.option_strings[0] if value else action.option_strings[-1], [])]
-        return [(option, [])] if value == action.const else []
-    takes_list = action.nargs in ("+", "*", argparse.REMAINDER) or isinstance(action.nargs, int)
-    repeatable = isinstance(action, argparse._AppendAction)  # also extend: each list item is one occurrence
-    occurrences = []
-    for item in value if repeatable and isinstance(value, list) else [value]:
-        if isinstance(item, list) and not takes_list:
-            raise ValueError(f"{where}: expected one value (as {option} takes), got the list {item!r}")
-        strings = item if isinstance(item, list) else [item]
-        if any(v is None or isinstance(v, (bool, list, dict)) for v in strings):
-            raise ValueError(
-                f"{where}: expected {_expected_value(action)} (as {option} takes), got {value!r}"
-            )
-        if (action.nargs == "+" and not strings) or (
-            isinstance(action.nargs, int) and len(strings) != action.nargs
-        ):
-            count = "at least 1" if action.nargs == "+" else str(action.nargs)
-            raise ValueError(f"{where}: expected {count} values (as {option} takes), got {value!r}")
-        occurrences.append((option, [str(v) for v in strings]))
-    return occurrences
-
-
-def read_option_file(path: str, parser: argparse.ArgumentParser) -> dict:
-    """The option values of a ``--config`` YAML file, keyed by ``parser``'s option names (dashes or underscores).
-
-    Each value goes through exactly what the same option on the command line goes through: its type, choices, nargs
-    and action (a YAML ``16`` for ``--steps`` is the string "16" typed on the command line). Flags take YAML booleans
-    (``overwrite: true``); any other value for a flag, the string "false" included, is an error. ``null`` leaves an
-    option at its default. Errors name the file and the key.
-    """
-    values = _load_option_file(path)
-    actions = {
-        a.dest: a
-        for a in parser._actions
-        if a.option_strings
-        and a.dest != "config"
-        and not isinstance(a, (argparse._HelpAction, argparse._VersionAction))
-    }
-    namespace = argparse.Namespace()
-    for key, value in values.items():
-        dest = str(key).lstrip("-").replace("-", "_")
-        if dest not in actions:
-            options = sorted(actions)
-            closest = difflib.get_close_matches(dest, options, n=1, cutoff=0.0)
-            raise ValueError(
-                f"--config {path}: expected option names of this command {options}, got {key!r}"
-                + (f" (did you mean {closest[0]!r}?)" if closest else "")
-            )
-        if value is None:
-            continue
-        action, where = actions[dest], f"--config {path}: {key}"
-        setattr(namespace, dest, copy.copy(action.default))
-        for option, strings in _command_line_strings(action, value, where):
-            try:
-                action(parser, namespace, parser._get_values(action, strings), option)
-            except argparse.ArgumentError as error:
-                raise ValueError(
-                    f"{where}: expected {_expected_value(action)} (as {option} takes), got {value!r}"
-                ) from error
-    return vars(namespace)
-
-
-@contextlib.contextmanager
-def _not_required(actions: list[argparse.Action]):
-    for action in actions:
-        action.required = False
-    try:
-        yield
-    finally:
-        for action in actions:
-            action.required = True
-
-
-def parse_args_with_config(
-    parser: argparse.ArgumentParser,
-    argv: list[str] | None,
-    config_parser: argparse.ArgumentParser | None = None,
-):
-    """``parser.parse_args(argv)`` where a ``--config FILE`` supplies option values (``read_option_file``).
-
-    Explicit arguments still win: the file's values become defaults, and a repeatable option given on the command line
-    replaces the file's list. An option the file sets is no longer required on the command line. ``config_parser`` is
-    the subcommand's parser that owns ``--config`` (default: ``parser`` itself).
-    """
-    owner = parser if config_parser is None else config_parser
-    required = [a for a in owner._actions if a.option_strings and a.required]
-    with _not_required(required):
-        path = getattr(parser.parse_args(argv), "config", None)
-    if not path:
-        return parser.parse_args(argv)
-    values = read_option_file(path, owner)
-    owner.set_defaults(**values)
-    with _not_required([a for a in required if a.dest in values]):
-        args = parser.parse_args(argv)
-    for action in owner._actions:
-        from_file = values.get(action.dest)
-        given = getattr(args, action.dest, None)
-        if isinstance(action, argparse._AppendAction) and isinstance(from_file, list) and given is not None:
-            if len(given) > len(from_file):  # append adds to its default: keep only the command line's items
-                setattr(args, action.dest, given[len(from_file) :])
-    return args
 
 
 # -------------------------------------------------------------------------------------------- handlers
@@ -470,14 +325,14 @@ def _run(parser: argparse.ArgumentParser, argv: list[str]) -> int:
         adaflash_hf.install()
         return _run_bench(argv[1], argv[2:])
     if argv[:1] == ["corpus"]:
-        from adaflash_hf.corpus import main as corpus_main
+        from adaflash_hf.trainers.corpus import main as corpus_main
 
         adaflash_hf.install()
         print(json.dumps(corpus_main(argv[1:])))
         return 0
     if argv[:1] == ["calibrate-head"]:
-        from adaflash_hf.calibrate import main as calibrate_main
-        from adaflash_hf.calibrate import summary_line
+        from adaflash_hf.trainers.calibrate_head import main as calibrate_main
+        from adaflash_hf.trainers.calibrate_head import summary_line
 
         adaflash_hf.install()
         print(summary_line(calibrate_main(argv[1:])))

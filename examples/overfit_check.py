@@ -1,7 +1,7 @@
 """Can the training recipe overfit a small set? (issue 12, part 0: rule out a defect before scaling.)
 
 Trains a fresh drafter on the first N sequences of the committed corpus, then measures on those same sequences:
-teacher-forced greedy acceptance (first position, τ of the full block; ``adaflash_hf.learning_curve``) and τ of real
+teacher-forced greedy acceptance (first position, τ of the full block; ``adaflash_hf.trainers.learning_curve``) and τ of real
 ``target.generate(..., assistant_model=drafter)`` (fixed length) on a few of their prompts, before and after.
 
     python examples/overfit_check.py --sequences 64 --max-steps 300 --output examples/results/overfit_check.json
@@ -20,9 +20,9 @@ import torch
 from transformers import GenerationConfig
 
 from adaflash_hf.assets import load_target
-from adaflash_hf.corpus import load_features, read_corpus
-from adaflash_hf.learning_curve import heldout_acceptance
+from adaflash_hf.trainers.corpus import load_features, read_corpus
 from adaflash_hf.trainers.drafter_setup import build_drafter
+from adaflash_hf.trainers.learning_curve import heldout_acceptance
 from adaflash_hf.trainers.train_drafter_config import DrafterTrainingConfig
 from adaflash_hf.trainers.train_drafter_trainer import DrafterTrainer
 

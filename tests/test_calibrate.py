@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from adaflash_hf.calibrate import (
+from adaflash_hf.trainers.calibrate_head import (
     calibrate_length_head,
     collect_blocks,
     length_head,

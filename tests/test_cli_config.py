@@ -11,7 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from adaflash_hf import AdaFlashDrafter, cli, corpus
+from adaflash_hf import AdaFlashDrafter, cli
+from adaflash_hf.launch import parse_args_with_config
+from adaflash_hf.trainers import corpus
 
 SHIPPED = Path(__file__).resolve().parents[1] / "examples" / "drafters" / "smollm2-135m-adaflash"
 
@@ -33,9 +35,9 @@ CONFIG_COMMANDS = {
     "bench serve": (_module_parser("adaflash_hf.bench.serve"), [], "quick", "repeats"),
     "bench kernels": (_module_parser("adaflash_hf.bench.kernels"), [], None, "repeats"),
     "bench train": (_module_parser("adaflash_hf.bench.train"), [], "quick", "steps"),
-    "corpus": (_module_parser("adaflash_hf.corpus"), [], "rebuild", "max_new_tokens"),
+    "corpus": (_module_parser("adaflash_hf.trainers.corpus"), [], "rebuild", "max_new_tokens"),
     "calibrate-head": (
-        _module_parser("adaflash_hf.calibrate"),
+        _module_parser("adaflash_hf.trainers.calibrate_head"),
         ["--drafter", "D", "--output-dir", "O"],
         "reinit_head",
         "steps",
@@ -53,7 +55,7 @@ def _yaml(tmp_path, text: str, name: str = "c.yaml") -> Path:
 
 def _parse(command: str, config: Path, *extra: str):
     make_parser, positionals, _, _ = CONFIG_COMMANDS[command]
-    return cli.parse_args_with_config(make_parser(), [*positionals, "--config", str(config), *extra])
+    return parse_args_with_config(make_parser(), [*positionals, "--config", str(config), *extra])
 
 
 def _one_error_line(capsys, command: str) -> str:
@@ -169,7 +171,9 @@ def test_null_in_a_config_leaves_the_default(tmp_path):
 
 def test_a_config_file_can_supply_a_required_option(tmp_path):
     config = _yaml(tmp_path, "drafter: d\noutput_dir: o\n")
-    args = cli.parse_args_with_config(_module_parser("adaflash_hf.calibrate")(), ["--config", str(config)])
+    args = parse_args_with_config(
+        _module_parser("adaflash_hf.trainers.calibrate_head")(), ["--config", str(config)]
+    )
     assert (args.drafter, args.output_dir) == ("d", "o")
 
 

@@ -11,8 +11,8 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
 from transformers import PreTrainedTokenizerFast
 
-from adaflash_hf import corpus
-from adaflash_hf.corpus import (
+from adaflash_hf.trainers import corpus
+from adaflash_hf.trainers.corpus import (
     build_corpus,
     corpus_file,
     feature_file,

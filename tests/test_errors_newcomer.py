@@ -11,7 +11,7 @@ from transformers import PreTrainedTokenizerFast
 
 import adaflash_hf
 from adaflash_hf import AdaFlashConfig, AdaFlashDrafter, cli
-from adaflash_hf.calibrate import (
+from adaflash_hf.trainers.calibrate_head import (
     calibrate_length_head,
     collect_blocks,
     head_figures,

@@ -154,7 +154,8 @@ def test_calibration_times_every_size_and_marks_the_model(target_factory):
     cost = CostModel()
     calibrate_target(target, cost, sizes=(1, 2, 4, 8), context=16, repeats=2, budget_s=0.0)
     assert cost.calibrated and sorted(cost.target[0]) == [1, 2, 4, 8]
-    assert len(cost.target[0][1]) == 4 and len(cost.target[0][8]) == 1  # one pass: a 1-token forward beside each size
+    # one pass: a 1-token forward beside each size
+    assert len(cost.target[0][1]) == 4 and len(cost.target[0][8]) == 1
 
 
 def test_a_profile_learns_nothing():

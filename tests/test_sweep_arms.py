@@ -8,12 +8,11 @@ import datasets
 import pytest
 import torch
 
-from adaflash_hf.corpus import build_corpus, read_corpus
 from adaflash_hf.trainers import DrafterTrainer, DrafterTrainingConfig
-from adaflash_hf.trainers.dflash_recipe import sample_anchors, soft_target_kl
+from adaflash_hf.trainers.corpus import build_corpus, read_corpus
+from adaflash_hf.trainers.dflash_recipe import recipe_loss, sample_anchors, soft_target_kl
 from adaflash_hf.trainers.drafter_setup import build_drafter, init_from_target
 from adaflash_hf.trainers.target_features import SequenceCollator, TargetFeatures
-from adaflash_hf.trainers.train_drafter_trainer import recipe_loss
 from tests.test_corpus import rows, tiny_tokenizer
 from tests.test_train_drafter import toy_batch
 

@@ -274,7 +274,7 @@ def test_a_resumed_run_continues_the_step_count_the_lr_schedule_and_the_learning
 def test_recorded_corpus_features_equal_the_on_the_fly_ones_and_nothing_is_cached(
     target_factory, drafter_factory, tmp_path
 ):
-    from adaflash_hf.corpus import save_features
+    from adaflash_hf.trainers.corpus import save_features
     from adaflash_hf.trainers.target_features import SequenceCollator, TargetFeatures
 
     target = target_factory("qwen3")
@@ -334,7 +334,7 @@ def test_script_trains_under_accelerate_launch_with_two_processes(target_factory
 def test_split_layout_gives_the_dense_loss_and_gradients(target_factory, drafter_factory):
     from types import SimpleNamespace
 
-    from adaflash_hf.trainers.train_drafter_trainer import recipe_loss
+    from adaflash_hf.trainers.dflash_recipe import recipe_loss
 
     target = target_factory("qwen3", dtype=torch.float64).requires_grad_(False)
     drafter = drafter_factory(target).train()

@@ -182,6 +182,60 @@ def soft_target_kl(
     return kl, used
 
 
+def recipe_loss(
+    model,
+    config,
+    args,
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    features: torch.Tensor,
+    anchors: torch.Tensor,
+    embedding_weight: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    draft_token_ids: torch.Tensor | None = None,
+    soft_targets: SoftTargets | None = None,
+):
+    """One training forward of the recipe and its loss ``token_loss + length_head_loss_weight * head_mse``.
+
+    ``model`` is the drafter (or its DDP wrapper), ``config`` its ``AdaFlashConfig``; ``args`` supplies
+    ``loss_decay_gamma``, ``length_head_loss_weight``, ``attention_layout``, ``loss_positions`` and
+    ``soft_target_weight`` (the token loss mixes the CE with a KL to ``soft_targets``). Shared by ``DrafterTrainer`` and
+    ``adaflash bench train`` so the benchmark times the trainer's own step. Returns (loss, drafter output, metrics).
+    """
+    split = args.attention_layout == "split"
+    blocks = build_blocks(
+        input_ids,
+        loss_mask,
+        anchors,
+        config.block_size,
+        config.mask_token_id,
+        args.loss_decay_gamma,
+        dense_mask=not split,
+    )
+    out = model(
+        noise_embeds=F.embedding(blocks.noise_ids, embedding_weight),
+        context_hidden_states=features,
+        position_ids=blocks.position_ids,
+        attention_mask=blocks.attention_mask,
+        block_anchors=blocks.anchors if split else None,
+    )
+    acceptance = out.acceptance_prob
+    if acceptance.dim() == 1:
+        acceptance = acceptance[:, None]
+    token_loss, head_mse, metrics = block_ce_and_head_loss(
+        out.last_hidden_state,
+        acceptance,
+        lm_head_weight,
+        blocks,
+        config.block_size,
+        draft_token_ids,
+        loss_positions=getattr(args, "loss_positions", None),
+        soft_targets=soft_targets,
+        soft_target_weight=getattr(args, "soft_target_weight", 0.0),
+    )
+    return token_loss + args.length_head_loss_weight * head_mse, out, metrics
+
+
 def block_ce_and_head_loss(
     drafter_hidden: torch.Tensor,
     acceptance_prob: torch.Tensor,

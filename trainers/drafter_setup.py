@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers.utils import logging
 
-from adaflash_hf.cli import CONFIG_HELP
 from adaflash_hf.draft_vocab import build_draft_vocab
+from adaflash_hf.launch import CONFIG_HELP
 from adaflash_hf.modeling import AdaFlashConfig, AdaFlashDrafter
 from adaflash_hf.modeling.configuration_adaflash import build_target_layer_ids
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from adaflash_hf.corpus import feature_file, load_features, load_soft_targets
+from adaflash_hf.trainers.corpus import feature_file, load_features, load_soft_targets
 from adaflash_hf.trainers.dflash_recipe import SoftTargets
 
 
@@ -35,7 +35,7 @@ class SequenceCollator:
             attention_mask[i, :length] = 1
             loss_mask[i, record["prompt_length"] : length] = 1
         batch = {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
-        # Corpus records name their feature file by id and domain (adaflash_hf.corpus.feature_file); the prompt length
+        # Corpus records name their feature file by id and domain (adaflash_hf.trainers.corpus.feature_file); the prompt length
         # places their recorded top-k (row r is the distribution over token prompt_length + r).
         batch["records"] = [
             {"id": r.get("id", ""), "domain": r.get("domain", ""), "prompt_length": r["prompt_length"]}

@@ -19,9 +19,9 @@ from transformers.utils import logging
 from trl import TrlParser
 
 from adaflash_hf.assets import chat_prompt_ids, load_target
-from adaflash_hf.corpus import read_corpus
 from adaflash_hf.data import load_domain
 from adaflash_hf.modeling import AdaFlashDrafter
+from adaflash_hf.trainers.corpus import read_corpus
 from adaflash_hf.trainers.drafter_setup import add_config_option, build_drafter
 from adaflash_hf.trainers.train_drafter_config import DrafterTrainingConfig
 from adaflash_hf.trainers.train_drafter_trainer import DrafterTrainer

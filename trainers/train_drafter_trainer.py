@@ -2,7 +2,7 @@
 
 The model being trained is the ``AdaFlashDrafter``; the frozen target supplies hidden states (from the corpus's feature
 files or on the fly, ``target_features.TargetFeatures``), its raw embedding table for the block inputs and its lm_head
-for the logits. Overridden hooks: ``compute_loss`` (``recipe_loss``: the recipe in ``dflash_recipe``, under bf16
+for the logits. Overridden hooks: ``compute_loss`` (``dflash_recipe.recipe_loss``, under bf16
 autocast when ``args.bf16``, CPU included), ``create_optimizer`` (drafter and length head in two AdamW
 groups), ``_clip_grad_norm`` (each group clipped on its own, so the head never shrinks the drafter's update),
 ``evaluate`` (tau of real speculative generation on held-out prompts) and ``log`` (recipe metrics).
@@ -17,16 +17,11 @@ import torch
 from transformers import GenerationConfig, Trainer, TrainerCallback
 from transformers.utils import logging
 
-from adaflash_hf.corpus import load_features, read_corpus
-from adaflash_hf.learning_curve import LearningCurve, heldout_acceptance
 from adaflash_hf.modeling import AdaFlashDrafter
 from adaflash_hf.stats import tau_of
-from adaflash_hf.trainers.dflash_recipe import (
-    SoftTargets,
-    block_ce_and_head_loss,
-    build_blocks,
-    sample_anchors,
-)
+from adaflash_hf.trainers.corpus import load_features, read_corpus
+from adaflash_hf.trainers.dflash_recipe import recipe_loss, sample_anchors
+from adaflash_hf.trainers.learning_curve import LearningCurve, heldout_acceptance
 from adaflash_hf.trainers.optim import clip_each_group, split_drafter_and_head, two_group_adamw
 from adaflash_hf.trainers.target_features import (
     SequenceCollator,
@@ -36,60 +31,6 @@ from adaflash_hf.trainers.target_features import (
 )
 
 logger = logging.get_logger(__name__)
-
-
-def recipe_loss(
-    model,
-    config,
-    args,
-    input_ids: torch.Tensor,
-    loss_mask: torch.Tensor,
-    features: torch.Tensor,
-    anchors: torch.Tensor,
-    embedding_weight: torch.Tensor,
-    lm_head_weight: torch.Tensor,
-    draft_token_ids: torch.Tensor | None = None,
-    soft_targets: SoftTargets | None = None,
-):
-    """One training forward of the recipe and its loss ``token_loss + length_head_loss_weight * head_mse``.
-
-    ``model`` is the drafter (or its DDP wrapper), ``config`` its ``AdaFlashConfig``; ``args`` supplies
-    ``loss_decay_gamma``, ``length_head_loss_weight``, ``attention_layout``, ``loss_positions`` and
-    ``soft_target_weight`` (the token loss mixes the CE with a KL to ``soft_targets``). Shared by ``DrafterTrainer`` and
-    ``adaflash bench train`` so the benchmark times the trainer's own step. Returns (loss, drafter output, metrics).
-    """
-    split = args.attention_layout == "split"
-    blocks = build_blocks(
-        input_ids,
-        loss_mask,
-        anchors,
-        config.block_size,
-        config.mask_token_id,
-        args.loss_decay_gamma,
-        dense_mask=not split,
-    )
-    out = model(
-        noise_embeds=torch.nn.functional.embedding(blocks.noise_ids, embedding_weight),
-        context_hidden_states=features,
-        position_ids=blocks.position_ids,
-        attention_mask=blocks.attention_mask,
-        block_anchors=blocks.anchors if split else None,
-    )
-    acceptance = out.acceptance_prob
-    if acceptance.dim() == 1:
-        acceptance = acceptance[:, None]
-    token_loss, head_mse, metrics = block_ce_and_head_loss(
-        out.last_hidden_state,
-        acceptance,
-        lm_head_weight,
-        blocks,
-        config.block_size,
-        draft_token_ids,
-        loss_positions=getattr(args, "loss_positions", None),
-        soft_targets=soft_targets,
-        soft_target_weight=getattr(args, "soft_target_weight", 0.0),
-    )
-    return token_loss + args.length_head_loss_weight * head_mse, out, metrics
 
 
 def check_draft_vocab(draft_token_ids: torch.Tensor | None, draft_vocab_size: int | None) -> None:

@@ -53,7 +53,7 @@ from transformers.utils import logging
 import adaflash_hf
 from adaflash_hf import AdaFlashDrafter
 from adaflash_hf.bench.machine import cpu_flags, plot_cost_curve
-from adaflash_hf.cli import CONFIG_HELP, parse_args_with_config
+from adaflash_hf.launch import CONFIG_HELP, parse_args_with_config
 from adaflash_hf.stats import tau_of
 
 logger = logging.get_logger(__name__)

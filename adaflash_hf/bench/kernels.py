@@ -19,9 +19,9 @@ import time
 
 import torch
 
-from adaflash_hf.cli import CONFIG_HELP, parse_args_with_config
 from adaflash_hf.kernels.clipped_kl import clipped_distill_loss_reference, fused_clipped_distill_loss
 from adaflash_hf.kernels.verify_accept import verify_accept
+from adaflash_hf.launch import CONFIG_HELP, parse_args_with_config
 
 LOSS_IMPLS = {"naive": None, "fallback": "torch", "triton": "triton"}
 

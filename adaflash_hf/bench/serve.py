@@ -44,7 +44,7 @@ from transformers.utils import logging
 
 from adaflash_hf import AdaFlashConfig, AdaFlashDrafter
 from adaflash_hf.bench.machine import cpu_flags, plot_cost_curve
-from adaflash_hf.cli import CONFIG_HELP, parse_args_with_config
+from adaflash_hf.launch import CONFIG_HELP, parse_args_with_config
 from adaflash_hf.serving import MODES as ENGINE_MODES
 from adaflash_hf.serving import AdaFlashEngine, AdmissionConfig, SamplingParams
 from adaflash_hf.stats import tau_of

@@ -35,13 +35,12 @@ import time
 import torch
 from transformers import LlamaConfig
 
-from adaflash_hf.cli import CONFIG_HELP, parse_args_with_config
+from adaflash_hf.launch import CONFIG_HELP, parse_args_with_config
 from adaflash_hf.modeling import AdaFlashConfig, AdaFlashDrafter
 from adaflash_hf.modeling.configuration_adaflash import build_target_layer_ids
-from adaflash_hf.trainers.dflash_recipe import IGNORE, SoftTargets, sample_anchors
+from adaflash_hf.trainers.dflash_recipe import IGNORE, SoftTargets, recipe_loss, sample_anchors
 from adaflash_hf.trainers.optim import clip_each_group, split_drafter_and_head, two_group_adamw
 from adaflash_hf.trainers.train_drafter_config import DrafterTrainingConfig
-from adaflash_hf.trainers.train_drafter_trainer import recipe_loss
 
 VARIANTS = {
     "today": {"attention_layout": "dense", "num_anchors": 24},

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from transformers.utils import logging
 
-from adaflash_hf.learning_curve import record_blocks
+from adaflash_hf.trainers.learning_curve import record_blocks
 
 logger = logging.get_logger(__name__)
 
@@ -230,7 +230,7 @@ def _scored_on(report: dict) -> str:
 
 # ----------------------------------------------------------------------------------------------------------- CLI
 def make_parser() -> argparse.ArgumentParser:
-    from adaflash_hf.cli import CONFIG_HELP
+    from adaflash_hf.launch import CONFIG_HELP
 
     parser = argparse.ArgumentParser(
         prog="adaflash calibrate-head", description=__doc__.splitlines()[0].rstrip(":")
@@ -306,8 +306,8 @@ def _check_args(args) -> None:
 
 
 def _corpus(args, target, tokenizer, layer_ids) -> tuple[list[dict], list[torch.Tensor]]:
-    from adaflash_hf.corpus import build_corpus, load_features, read_corpus
     from adaflash_hf.data import load_domain
+    from adaflash_hf.trainers.corpus import build_corpus, load_features, read_corpus
 
     corpus_dir, features_dir = args.corpus_dir, args.features_dir
     if corpus_dir is None:
@@ -342,7 +342,7 @@ def _corpus(args, target, tokenizer, layer_ids) -> tuple[list[dict], list[torch.
 
 def main(argv: list[str] | None = None) -> dict:
     from adaflash_hf.assets import load_target
-    from adaflash_hf.cli import parse_args_with_config
+    from adaflash_hf.launch import parse_args_with_config
     from adaflash_hf.modeling import AdaFlashDrafter
 
     parser = make_parser()

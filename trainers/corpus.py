@@ -41,8 +41,8 @@ from transformers import DynamicCache
 from transformers.utils import logging
 
 from adaflash_hf.assets import DEFAULT_TARGET, chat_prompt_ids, load_target, load_target_config
-from adaflash_hf.cli import CONFIG_HELP, parse_args_with_config
 from adaflash_hf.data import load_domain
+from adaflash_hf.launch import CONFIG_HELP, parse_args_with_config
 
 logger = logging.get_logger(__name__)
 
