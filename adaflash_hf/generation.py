@@ -71,7 +71,6 @@ from adaflash_hf.lookup import (
     truncate_lookup,
 )
 from adaflash_hf.modeling import AdaFlashDrafter
-from adaflash_hf.modeling.modeling_adaflash import SUPPORTED_DTYPES
 from adaflash_hf.stats import AdaFlashStats, RoundRecord
 
 logger = logging.get_logger(__name__)
@@ -123,21 +122,6 @@ def drafting_settings(generation_config, drafter: AdaFlashDrafter) -> DraftingSe
     return settings
 
 
-def align_drafter_dtype(drafter: AdaFlashDrafter, target) -> None:
-    """Cast the drafter, in place and once, to the target's floating dtype: a drafter stored in bf16 serves an fp32
-    target (the drafter reads the target's states and its lm_head in the target's dtype). Anything else is left to
-    ``check_target``'s clear error."""
-    target_dtype = next(target.parameters()).dtype
-    drafter_dtype = next(drafter.parameters()).dtype
-    if (
-        drafter_dtype != target_dtype
-        and target_dtype in SUPPORTED_DTYPES
-        and drafter_dtype in SUPPORTED_DTYPES
-    ):
-        logger.warning_once(f"drafter: cast from {drafter_dtype} to the target's {target_dtype}")
-        drafter.to(target_dtype)
-
-
 def check_knob_names(generation_config) -> None:
     """Raise on an ``adaflash_*`` field that is no knob: a misspelt knob would otherwise be ignored silently."""
     for name in sorted(vars(generation_config)):
@@ -155,7 +139,7 @@ def validate_adaflash_generation(
     """All checks that must fail before any forward pass of an AdaFlash ``generate`` call (the prompt's are in
     ``AdaFlashCandidateGenerator.__init__``, the first place that sees it, still before any forward)."""
     check_knob_names(generation_config)
-    align_drafter_dtype(drafter, target)
+    drafter.align_dtype(target)
     drafter.check_target(target)
     if generation_config.num_beams > 1 or generation_mode in (
         GenerationMode.BEAM_SEARCH,
@@ -602,7 +586,7 @@ def _wrap_validate_generation_mode(original):
             assistant.last_stats = None
             if _native_dflash(generation_config):
                 _refuse_call_knobs(generation_config, "speculation_type='dflash' (transformers' native path)")
-                align_drafter_dtype(assistant, self)
+                assistant.align_dtype(self)
                 assistant.check_target(self)
             else:
                 validate_adaflash_generation(self, assistant, bound["generation_mode"], generation_config)

@@ -3,7 +3,7 @@
 ``push_drafter(drafter_or_path, "org/name")`` (CLI: ``adaflash publish PATH org/name``) does all local work first:
 loads and checks the drafter, renders ``README.md`` from ``adaflash_hf/templates/model_card.md`` (metadata: the target
 as ``base_model``, tags, datasets, license; body: usage, the τ/speed-up table of a bench JSON, the training command)
-and stages ``save_pretrained``'s files (safetensors, config, the remote-code ``configuration_/modeling_adaflash.py``).
+and stages ``save_pretrained``'s files (safetensors, config, the remote-code ``modeling/*_adaflash.py``).
 Only then does it touch the Hub: ``create_repo`` (private or not), ``create_branch`` for a ``revision``, and ONE
 ``create_commit`` holding every file. A failure before the commit uploads nothing; a failed commit changes nothing,
 so a revision never holds half a drafter.
@@ -32,13 +32,19 @@ from transformers import PreTrainedConfig
 from transformers.utils import logging
 
 import adaflash_hf
+import adaflash_hf.modeling
 from adaflash_hf.interop import check_target_fingerprint, load_drafter, load_target_config
 from adaflash_hf.modeling import AdaFlashConfig, AdaFlashDrafter
 
 logger = logging.get_logger(__name__)
 
 DEFAULT_TAGS = ("adaflash", "dflash", "speculative-decoding", "draft-model")
-REQUIRED_FILES = ("config.json", "configuration_adaflash.py", "modeling_adaflash.py", "README.md")
+# The remote code: every file of modeling/ but its __init__ (modeling_adaflash.py imports the others with a single dot,
+# so save_pretrained copies them all).
+REMOTE_CODE_FILES = tuple(
+    sorted(p.name for p in Path(adaflash_hf.modeling.__file__).parent.glob("*_adaflash.py"))
+)
+REQUIRED_FILES = ("config.json", *REMOTE_CODE_FILES, "README.md")
 # bench JSON keys shown first, in this order, with these headers; other scalar keys follow as they come
 _KNOWN_COLUMNS = {
     "method": "method",

@@ -42,8 +42,7 @@ from transformers.utils import logging
 import adaflash_hf
 from adaflash_hf.modeling import AdaFlashConfig, AdaFlashDrafter
 from adaflash_hf.modeling.configuration_adaflash import TARGET_FINGERPRINT
-from adaflash_hf.modeling.modeling_adaflash import (
-    LENGTH_HEAD_ATTRIBUTE,
+from adaflash_hf.modeling.sidecar_adaflash import (
     MASK_EMBEDDING_FILE,
     SIDECAR_CONFIG,
     SIDECAR_CONFIG_FIELDS,
@@ -287,7 +286,7 @@ def export_dflash(
             "export_format": format,
             "block_size": config.block_size,
             "mask_token_id": config.mask_token_id,
-            "length_head_module": LENGTH_HEAD_ATTRIBUTE[config.length_head_variant],
+            "length_head_module": drafter.length_head_name,
             "tensors": sorted(sidecar_tensors),
             **{field: getattr(config, field) for field in SIDECAR_CONFIG_FIELDS},
         }

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from adaflash_hf.modeling.length_head_adaflash import realised_acceptance
+
 
 def tau_of(committed: int, rounds: int) -> float:
     """τ, the one definition: committed tokens per drafting round (one target forward each; a round commits its
@@ -83,8 +85,8 @@ class AdaFlashStats:
 
     @property
     def realised_acceptance(self) -> list[float]:
-        """Accepted fraction of each round's block (accepted / (block_size - 1)), the length head's target."""
-        return [accepted / (self.block_size - 1) for accepted in self.accepted_lengths]
+        """Accepted fraction of each round's block (a* = accepted / (block_size - 1)), the length head's target."""
+        return [realised_acceptance(accepted, self.block_size) for accepted in self.accepted_lengths]
 
     @property
     def mean_verify_length(self) -> float:

@@ -5,13 +5,7 @@ import json
 import pytest
 import torch
 
-from adaflash_hf.trainers.calibrate_head import (
-    calibrate_length_head,
-    collect_blocks,
-    length_head,
-    main,
-    reinitialise_length_head,
-)
+from adaflash_hf.trainers.calibrate_head import calibrate_length_head, collect_blocks, main
 from tests.test_learning_curve import drafts_one_token, features_of
 
 BLOCK = 4
@@ -42,7 +36,7 @@ def setup(target_factory, drafter_factory):
 
 def test_calibration_fits_the_head_alone_and_lowers_its_error(setup):
     target, drafter, records, features = setup
-    reinitialise_length_head(drafter, seed=1)
+    drafter.reset_length_head(seed=1)
     head_names = {f"{name}" for name in drafter.length_head_parameter_names()}
     before = {n: p.detach().clone() for n, p in drafter.named_parameters()}
     realised = torch.cat([r for _, r in collect_blocks(drafter, target, records, features)])
@@ -63,14 +57,6 @@ def test_calibration_fits_the_head_alone_and_lowers_its_error(setup):
     # k̂ follows the acceptance: more of what the adaptive length verifies is accepted than with the fresh head.
     assert report["after"]["acceptance_of_verified"] > report["before"]["acceptance_of_verified"]
     assert report["loss"][-1] < report["loss"][0]
-
-
-def test_reinitialised_head_is_a_fresh_module_of_the_same_shape(setup):
-    _, drafter, _, _ = setup
-    old = length_head(drafter)
-    shapes = [p.shape for p in old.parameters()]
-    reinitialise_length_head(drafter, seed=3)
-    assert length_head(drafter) is not old and [p.shape for p in length_head(drafter).parameters()] == shapes
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -86,7 +87,11 @@ def test_save_pretrained_refuses_pickle_serialization(tmp_path, qwen3_target, dr
 
 def test_saved_folder_carries_remote_code(tmp_path, qwen3_target, drafter_factory):
     drafter_factory(qwen3_target).save_pretrained(tmp_path)
-    assert {"configuration_adaflash.py", "modeling_adaflash.py"} <= set(os.listdir(tmp_path))
+    remote_code = {
+        path.name for path in (Path(__file__).resolve().parents[1] / "modeling").glob("*_adaflash.py")
+    }
+    assert {"configuration_adaflash.py", "modeling_adaflash.py", "sidecar_adaflash.py"} <= remote_code
+    assert remote_code <= set(os.listdir(tmp_path))
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["model_type"] == "adaflash"
     assert config["auto_map"] == {

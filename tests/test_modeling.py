@@ -240,3 +240,52 @@ def test_length_head_loss_does_not_reach_the_drafter(qwen3_target, drafter_facto
             assert param.grad is not None and param.grad.abs().sum() > 0, name
         else:
             assert param.grad is None, name
+
+
+@pytest.mark.parametrize("variant", LENGTH_HEAD_VARIANTS)
+def test_reset_length_head_gives_a_fresh_head_of_the_same_shape_dtype_and_name(
+    qwen3_target, drafter_factory, variant
+):
+    drafter = drafter_factory(qwen3_target, length_head_variant=variant).to(torch.float64)
+    old = drafter.length_head
+    drafter.reset_length_head(seed=3)
+    new = drafter.length_head
+    assert new is not old and getattr(drafter, drafter.length_head_name) is new
+    assert [(p.shape, p.dtype) for p in new.parameters()] == [(p.shape, p.dtype) for p in old.parameters()]
+    assert drafter.length_head_parameter_names() == [
+        f"{drafter.length_head_name}.{name}" for name, _ in new.named_parameters()
+    ]
+    drafter.reset_length_head(seed=3)
+    assert all(torch.equal(a, b) for a, b in zip(new.parameters(), drafter.length_head.parameters()))
+
+
+def test_length_head_names_follow_the_checkpoint_layouts(qwen3_target, drafter_factory):
+    names = {
+        variant: drafter_factory(qwen3_target, length_head_variant=variant).length_head_name
+        for variant in LENGTH_HEAD_VARIANTS
+    }
+    assert names == {"two_model": "thresh_head_two_model", "paper": "length_head"}
+
+
+def test_the_length_heads_signal_is_the_realised_fraction_and_its_error():
+    from adaflash_hf.modeling.length_head_adaflash import (
+        length_head_error,
+        length_head_loss,
+        realised_acceptance,
+    )
+
+    accepted = torch.tensor([0, 3, 15])
+    realised = realised_acceptance(accepted, block_size=16)
+    assert realised.dtype == torch.float32 and torch.equal(realised, torch.tensor([0.0, 3.0, 15.0]) / 15)
+    assert realised_acceptance(3, block_size=16) == 3 / 15
+    predicted = torch.tensor([0.5, 0.2, 0.75])
+    assert torch.allclose(length_head_error(predicted, realised), torch.tensor([0.5, 0.0, 0.25]))
+    expected = ((predicted - realised) ** 2).mean()
+    assert torch.allclose(length_head_loss(predicted.to(torch.bfloat16), realised), expected, atol=1e-3)
+
+
+def test_align_dtype_casts_the_drafter_to_the_targets_dtype_once(qwen3_target, drafter_factory):
+    drafter = drafter_factory(qwen3_target).to(torch.bfloat16)
+    drafter.align_dtype(qwen3_target)
+    assert next(drafter.parameters()).dtype == next(qwen3_target.parameters()).dtype
+    drafter.check_target(qwen3_target)

@@ -73,6 +73,8 @@ def test_wheel_has_only_the_adaflash_hf_top_level_package(wheel):
         "adaflash_hf/modeling/__init__.py",
         "adaflash_hf/modeling/configuration_adaflash.py",
         "adaflash_hf/modeling/modeling_adaflash.py",
+        "adaflash_hf/modeling/sidecar_adaflash.py",
+        "adaflash_hf/trainers/corpus.py",
         "adaflash_hf/kernels/__init__.py",
     ],
 )

@@ -75,5 +75,9 @@ def test_demo_runs_and_checks_against_plain_greedy(capsys):
 def test_shipped_remote_code_is_the_current_modeling_code():
     # save_pretrained copies modeling/ next to the weights for trust_remote_code users; a stale copy would load
     # different code than the package.
-    for name in ("configuration_adaflash.py", "modeling_adaflash.py"):
-        assert (SHIPPED / name).read_text() == (REPO / "modeling" / name).read_text(), name
+    remote_code = sorted((REPO / "modeling").glob("*_adaflash.py"))
+    assert {"configuration_adaflash.py", "modeling_adaflash.py", "sidecar_adaflash.py"} <= {
+        p.name for p in remote_code
+    }
+    for path in remote_code:
+        assert (SHIPPED / path.name).read_text() == path.read_text(), path.name

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from adaflash_hf.modeling.modeling_adaflash import BlockwiseMask, _blockwise_attention
+from adaflash_hf.modeling.attention_adaflash import BlockwiseMask, blockwise_attention
 from adaflash_hf.trainers.dflash_recipe import build_blocks, dense_block_mask
 
 BLOCK = 16
@@ -89,7 +89,7 @@ def test_split_equals_eager_dense_for_the_learned_mask_embedding_and_the_paper_h
     target = target_factory("llama", dtype=torch.float64)
     drafter = drafter_factory(target, learned_mask_embedding=True, length_head_variant="paper").train()
     drafter.config._attn_implementation = (
-        "eager"  # the dense reference through _eager_attention's additive mask
+        "eager"  # the dense reference through eager_attention's additive mask
     )
     blocks, features, noise = _inputs(drafter, target, torch.tensor([[2, 25], [9, -1]]), 40, [40, 30])
     _assert_split_matches_dense(drafter, blocks, features, noise)
@@ -161,7 +161,7 @@ def test_blockwise_attention_equals_sdpa_with_the_dense_mask(heads, kv_heads, nu
         value,
     )
     split = _attention_grads(
-        lambda q, k, v: _blockwise_attention(q, k, v, blockwise, dim**-0.5, 0.0, False), query, key, value
+        lambda q, k, v: blockwise_attention(q, k, v, blockwise, dim**-0.5, 0.0, False), query, key, value
     )
     for name, want, got in zip(("out", "d_query", "d_key", "d_value"), dense, split):
         torch.testing.assert_close(got, want, atol=ATOL64, rtol=0, msg=name)

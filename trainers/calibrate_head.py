@@ -30,32 +30,12 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from transformers.utils import logging
 
+from adaflash_hf.modeling.length_head_adaflash import length_head_error, length_head_loss, realised_acceptance
 from adaflash_hf.trainers.learning_curve import record_blocks
 
 logger = logging.get_logger(__name__)
-
-
-def length_head(drafter) -> torch.nn.Module:
-    """The drafter's length-head module (its attribute depends on ``config.length_head_variant``)."""
-    from adaflash_hf.modeling.modeling_adaflash import LENGTH_HEAD_ATTRIBUTE
-
-    return getattr(drafter, LENGTH_HEAD_ATTRIBUTE[drafter.config.length_head_variant])
-
-
-def reinitialise_length_head(drafter, seed: int = 0) -> None:
-    """Replace the length head with a freshly initialised one (what a checkpoint without a head loads with)."""
-    from adaflash_hf.modeling.modeling_adaflash import LENGTH_HEAD_ATTRIBUTE, LENGTH_HEAD_CLASS
-
-    config = drafter.config
-    torch.manual_seed(seed)
-    head = LENGTH_HEAD_CLASS[config.length_head_variant](config.hidden_size, config.length_head_bottleneck)
-    reference = next(drafter.parameters())
-    setattr(
-        drafter, LENGTH_HEAD_ATTRIBUTE[config.length_head_variant], head.to(reference.device, reference.dtype)
-    )
 
 
 def collect_blocks(
@@ -76,7 +56,9 @@ def collect_blocks(
     for record, feature in tqdm(pairs, total=len(records), desc="drafting blocks", disable=not progress):
         blocks = record_blocks(drafter, target, record, feature, max_anchors)
         if blocks is not None:
-            out.append((blocks.states.float(), blocks.accepted.float() / (drafter.config.block_size - 1)))
+            out.append(
+                (blocks.states.float(), realised_acceptance(blocks.accepted, drafter.config.block_size))
+            )
     drafter.train(was_training)
     return out
 
@@ -87,7 +69,7 @@ def head_figures(
 ) -> dict:
     """Mean |â - a*|, mean â, and per block the drafts the adaptive length k̂ verifies and would get accepted, for
     ``head`` (default: the drafter's own length head)."""
-    head = length_head(drafter) if head is None else head
+    head = drafter.length_head if head is None else head
     dtype = next(head.parameters()).dtype
     predicted = head(states.to(dtype)).float()
     k_hat = drafter.predict_draft_length(predicted)
@@ -95,7 +77,7 @@ def head_figures(
     committed = torch.minimum(k_hat, accepted)
     return {
         "blocks": int(realised.numel()),
-        "head_mae": float((predicted - realised).abs().mean()),
+        "head_mae": float(length_head_error(predicted, realised).mean()),
         "mean_predicted": float(predicted.mean()),
         "mean_realised": float(realised.mean()),
         "mean_k_hat": float(k_hat.float().mean()),
@@ -117,7 +99,7 @@ def fit_length_head(
     time_budget_s: float | None = None,
 ) -> list[float]:
     """AdamW on the length head's parameters only (MSE of â against ``realised``); returns the loss per step."""
-    head = length_head(drafter)
+    head = drafter.length_head
     head.train()
     params = list(head.parameters())
     optimizer = torch.optim.AdamW(params, lr=learning_rate, weight_decay=0.0)
@@ -126,7 +108,7 @@ def fit_length_head(
     losses, start = [], time.perf_counter()
     for _ in range(steps):
         rows = torch.randint(0, realised.numel(), (min(batch_size, realised.numel()),), generator=generator)
-        loss = F.mse_loss(head(states[rows].to(dtype)).float(), realised[rows])
+        loss = length_head_loss(head(states[rows].to(dtype)), realised[rows])
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -356,8 +338,8 @@ def main(argv: list[str] | None = None) -> dict:
     drafter.check_target(target)
     references = {}
     if args.reinit_head:  # the loaded head is the reference the fresh one is measured against
-        references["loaded_head"] = copy.deepcopy(length_head(drafter)).eval()
-        reinitialise_length_head(drafter, args.seed)
+        references["loaded_head"] = copy.deepcopy(drafter.length_head).eval()
+        drafter.reset_length_head(args.seed)
     records, features = _corpus(args, target, tokenizer, list(drafter.config.target_layer_ids))
     report = calibrate_length_head(
         drafter,

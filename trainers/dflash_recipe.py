@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from adaflash_hf.modeling.length_head_adaflash import length_head_loss, realised_acceptance
+
 IGNORE = -100
 
 
@@ -298,9 +300,9 @@ def block_ce_and_head_loss(
     accepted = _realised_accepted(
         correct, late, drafter_hidden, head, labels, block_size, loss_positions, draft_token_ids
     )
-    realised = accepted.float() / (block_size - 1)
+    realised = realised_acceptance(accepted, block_size)
     valid_blocks = blocks.anchors >= 0
-    head_mse = F.mse_loss(acceptance_prob[valid_blocks].float(), realised[valid_blocks])
+    head_mse = length_head_loss(acceptance_prob[valid_blocks], realised[valid_blocks])
     metrics = {
         "ce": float(ce.detach()),
         "accuracy": float((predicted == row_labels).float().mean()),

@@ -24,7 +24,9 @@ import torch
 import torch.nn.functional as F
 
 from adaflash_hf.draft_vocab import draft_tokens
+from adaflash_hf.modeling.length_head_adaflash import length_head_error, realised_acceptance
 from adaflash_hf.stats import tau_of
+from adaflash_hf.trainers.dflash_recipe import accepted_drafts
 
 
 @torch.no_grad()
@@ -108,9 +110,11 @@ def record_blocks(
     states = out.last_hidden_state.view(anchors.numel(), block, -1)
     drafts = draft_tokens(states[:, 1:].to(lm_head.weight.dtype), lm_head, drafter.draft_token_ids)
     labels = ids[anchors[:, None] + offsets[1:]]
+    # Row 0 of each block (the anchor) is never a draft: accepted_drafts skips it.
+    correct = F.pad(drafts.cpu() == labels, (1, 0))  # [n, k]
     return RecordBlocks(
         anchors=anchors,
-        accepted=(drafts.cpu() == labels).long().cumprod(-1).sum(-1),
+        accepted=accepted_drafts(correct.reshape(1, -1), block)[0],
         predicted=out.acceptance_prob.detach().float().reshape(-1).cpu(),
         states=states.detach(),
     )
@@ -126,7 +130,7 @@ def _summary(accepted: torch.Tensor, predicted: torch.Tensor, block: int) -> dic
             int(accepted.sum()) + accepted.numel(), accepted.numel()
         ),  # every block verified in full
         "acceptance_per_position": per_position,
-        "head_mae": float((predicted - accepted.float() / (block - 1)).abs().mean()),
+        "head_mae": float(length_head_error(predicted, realised_acceptance(accepted, block)).mean()),
         "head_mean_predicted": float(predicted.mean()),
     }
 

@@ -25,7 +25,6 @@ from transformers.utils import logging
 from trl import ModelConfig, TrlParser
 
 from adaflash_hf.assets import load_target
-from adaflash_hf.modeling.modeling_adaflash import LENGTH_HEAD_ATTRIBUTE
 from adaflash_hf.online.config import OnlineConfig
 from adaflash_hf.online.loop import MetricsLogger, TrafficSource, run_online
 from adaflash_hf.online.weights import load_state, publishable_state
@@ -66,7 +65,7 @@ def lora_config(model_args: ModelConfig, drafter):
         lora_alpha=model_args.lora_alpha,
         lora_dropout=model_args.lora_dropout,
         target_modules=model_args.lora_target_modules or LORA_TARGETS,
-        modules_to_save=[LENGTH_HEAD_ATTRIBUTE[drafter.config.length_head_variant]],
+        modules_to_save=[drafter.length_head_name],
     )
 
 

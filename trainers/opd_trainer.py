@@ -45,6 +45,7 @@ from trl import DistillationTrainer
 
 from adaflash_hf.draft_vocab import draft_tokens
 from adaflash_hf.kernels.clipped_kl import fused_clipped_distill_loss
+from adaflash_hf.modeling.length_head_adaflash import length_head_loss, realised_acceptance
 from adaflash_hf.online.buffer import Trajectory, TrajectoryDataset
 from adaflash_hf.online.weights import LearnerState, base_drafter, load_state, publishable_state
 from adaflash_hf.trainers.dflash_recipe import IGNORE, accepted_drafts, build_blocks
@@ -250,7 +251,7 @@ class OPDTrainer(DistillationTrainer):
         acceptance = out.acceptance_prob
         if acceptance.dim() == 1:
             acceptance = acceptance[:, None]
-        head_mse = F.mse_loss(acceptance[valid_blocks].float(), realised[valid_blocks])
+        head_mse = length_head_loss(acceptance[valid_blocks], realised[valid_blocks])
         loss = distill.loss + self.args.length_head_loss_weight * head_mse
 
         metrics = self._metrics["train" if self.model.training else "eval"]
@@ -276,7 +277,7 @@ class OPDTrainer(DistillationTrainer):
         correct = torch.zeros_like(rows)
         correct[rows] = agree
         accepted = accepted_drafts(correct, block)
-        return accepted.float() / (block - 1), blocks.anchors >= 0
+        return realised_acceptance(accepted, block), blocks.anchors >= 0
 
     # ------------------------------------------------------------------------------------- optimiser and the guard
     def _groups(self, model=None) -> dict[str, list[torch.nn.Parameter]]:

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import torch
 
-from adaflash_hf.modeling.modeling_adaflash import LENGTH_HEAD_ATTRIBUTE
+from adaflash_hf.online.weights import base_drafter
 
 
 def split_drafter_and_head(model) -> dict[str, list[torch.nn.Parameter]]:
     """Trainable parameters as ``{"drafter": [...], "length_head": [...]}``; works on a PEFT-wrapped drafter too."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    head_prefix = LENGTH_HEAD_ATTRIBUTE[base.config.length_head_variant] + "."
+    head_prefix = base_drafter(model).length_head_name + "."
     groups: dict[str, list[torch.nn.Parameter]] = {"drafter": [], "length_head": []}
     for name, param in model.named_parameters():
         if param.requires_grad:

@@ -67,7 +67,7 @@ from adaflash_hf.drafting import (
     lookup_gains,
     plan_round,
 )
-from adaflash_hf.generation import CONFIDENCE_ROWS, align_drafter_dtype
+from adaflash_hf.generation import CONFIDENCE_ROWS
 from adaflash_hf.kernels.verify_accept import verify_accept
 from adaflash_hf.lookup import LookupIndex, choose_lookup, truncate_lookup
 from adaflash_hf.serving.admission import AdmissionConfig, AdmissionController, default_kv_budget
@@ -264,7 +264,7 @@ class AdaFlashEngine:
             )
         self.drafter = drafter if mode != "plain" else None
         if self.drafter is not None:
-            align_drafter_dtype(drafter, target)
+            drafter.align_dtype(target)
             drafter.check_target(target)
         self.target = target
         self.mode = mode

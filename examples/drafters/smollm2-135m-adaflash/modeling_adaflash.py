@@ -10,16 +10,17 @@ by ``adaflash export --format dflash``, whose length head and learned mask embed
 
 The forward follows transformers' native DFlash drafter contract (``DFlashTokenCandidateGenerator``), so
 ``target.generate(ids, assistant_model=drafter, speculation_type="dflash")`` runs it as a fixed-length baseline.
-This file imports only ``.configuration_adaflash`` so it also works as Hub remote code.
+Its siblings hold the config (``configuration_adaflash``), the attention functions (``attention_adaflash``), the length
+head and its learning signal (``length_head_adaflash``) and the reader of an export's sidecar (``sidecar_adaflash``).
+They are imported with a single dot and nothing else from this package, so ``save_pretrained`` copies them all beside
+the weights and the folder also works as Hub remote code.
 """
 
 from __future__ import annotations
 
 import copy
-import json
 import math
 import os
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -27,40 +28,29 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors import SafetensorError, safe_open
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
-from transformers.utils import cached_file
+from transformers.utils import logging
 
-from .configuration_adaflash import (
-    TARGET_FINGERPRINT,
-    AdaFlashConfig,
-    check_draft_token_ids,
-    check_local_path,
+from .attention_adaflash import BlockwiseMask, blockwise_attention, eager_attention
+from .configuration_adaflash import AdaFlashConfig, check_draft_token_ids, check_local_path
+from .length_head_adaflash import LENGTH_HEAD_ATTRIBUTE, LENGTH_HEAD_CLASS
+from .sidecar_adaflash import (
+    check_loaded_tensors,
+    check_safetensors_readable,
+    load_sidecar_tensors,
+    read_sidecar,
 )
+
+logger = logging.get_logger(__name__)
 
 SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 # Muse-Glimmer names the context projection ``encoder.*``; everything else is shared with z-lab DFlash.
 MUSE_GLIMMER_KEY_MAPPING = {r"^encoder\.fc\.": "fc.", r"^encoder\.output_norm_enc\.": "hidden_norm."}
-# What z-lab's layout has no slot for, written beside it by ``adaflash export --format dflash``: the length head and
-# its settings (the sidecar), and a learned mask embedding (also as a bare tensor, which vLLM's DFlash loader reads).
-SIDECAR_WEIGHTS = "adaflash_length_head.safetensors"
-SIDECAR_CONFIG = "adaflash_length_head.json"
-SIDECAR_FORMAT_VERSION = 1
-MASK_EMBEDDING_FILE = "mask_embedding.pt"
-SIDECAR_CONFIG_FIELDS = (
-    "length_head_variant",
-    "length_head_bottleneck",
-    "length_head_gamma",
-    "length_head_min_len",
-    "learned_mask_embedding",
-    *TARGET_FINGERPRINT,
-)
-_HUB_KWARGS = ("cache_dir", "force_download", "proxies", "token", "revision", "local_files_only", "subfolder")
 
 
 class AdaFlashRMSNorm(nn.Module):
@@ -105,67 +95,6 @@ class AdaFlashRotaryEmbedding(nn.Module):
         return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(
             x.dtype
         )
-
-
-def _eager_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-    groups = query.shape[1] // key.shape[1]
-    key = key.repeat_interleave(groups, dim=1)
-    value = value.repeat_interleave(groups, dim=1)
-    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
-    if attention_mask is not None:
-        scores = scores + attention_mask
-    # Upcast half precision for a stable softmax, but never downcast float64 (exactness tests run in float64).
-    probs = F.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(query.dtype)
-    probs = F.dropout(probs, p=dropout, training=module.training)
-    return torch.matmul(probs, value).transpose(1, 2).contiguous(), probs
-
-
-@dataclass
-class BlockwiseMask:
-    """The training layout without its dense [Q, N + Q] mask: keys are [N context positions, Q block rows], and each
-    block of ``block_size`` rows sees the context columns where ``context_visible`` is True plus its own rows
-    (bidirectional), never another block. Passed to the layers in place of a mask tensor (as flex attention's
-    ``BlockMask`` is)."""
-
-    context_visible: torch.Tensor  # [B, n_blocks, N] bool
-    block_size: int
-
-
-def _blockwise_attention(
-    query, key, value, mask: BlockwiseMask, scaling: float, dropout: float, training: bool
-):
-    """Exactly the dense-mask attention of the training layout, in O(Q * (N + block_size)) instead of O(Q * (N + Q)).
-
-    query [B, h, Q, d]; key/value [B, kv, N + Q, d]. Each row's scores are its [N] context scores next to the
-    [block_size] scores of its own block (computed block-diagonally, never as [Q, Q]), under one softmax. The own block
-    is always visible, so a block that sees no context still has finite scores. Returns [B, Q, h, d].
-    """
-    batch, heads, q_len, dim = query.shape
-    kv_heads = key.shape[1]
-    groups = heads // kv_heads
-    n_ctx = key.shape[2] - q_len
-    block = mask.block_size
-    n_blocks = q_len // block
-    # Query head i reads key head i // groups (repeat_interleave in _eager_attention): split h into (kv, groups).
-    query = query.reshape(batch, kv_heads, groups, n_blocks, block, dim)
-    key_blocks = key[:, :, n_ctx:].reshape(batch, kv_heads, 1, n_blocks, block, dim)
-    value_blocks = value[:, :, n_ctx:].reshape(batch, kv_heads, 1, n_blocks, block, dim)
-
-    context_keys = key[:, :, :n_ctx].transpose(-1, -2)
-    context_scores = torch.matmul(query.reshape(batch, kv_heads, groups * q_len, dim), context_keys) * scaling
-    context_scores = context_scores.view(batch, kv_heads, groups, n_blocks, block, n_ctx).masked_fill(
-        ~mask.context_visible[:, None, None, :, None, :], torch.finfo(context_scores.dtype).min
-    )
-    # [B, kv, groups, n_blocks, block, block]: each row against its own block's keys only
-    block_scores = torch.matmul(query, key_blocks.transpose(-1, -2)) * scaling
-    scores = torch.cat([context_scores, block_scores], dim=-1)
-    probs = F.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(query.dtype)
-    probs = F.dropout(probs, p=dropout, training=training)
-    context_probs, block_probs = probs.split([n_ctx, block], dim=-1)
-    out = torch.matmul(
-        context_probs.reshape(batch, kv_heads, groups * q_len, n_ctx), value[:, :, :n_ctx]
-    ).view(batch, kv_heads, groups, n_blocks, block, dim) + torch.matmul(block_probs, value_blocks)
-    return out.view(batch, heads, q_len, dim).transpose(1, 2).contiguous()
 
 
 class AdaFlashAttention(nn.Module):
@@ -213,12 +142,10 @@ class AdaFlashAttention(nn.Module):
 
         dropout = self.config.attention_dropout if self.training else 0.0
         if isinstance(attention_mask, BlockwiseMask):
-            out = _blockwise_attention(
-                query, key, value, attention_mask, self.scaling, dropout, self.training
-            )
+            out = blockwise_attention(query, key, value, attention_mask, self.scaling, dropout, self.training)
             return self.o_proj(out.reshape(batch, q_len, -1))
         attention: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, _eager_attention
+            self.config._attn_implementation, eager_attention
         )
         out, _ = attention(
             self,
@@ -261,39 +188,6 @@ class AdaFlashDecoderLayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
-class ThreshHeadTwoModel(nn.Module):
-    """The official AdaFlash length head: concat(mean over block, last position) -> bottleneck MLP -> sigmoid."""
-
-    def __init__(self, hidden_size: int, bottleneck: int):
-        super().__init__()
-        self.down = nn.Linear(2 * hidden_size, bottleneck)
-        self.res = nn.Sequential(nn.Linear(bottleneck, bottleneck), nn.SiLU())
-        self.out = nn.Linear(bottleneck, 1)
-
-    def forward(self, block_hidden: torch.Tensor) -> torch.Tensor:
-        features = torch.cat([block_hidden.mean(dim=-2), block_hidden[..., -1, :]], dim=-1)
-        x = F.silu(self.down(features))
-        x = x + self.res(x)
-        return torch.sigmoid(self.out(x)).squeeze(-1)
-
-
-class PaperLengthHead(nn.Module):
-    """The paper's Algorithm 3 head: per-position Linear+SiLU, mean pool, Linear+sigmoid."""
-
-    def __init__(self, hidden_size: int, bottleneck: int):
-        super().__init__()
-        self.proj = nn.Linear(hidden_size, bottleneck)
-        self.out = nn.Linear(bottleneck, 1)
-
-    def forward(self, block_hidden: torch.Tensor) -> torch.Tensor:
-        pooled = F.silu(self.proj(block_hidden)).mean(dim=-2)
-        return torch.sigmoid(self.out(pooled)).squeeze(-1)
-
-
-LENGTH_HEAD_ATTRIBUTE = {"two_model": "thresh_head_two_model", "paper": "length_head"}
-LENGTH_HEAD_CLASS = {"two_model": ThreshHeadTwoModel, "paper": PaperLengthHead}
-
-
 @dataclass
 class AdaFlashDrafterOutput(BaseModelOutputWithPast):
     r"""
@@ -302,78 +196,6 @@ class AdaFlashDrafterOutput(BaseModelOutputWithPast):
     """
 
     acceptance_prob: torch.FloatTensor | None = None
-
-
-# ------------------------------------------------------------------------------------------------ loading helpers
-def _optional_file(pretrained, filename: str, kwargs: dict) -> str | None:
-    """``filename`` of a local folder or Hub repo (through the Hub cache), or None where it has none."""
-    hub = {key: kwargs[key] for key in _HUB_KWARGS if key in kwargs}
-    return cached_file(
-        str(pretrained),
-        filename,
-        _raise_exceptions_for_missing_entries=False,
-        _raise_exceptions_for_connection_errors=False,
-        **hub,
-    )
-
-
-def _read_safetensors(path, keys: bool = True) -> dict[str, torch.Tensor]:
-    try:
-        with safe_open(path, framework="pt") as handle:
-            return {key: handle.get_tensor(key) for key in handle.keys()} if keys else {}
-    except SafetensorError as error:
-        raise ValueError(
-            f"{path}: expected a complete safetensors file, got one that cannot be read ({error})"
-        ) from error
-
-
-def _read_mask_embedding(path) -> torch.Tensor:
-    value = torch.load(path, map_location="cpu", weights_only=True)
-    if isinstance(value, dict):
-        value = value.get("mask_embedding", value.get("embedding", next(iter(value.values()), None)))
-    if not isinstance(value, torch.Tensor):
-        raise ValueError(f"{path}: expected a tensor of hidden_size values, got {type(value).__name__}")
-    return value
-
-
-def _read_sidecar(pretrained, kwargs: dict) -> tuple[dict, dict[str, torch.Tensor]]:
-    """Config values and tensors an exported folder keeps beside its z-lab weights ({} and {} without any)."""
-    overrides: dict = {}
-    tensors: dict[str, torch.Tensor] = {}
-    meta_file = _optional_file(pretrained, SIDECAR_CONFIG, kwargs)
-    if meta_file is not None:
-        with open(meta_file) as handle:
-            meta = json.load(handle)
-        if meta.get("format_version") != SIDECAR_FORMAT_VERSION:
-            raise ValueError(
-                f"{SIDECAR_CONFIG}: format_version expected {SIDECAR_FORMAT_VERSION}, got {meta.get('format_version')!r}"
-            )
-        overrides = {field: meta[field] for field in SIDECAR_CONFIG_FIELDS if field in meta}
-        weights = _optional_file(pretrained, SIDECAR_WEIGHTS, kwargs)
-        if weights is not None:
-            tensors = _read_safetensors(weights)
-    mask_file = _optional_file(pretrained, MASK_EMBEDDING_FILE, kwargs)
-    if "mask_embedding" not in tensors and mask_file is not None:
-        overrides["learned_mask_embedding"] = True
-        tensors["mask_embedding"] = _read_mask_embedding(mask_file)
-    return overrides, tensors
-
-
-def _load_sidecar_tensors(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-    state = model.state_dict()
-    unexpected = sorted(set(tensors) - set(state))
-    if unexpected:
-        raise ValueError(
-            f"{SIDECAR_WEIGHTS}: expected length-head and mask_embedding tensors of this drafter, got unexpected "
-            f"keys {unexpected}"
-        )
-    for key, value in tensors.items():
-        if key == "mask_embedding" and value.numel() == state[key].numel():
-            value = value.reshape(state[key].shape)  # mask_embedding.pt may hold [1, hidden]
-        if tuple(value.shape) != tuple(state[key].shape):
-            raise ValueError(f"{key}: expected shape {tuple(state[key].shape)}, got {tuple(value.shape)}")
-        with torch.no_grad():
-            state[key].copy_(value)
 
 
 class AdaFlashPreTrainedModel(PreTrainedModel):
@@ -424,10 +246,7 @@ class AdaFlashDrafter(AdaFlashPreTrainedModel):
         self.mask_embedding = (
             nn.Parameter(torch.zeros(config.hidden_size)) if config.learned_mask_embedding else None
         )
-        head = LENGTH_HEAD_CLASS[config.length_head_variant](
-            config.hidden_size, config.length_head_bottleneck
-        )
-        setattr(self, LENGTH_HEAD_ATTRIBUTE[config.length_head_variant], head)
+        setattr(self, self.length_head_name, self._new_length_head())
         token_ids = config.draft_token_ids
         if token_ids is not None:
             # Again here: a value set after the config was built (from_pretrained(path, draft_token_ids=ids)) never
@@ -444,7 +263,12 @@ class AdaFlashDrafter(AdaFlashPreTrainedModel):
     @property
     def length_head(self) -> nn.Module:
         # Read _modules directly: the paper head's attribute is itself named ``length_head``, which this property shadows.
-        return self._modules[LENGTH_HEAD_ATTRIBUTE[self.config.length_head_variant]]
+        return self._modules[self.length_head_name]
+
+    @property
+    def length_head_name(self) -> str:
+        """The length head's attribute, its checkpoint keys' prefix: ``thresh_head_two_model`` or ``length_head``."""
+        return LENGTH_HEAD_ATTRIBUTE[self.config.length_head_variant]
 
     @property
     def draft_token_ids(self) -> torch.LongTensor | None:
@@ -456,8 +280,21 @@ class AdaFlashDrafter(AdaFlashPreTrainedModel):
         return self._draft_token_ids
 
     def length_head_parameter_names(self) -> list[str]:
-        prefix = LENGTH_HEAD_ATTRIBUTE[self.config.length_head_variant] + "."
+        prefix = self.length_head_name + "."
         return [name for name, _ in self.named_parameters() if name.startswith(prefix)]
+
+    def reset_length_head(self, seed: int = 0) -> None:
+        """Replace the length head with a fresh one (PyTorch's default init, drawn after ``torch.manual_seed(seed)``),
+        on the drafter's device and in its dtype: e.g. to measure what calibration gives an untrained head."""
+        torch.manual_seed(seed)
+        reference = next(self.parameters())
+        setattr(self, self.length_head_name, self._new_length_head().to(reference.device, reference.dtype))
+
+    def _new_length_head(self) -> nn.Module:
+        config = self.config
+        return LENGTH_HEAD_CLASS[config.length_head_variant](
+            config.hidden_size, config.length_head_bottleneck
+        )
 
     def can_generate(self) -> bool:
         return False
@@ -592,18 +429,7 @@ class AdaFlashDrafter(AdaFlashPreTrainedModel):
                 f"(len(target_layer_ids)={self.config.num_context_features} x hidden {hidden}), "
                 f"got {context_hidden_states.shape[-1]}"
             )
-        drafter_dtype = self.fc.weight.dtype
-        # Under autocast the matmuls cast for themselves; otherwise a mismatch fails deep inside a layer with torch's
-        # "expected m1 and m2 to have the same dtype" (transformers' native DFlash path feeds the target's dtype).
-        if not torch.is_autocast_enabled(noise_embeds.device.type):
-            inputs = {"noise_embeds": noise_embeds, "context_hidden_states": context_hidden_states}
-            for name, tensor in inputs.items():
-                if tensor.dtype != drafter_dtype:
-                    raise TypeError(
-                        f"{name}: expected the drafter's dtype {drafter_dtype}, got {tensor.dtype}; load "
-                        "the drafter in the target's dtype with from_pretrained(..., dtype=target.dtype), or call "
-                        "drafter.to(target.dtype)"
-                    )
+        self._check_input_dtypes(noise_embeds, context_hidden_states)
         n_ctx = context_hidden_states.shape[1]
         past = cache.get_seq_length() if cache is not None else 0
         if block_anchors is None:
@@ -641,6 +467,23 @@ class AdaFlashDrafter(AdaFlashPreTrainedModel):
             last_hidden_state=hidden_states, cache=cache, acceptance_prob=acceptance_prob
         )
 
+    def _check_input_dtypes(self, noise_embeds: torch.Tensor, context_hidden_states: torch.Tensor) -> None:
+        # Under autocast the matmuls cast for themselves; otherwise a mismatch fails deep inside a layer with torch's
+        # "expected m1 and m2 to have the same dtype" (transformers' native DFlash path feeds the target's dtype).
+        if torch.is_autocast_enabled(noise_embeds.device.type):
+            return
+        drafter_dtype = self.fc.weight.dtype
+        for name, tensor in {
+            "noise_embeds": noise_embeds,
+            "context_hidden_states": context_hidden_states,
+        }.items():
+            if tensor.dtype != drafter_dtype:
+                raise TypeError(
+                    f"{name}: expected the drafter's dtype {drafter_dtype}, got {tensor.dtype}; load "
+                    "the drafter in the target's dtype with from_pretrained(..., dtype=target.dtype), or call "
+                    "drafter.to(target.dtype)"
+                )
+
     # ------------------------------------------------------------------------------------------------ validation
     def check_target(self, target: nn.Module) -> None:
         """Raise a clear error, before any forward pass, when this drafter cannot serve ``target``."""
@@ -676,6 +519,16 @@ class AdaFlashDrafter(AdaFlashPreTrainedModel):
                 f"drafter dtype: expected the target's {target_dtype}, got {drafter_dtype} (cast it with "
                 f"drafter.to({target_dtype}); generate and AdaFlashEngine do that once for you)"
             )
+
+    def align_dtype(self, target: nn.Module) -> None:
+        """Cast the drafter, in place and once, to the target's floating dtype: a drafter stored in bf16 serves an fp32
+        target (the drafter reads the target's states and its lm_head in the target's dtype). Anything else is left to
+        ``check_target``'s clear error. Called by ``generate`` and ``AdaFlashEngine`` before ``check_target``."""
+        target_dtype = next(target.parameters()).dtype
+        drafter_dtype = next(self.parameters()).dtype
+        if drafter_dtype != target_dtype and {target_dtype, drafter_dtype} <= set(SUPPORTED_DTYPES):
+            logger.warning_once(f"drafter: cast from {drafter_dtype} to the target's {target_dtype}")
+            self.to(target_dtype)
 
     # --------------------------------------------------------------------------------------------- save and load
     def save_pretrained(self, save_directory, *args, **kwargs):
@@ -720,12 +573,8 @@ class AdaFlashDrafter(AdaFlashPreTrainedModel):
         if kwargs.get("ignore_mismatched_sizes"):
             raise ValueError("ignore_mismatched_sizes: expected False (drafter loading is strict), got True")
         kwargs.setdefault("key_mapping", MUSE_GLIMMER_KEY_MAPPING)
-        folder = os.path.join(str(path), kwargs.get("subfolder") or "")
-        if os.path.isdir(folder):  # name a truncated file before transformers' nameless error can
-            for name in sorted(os.listdir(folder)):
-                if name.endswith(".safetensors"):
-                    _read_safetensors(os.path.join(folder, name), keys=False)
-        overrides, sidecar = _read_sidecar(path, kwargs)
+        check_safetensors_readable(os.path.join(str(path), kwargs.get("subfolder") or ""))
+        overrides, sidecar = read_sidecar(path, kwargs)
         if isinstance(kwargs.get("config"), AdaFlashConfig):
             kwargs["config"] = copy.deepcopy(kwargs["config"])
             for field, value in overrides.items():
@@ -736,36 +585,6 @@ class AdaFlashDrafter(AdaFlashPreTrainedModel):
         # mismatch is turned into a ValueError below, so nothing is silently re-initialised.
         kwargs["ignore_mismatched_sizes"] = True
         model, info = super().from_pretrained(path, *model_args, output_loading_info=True, **kwargs)
-        _load_sidecar_tensors(model, sidecar)
-        head_keys = set(model.length_head_parameter_names())
-        problems_on_load = model.__dict__.pop("_load_problems", info)
-        missing = set(problems_on_load.get("missing_keys") or ()) - set(sidecar)
-        fresh_head = (
-            model.config.source_layout in ("dflash", "muse_glimmer") and head_keys and head_keys <= missing
-        )
-        if fresh_head:
-            missing -= head_keys
-        problems = []
-        if missing:
-            problems.append(f"missing keys {sorted(missing)}")
-        if problems_on_load.get("unexpected_keys"):
-            problems.append(f"unexpected keys {sorted(problems_on_load['unexpected_keys'])}")
-        if problems_on_load.get("mismatched_keys"):
-            problems.append(f"wrong-shaped keys {sorted(map(str, problems_on_load['mismatched_keys']))}")
-        if info.get("error_msgs"):
-            problems.append(f"errors {info['error_msgs']}")
-        if problems:
-            raise ValueError(
-                f"checkpoint {path}: expected exactly the tensors of a {model.config.source_layout} drafter "
-                f"(plus {SIDECAR_WEIGHTS} / {MASK_EMBEDDING_FILE} beside an export), got "
-                + "; ".join(problems)
-            )
-        if fresh_head:
-            warnings.warn(
-                f"{path} is a {model.config.source_layout} checkpoint without a length head: "
-                f"the {model.config.length_head_variant!r} length head was freshly initialised and predicts nothing "
-                "useful until trained; use length_mode='fixed' or train the head.",
-                UserWarning,
-                stacklevel=2,
-            )
+        load_sidecar_tensors(model, sidecar)
+        check_loaded_tensors(model, path, model.__dict__.pop("_load_problems", info), info, sidecar)
         return (model, info) if want_info else model
