@@ -26,9 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
-import shutil
-import stat
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +37,7 @@ from transformers import AutoConfig, PreTrainedConfig
 from transformers.utils import logging
 
 import adaflash_hf
+from adaflash_hf.atomic import atomic_folder
 from adaflash_hf.modeling import AdaFlashConfig, AdaFlashDrafter
 from adaflash_hf.modeling.configuration_adaflash import TARGET_FINGERPRINT
 from adaflash_hf.modeling.sidecar_adaflash import (
@@ -146,34 +144,6 @@ def _prepare_out(out: str | os.PathLike, overwrite: bool) -> Path:
     return out
 
 
-def _staging_folder(out: Path) -> Path:
-    """A fresh sibling of ``out`` to write into. Unlike ``tempfile.mkdtemp`` (mode 0700) it gets the normal umask, so
-    the finished checkpoint is readable by another service user (an SGLang or vLLM server)."""
-    while True:
-        staging = out.parent / f".{out.name}.{secrets.token_hex(4)}"
-        try:
-            staging.mkdir()
-            return staging
-        except FileExistsError:
-            continue
-
-
-def _finish(staging: Path, out: Path) -> Path:
-    """Move a fully written staging folder into place, so a failed write never leaves a half checkpoint at ``out``.
-
-    Files get the umask's mode, read off the staging folder's own (safetensors writes 0600)."""
-    file_mode = stat.S_IMODE(staging.stat().st_mode) & 0o666
-    for path in staging.rglob("*"):
-        if path.is_file():
-            path.chmod(file_mode)
-    if out.is_dir():
-        shutil.rmtree(out)
-    elif out.exists():
-        out.unlink()
-    os.replace(staging, out)
-    return out
-
-
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -273,8 +243,7 @@ def export_dflash(
     sidecar_tensors = head | ({"mask_embedding": mask_embedding} if mask_embedding is not None else {})
     dtype = state["fc.weight"].dtype
 
-    staging = _staging_folder(out)
-    try:
+    with atomic_folder(out) as staging:
         save_file(state, staging / "model.safetensors", metadata={"format": "pt"})
         config_dict = dflash_config_dict(config, dtype, format)
         (staging / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
@@ -298,9 +267,7 @@ def export_dflash(
                 f"{MASK_EMBEDDING_FILE} (read by vLLM's DFlash loader) and {SIDECAR_WEIGHTS}. Engines that ignore "
                 f"both use the target's row {config.mask_token_id} instead and draft poorly."
             )
-        return _finish(staging, out)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    return out
 
 
 def import_checkpoint(
@@ -320,9 +287,6 @@ def import_checkpoint(
     drafter = load_drafter(source, revision)
     if target_config is not None:
         record_target_fingerprint(drafter.config, target_config)
-    staging = _staging_folder(out)
-    try:
+    with atomic_folder(out) as staging:
         drafter.save_pretrained(staging)
-        return _finish(staging, out)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    return out

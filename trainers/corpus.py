@@ -41,6 +41,7 @@ from transformers import DynamicCache
 from transformers.utils import logging
 
 from adaflash_hf.assets import DEFAULT_TARGET, chat_prompt_ids, load_target, load_target_config
+from adaflash_hf.atomic import atomic_write
 from adaflash_hf.data import load_domain
 from adaflash_hf.launch import CONFIG_HELP, parse_args_with_config
 
@@ -253,9 +254,9 @@ def save_features(
     tensors = {"features": features}
     if distribution is not None:
         tensors["topk_ids"], tensors["topk_logprobs"] = distribution
-    partial = path.with_suffix(".partial")
-    save_file(tensors, partial, metadata={"layer_ids": ",".join(map(str, layer_ids))})
-    partial.replace(path)
+    metadata = {"layer_ids": ",".join(map(str, layer_ids))}
+    # Not fsynced: a lost file is rebuilt from the committed token ids (rebuild_features), so a power loss costs little.
+    atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata), durable=False)
 
 
 def load_soft_targets(features_dir: str | Path, record: dict) -> tuple[torch.Tensor, torch.Tensor] | None:

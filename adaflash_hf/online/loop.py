@@ -31,12 +31,12 @@ import torch
 from tqdm.auto import tqdm
 from transformers.utils import logging
 
+from adaflash_hf.atomic import atomic_write
 from adaflash_hf.online.buffer import EngineRecorder, ReplayBuffer, Trajectory
 from adaflash_hf.online.config import OnlineConfig
 from adaflash_hf.online.weights import (
     HotReloader,
     LearnerState,
-    atomic_write,
     latest_checkpoint,
     load_online_checkpoint,
     publish_weights,

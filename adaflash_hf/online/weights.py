@@ -14,8 +14,8 @@ rounds the drafter drafts from then on carry it. Requests already in flight keep
 the previous weights: drafts stay verified by the target, so outputs stay lossless.
 
 Checkpoints: ``save_checkpoint`` writes every file into a staging directory with a manifest of sha256 sums written
-last, fsyncs, and renames the directory into place; ``latest_checkpoint`` returns the newest directory whose manifest
-verifies, so a save killed half-way is never loaded. The online loop's checkpoint ``checkpoint-v{version}`` holds a
+last, fsyncs, and renames the directory into place (``adaflash_hf.atomic.atomic_folder``); ``latest_checkpoint`` returns
+the newest directory whose manifest verifies, so a save killed half-way is never loaded. The online loop's checkpoint ``checkpoint-v{version}`` holds a
 ``LearnerState`` (``drafter.safetensors``: the publishable tensors, ``optimizer.pt``, and the version and counters in
 the manifest) and the loop's own state: ``save_online_checkpoint`` / ``load_online_checkpoint``.
 """
@@ -24,9 +24,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -36,6 +33,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 from transformers.utils import logging
+
+from adaflash_hf.atomic import atomic_folder, atomic_write, atomic_write_json
 
 logger = logging.get_logger(__name__)
 
@@ -61,41 +60,13 @@ class PayloadError(ValueError):
         self.reason = reason
 
 
-# ----------------------------------------------------------------------------------------------- atomic files
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
+# ------------------------------------------------------------------------------------------------ checksums
 def sha256_file(path: str | Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
         for chunk in iter(lambda: handle.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
-
-
-def atomic_write(path: str | Path, write: Callable[[Path], None]) -> None:
-    """``write(tmp_path)`` then fsync and rename over ``path``: readers see the old file or the whole new one."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    tmp = Path(tmp)
-    try:
-        write(tmp)
-        with open(tmp, "rb+") as handle:
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    _fsync_dir(path.parent)
-
-
-def atomic_write_json(path: str | Path, data: dict) -> None:
-    atomic_write(path, lambda tmp: tmp.write_text(json.dumps(data, indent=1)))
 
 
 # ------------------------------------------------------------------------------------------------- payloads
@@ -281,33 +252,18 @@ class HotReloader:
 
 # ---------------------------------------------------------------------------------------------- checkpoints
 def save_checkpoint(root: str | Path, name: str, write: Callable[[Path], None], state: dict) -> Path:
-    """``write(staging_dir)`` the files, add ``checkpoint.json`` (``state`` + sha256 per file) last, then rename the
-    staging directory to ``root/name``. A directory already named so is replaced only once the new one is complete."""
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".staging-{name}-", dir=root))
-    try:
+    """``write(staging_dir)`` the files, add ``checkpoint.json`` (``state`` + sha256 per file) last, then move the
+    staging directory to ``root/name`` (``atomic_folder``). A directory already named so is replaced only once the new
+    one is complete."""
+    final = Path(root) / name
+    with atomic_folder(final) as staging:
         write(staging)
-        files = {}
-        for path in sorted(p for p in staging.rglob("*") if p.is_file()):
-            with open(path, "rb+") as handle:
-                os.fsync(handle.fileno())
-            files[str(path.relative_to(staging))] = sha256_file(path)
+        files = {
+            str(path.relative_to(staging)): sha256_file(path)
+            for path in sorted(p for p in staging.rglob("*") if p.is_file())
+        }
         atomic_write_json(staging / CHECKPOINT_MANIFEST, {"state": state, "files": files})
-        _fsync_dir(staging)
-        final = root / name
-        if final.exists():
-            trash = root / f".trash-{name}-{os.getpid()}"
-            os.replace(final, trash)
-            os.replace(staging, final)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.replace(staging, final)
-        _fsync_dir(root)
-        return final
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
+    return final
 
 
 def verify_checkpoint(path: str | Path) -> dict | None:
