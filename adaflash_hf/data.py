@@ -16,8 +16,9 @@ Domains:
 Every domain has the same columns: ``id``, ``domain``, ``prompt`` (the user message), ``messages`` (the user turn
 as chat messages) and ``response`` (the reference answer, "" when the source has none), so sets concatenate.
 
-    from adaflash_hf.data import load_domain
+    from adaflash_hf.data import load_domain, prompt_ids
     train = load_domain("math", "train", n=256, seed=0)
+    ids = prompt_ids(tokenizer, train[0])          # [1, L]: the row's prompt as a chat turn, ready for generate
 """
 
 import functools
@@ -27,12 +28,13 @@ import io
 import json
 import random
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import datasets
+import torch
 from transformers.utils import logging
 
-from adaflash_hf.assets import require_package
+from adaflash_hf.assets import chat_prompt_ids, require_package
 
 logger = logging.get_logger(__name__)
 
@@ -84,6 +86,32 @@ def _load_split(domain: str, split: str) -> datasets.Dataset:
         for row_id, prompt, response in rows
     ]
     return datasets.Dataset.from_list(records, features=_FEATURES)
+
+
+LONG_PROMPTS = ("keep_last", "skip")
+
+
+def prompt_ids(
+    tokenizer, row: Mapping | str, max_tokens: int | None = None, too_long: str | None = None
+) -> torch.LongTensor | None:
+    """Token ids ``[1, L]`` of a row's ``prompt`` (or of a text) as one user turn with the assistant generation prompt
+    appended (``assets.chat_prompt_ids``): the one way every command turns dataset rows into prompts.
+
+    A prompt longer than ``max_tokens`` meets the policy ``too_long``, which must come with it: ``"keep_last"`` keeps
+    its last ``max_tokens`` ids (the online traffic, OPD's evaluation prompts), ``"skip"`` returns None so the caller
+    drops the row (the corpus, the serving benchmark). Without ``max_tokens`` every prompt is kept whole.
+    """
+    if (max_tokens is None) != (too_long is None):
+        raise ValueError(
+            f"too_long: expected a policy {LONG_PROMPTS} exactly when max_tokens is set, got max_tokens={max_tokens} "
+            f"and too_long={too_long!r}"
+        )
+    if too_long is not None and too_long not in LONG_PROMPTS:
+        raise ValueError(f"too_long: expected one of {LONG_PROMPTS}, got {too_long!r}")
+    ids = chat_prompt_ids(tokenizer, row if isinstance(row, str) else row["prompt"])
+    if max_tokens is None or ids.shape[1] <= max_tokens:
+        return ids
+    return ids[:, -max_tokens:] if too_long == "keep_last" else None
 
 
 # ---- chat: ShareGPT --------------------------------------------------------------------------------------

@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 import adaflash_hf
-from adaflash_hf.assets import chat_prompt_ids, load_target
-from adaflash_hf.data import load_domain
+from adaflash_hf.assets import load_target
+from adaflash_hf.data import load_domain, prompt_ids
 
 SHIPPED_DRAFTER = Path(__file__).resolve().parent / "drafters" / "smollm2-135m-adaflash"
 
@@ -53,17 +53,15 @@ def main(argv: list[str] | None = None) -> int:
     speedups, taus = [], []
     for domain in ("chat", "code", "math"):
         for row in load_domain(domain, "heldout", n=args.prompts_per_domain, seed=0):
-            prompt_ids = chat_prompt_ids(tokenizer, row["prompt"])
-            plain, plain_seconds = timed_generate(target, prompt_ids, args.max_new_tokens)
-            fast, fast_seconds = timed_generate(
-                target, prompt_ids, args.max_new_tokens, assistant_model=drafter
-            )
+            ids = prompt_ids(tokenizer, row)
+            plain, plain_seconds = timed_generate(target, ids, args.max_new_tokens)
+            fast, fast_seconds = timed_generate(target, ids, args.max_new_tokens, assistant_model=drafter)
             stats = drafter.last_stats
             equal = torch.equal(plain, fast)
             all_equal &= equal
             speedups.append(plain_seconds / fast_seconds)
             taus.append(stats.tau)
-            answer = tokenizer.decode(fast[0, prompt_ids.shape[1] :], skip_special_tokens=True).strip()
+            answer = tokenizer.decode(fast[0, ids.shape[1] :], skip_special_tokens=True).strip()
             print(f"\n=== {domain}: {row['prompt'][:100]!r}")
             print(answer[:600] + (" [...]" if len(answer) > 600 else ""))
             print(

@@ -197,3 +197,44 @@ def test_smollm2_target_loads_offline_and_generates_deterministically():
         first, second = (model.generate(input_ids, max_new_tokens=8, do_sample=False) for _ in range(2))
     assert torch.equal(first, second)
     assert "Paris" in tokenizer.decode(first[0, input_ids.shape[1] :])
+
+
+# ---- prompt ids from rows ----------------------------------------------------------------------------------
+def _row(words: int) -> dict:
+    return {"id": "r", "domain": "chat", "prompt": " ".join(f"t{4 + i}" for i in range(words))}
+
+
+def test_prompt_ids_are_the_chat_prompt_of_a_row_or_a_text():
+    from tests.test_corpus import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer(64)
+    row = _row(5)
+    assert torch.equal(data.prompt_ids(tokenizer, row), chat_prompt_ids(tokenizer, row["prompt"]))
+    assert torch.equal(data.prompt_ids(tokenizer, row["prompt"]), chat_prompt_ids(tokenizer, row["prompt"]))
+
+
+def test_a_long_prompt_keeps_its_last_tokens_or_is_skipped_as_the_caller_says():
+    from tests.test_corpus import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer(64)
+    whole = data.prompt_ids(tokenizer, _row(9))
+    length = whole.shape[1]
+    assert torch.equal(data.prompt_ids(tokenizer, _row(9), 4, too_long="keep_last"), whole[:, -4:])
+    assert data.prompt_ids(tokenizer, _row(9), length - 1, too_long="skip") is None
+    for policy in data.LONG_PROMPTS:  # a prompt that fits is kept whole under either policy
+        assert torch.equal(data.prompt_ids(tokenizer, _row(9), length, too_long=policy), whole)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_tokens": 4}, r"too_long: expected a policy .* exactly when max_tokens is set"),
+        ({"too_long": "skip"}, r"too_long: expected a policy .* exactly when max_tokens is set"),
+        ({"max_tokens": 4, "too_long": "truncate"}, r"too_long: expected one of \('keep_last', 'skip'\)"),
+    ],
+)
+def test_prompt_ids_refuse_a_limit_without_a_policy(kwargs, message):
+    from tests.test_corpus import tiny_tokenizer
+
+    with pytest.raises(ValueError, match=message):
+        data.prompt_ids(tiny_tokenizer(64), _row(3), **kwargs)

@@ -155,7 +155,7 @@ def offline_main(tiny_pair, tmp_path, monkeypatch):
     target, drafter = tiny_pair
     drafter.save_pretrained(tmp_path / "drafter")
     monkeypatch.setattr("adaflash_hf.assets.load_target", lambda name: (target, None))
-    monkeypatch.setattr("adaflash_hf.assets.chat_prompt_ids", lambda tokenizer, prompt: PROMPTS["chat"][0][1])
+    monkeypatch.setattr("adaflash_hf.data.prompt_ids", lambda tokenizer, row: PROMPTS["chat"][0][1])
     monkeypatch.setattr(
         "adaflash_hf.data.load_domain",
         lambda domain, split, n: [{"id": f"{domain}-{i}", "prompt": "p"} for i in range(n)],

@@ -40,9 +40,9 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache
 from transformers.utils import logging
 
-from adaflash_hf.assets import DEFAULT_TARGET, chat_prompt_ids, load_target, load_target_config
+from adaflash_hf.assets import DEFAULT_TARGET, load_target, load_target_config
 from adaflash_hf.atomic import atomic_write
-from adaflash_hf.data import load_domain
+from adaflash_hf.data import load_domain, prompt_ids
 from adaflash_hf.launch import CONFIG_HELP, parse_args_with_config
 
 logger = logging.get_logger(__name__)
@@ -364,9 +364,9 @@ def _rows_to_regenerate(
             done[domain] = {r["id"] for r in existing}
         if row["id"] in done[domain]:
             continue
-        prompt_ids = chat_prompt_ids(tokenizer, row["prompt"])[0].tolist()
-        if len(prompt_ids) <= max_prompt_tokens:
-            todo.setdefault(domain, []).append((row, prompt_ids))
+        ids = prompt_ids(tokenizer, row, max_prompt_tokens, too_long="skip")
+        if ids is not None:
+            todo.setdefault(domain, []).append((row, ids[0].tolist()))
     return todo
 
 

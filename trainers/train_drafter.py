@@ -18,8 +18,8 @@ import datasets
 from transformers.utils import logging
 from trl import TrlParser
 
-from adaflash_hf.assets import chat_prompt_ids, load_target
-from adaflash_hf.data import load_domain
+from adaflash_hf.assets import load_target
+from adaflash_hf.data import load_domain, prompt_ids
 from adaflash_hf.modeling import AdaFlashDrafter
 from adaflash_hf.trainers.corpus import read_corpus
 from adaflash_hf.trainers.drafter_setup import add_config_option, build_drafter
@@ -52,7 +52,7 @@ def main(args: DrafterTrainingConfig) -> AdaFlashDrafter:
         ]
     )
     eval_prompts = [
-        chat_prompt_ids(tokenizer, row["prompt"])
+        prompt_ids(tokenizer, row)
         for domain in (args.domains if args.eval_prompts_per_domain > 0 else ())
         for row in load_domain(domain, "heldout", n=args.eval_prompts_per_domain, seed=args.seed)
     ]

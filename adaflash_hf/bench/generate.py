@@ -716,8 +716,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     torch.set_num_threads(args.threads)
 
-    from adaflash_hf.assets import chat_prompt_ids, load_target
-    from adaflash_hf.data import load_domain
+    from adaflash_hf.assets import load_target
+    from adaflash_hf.data import load_domain, prompt_ids
 
     target, tokenizer = load_target(args.target)
     drafter = None
@@ -726,7 +726,7 @@ def main(argv: list[str] | None = None) -> int:
         drafter = AdaFlashDrafter.from_pretrained(args.drafter).to(dtype).eval()
     prompts = {
         domain: [
-            (row["id"], chat_prompt_ids(tokenizer, row["prompt"]))
+            (row["id"], prompt_ids(tokenizer, row))
             for row in load_domain(domain, "heldout", args.prompts_per_domain)
         ]
         for domain in args.domains

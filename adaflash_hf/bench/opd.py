@@ -81,8 +81,7 @@ def eval_prompts(
     any text also served (the held-out sets hold a few duplicate texts). Raises if a traffic domain is too small for
     the two to be disjoint.
     """
-    from adaflash_hf.assets import chat_prompt_ids
-    from adaflash_hf.data import load_domain
+    from adaflash_hf.data import load_domain, prompt_ids
 
     seed, cut = int(config.get("seed", 0)), int(config["max_prompt_tokens"])
     served = int(config["prompts_per_domain"])
@@ -113,7 +112,9 @@ def eval_prompts(
                 f"eval_prompts_per_domain: expected at most {len(chosen)} for {domain} (distinct texts not served), "
                 f"got {per_domain}"
             )
-        prompts[domain] = [chat_prompt_ids(tokenizer, text)[0, -cut:].tolist() for text in chosen]
+        prompts[domain] = [
+            prompt_ids(tokenizer, text, cut, too_long="keep_last")[0].tolist() for text in chosen
+        ]
     return prompts
 
 

@@ -301,14 +301,13 @@ def write_outputs(results: dict, output_dir: Path) -> None:
 
 def heldout_prompts(tokenizer, count: int, max_prompt_tokens: int) -> list[torch.Tensor]:
     """``count`` held-out prompts, chat/code/math in turn, each at most ``max_prompt_tokens`` long."""
-    from adaflash_hf.assets import chat_prompt_ids
-    from adaflash_hf.data import load_domain
+    from adaflash_hf.data import load_domain, prompt_ids
 
     per_domain = {}
     for domain in DOMAINS:
         rows = load_domain(domain, "heldout")
-        ids = (chat_prompt_ids(tokenizer, row["prompt"])[0] for row in rows)
-        per_domain[domain] = list(itertools.islice((p for p in ids if len(p) <= max_prompt_tokens), count))
+        ids = (prompt_ids(tokenizer, row, max_prompt_tokens, too_long="skip") for row in rows)
+        per_domain[domain] = list(itertools.islice((p[0] for p in ids if p is not None), count))
     prompts = [
         per_domain[DOMAINS[i % 3]][i // 3] for i in range(count) if i // 3 < len(per_domain[DOMAINS[i % 3]])
     ]

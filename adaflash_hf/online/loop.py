@@ -90,8 +90,7 @@ class TrafficSource:
         max_prompt_tokens: int = 512,
     ) -> TrafficSource:
         """Held-out prompts of ``adaflash_hf.data`` domains, chat-templated, longer ones cut to the last tokens."""
-        from adaflash_hf.assets import chat_prompt_ids
-        from adaflash_hf.data import load_domain
+        from adaflash_hf.data import load_domain, prompt_ids
 
         phases = []
         for domain in domains:
@@ -99,7 +98,10 @@ class TrafficSource:
             phases.append(
                 (
                     domain,
-                    [chat_prompt_ids(tokenizer, r["prompt"])[0, -max_prompt_tokens:].tolist() for r in rows],
+                    [
+                        prompt_ids(tokenizer, r, max_prompt_tokens, too_long="keep_last")[0].tolist()
+                        for r in rows
+                    ],
                 )
             )
         return cls(phases)
