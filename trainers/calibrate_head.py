@@ -154,20 +154,7 @@ def calibrate_length_head(
             f"records: expected at least one answer of {drafter.config.block_size} tokens or more (a full block), "
             f"got none of {len(records)}"
         )
-    every = max(2, round(1 / holdout_fraction)) if holdout_fraction > 0 else 0
-    held_out = {i for i in range(len(blocks)) if every and i % every == every - 1}
-    if every and not held_out:
-        if len(blocks) < 2:
-            raise ValueError(
-                _too_few_to_hold_out(
-                    f"records with a full block ({drafter.config.block_size} tokens)",
-                    len(blocks),
-                    holdout_fraction,
-                )
-            )
-        held_out = {len(blocks) - 1}  # fewer sequences than one period of the split: still hold one out
-    held = [b for i, b in enumerate(blocks) if i in held_out]
-    fit = [b for i, b in enumerate(blocks) if i not in held_out]
+    fit, held = _split(blocks, holdout_fraction, drafter.config.block_size)
     fit_states, fit_realised = torch.cat([s for s, _ in fit]), torch.cat([r for _, r in fit])
     held_states = torch.cat([s for s, _ in held]) if held else fit_states
     held_realised = torch.cat([r for _, r in held]) if held else fit_realised
@@ -197,6 +184,22 @@ def calibrate_length_head(
         f"{before['mean_k_hat']:.2f} -> {after['mean_k_hat']:.2f}"
     )
     return report
+
+
+def _split(blocks: list, holdout_fraction: float, block_size: int) -> tuple[list, list]:
+    """``(fit, held out)``: every ``1 / holdout_fraction``-th sequence's blocks held out, and at least one."""
+    every = max(2, round(1 / holdout_fraction)) if holdout_fraction > 0 else 0
+    held_out = {i for i in range(len(blocks)) if every and i % every == every - 1}
+    if every and not held_out:
+        if len(blocks) < 2:
+            raise ValueError(
+                _too_few_to_hold_out(
+                    f"records with a full block ({block_size} tokens)", len(blocks), holdout_fraction
+                )
+            )
+        held_out = {len(blocks) - 1}  # fewer sequences than one period of the split: still hold one out
+    fit = [b for i, b in enumerate(blocks) if i not in held_out]
+    return fit, [b for i, b in enumerate(blocks) if i in held_out]
 
 
 def _too_few_to_hold_out(what: str, count: int, holdout_fraction: float) -> str:

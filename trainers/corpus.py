@@ -190,12 +190,8 @@ def build_corpus(
     started = time.perf_counter()
     rebuilt = 0
     if features_dir is not None:
-        existing = [
-            r
-            for d in domains
-            if corpus_file(out_dir, d).is_file()
-            for r in _read_jsonl_gz(corpus_file(out_dir, d))
-        ]
+        files = [corpus_file(out_dir, d) for d in domains if corpus_file(out_dir, d).is_file()]
+        existing = [r for path in files for r in _read_jsonl_gz(path)]
         rebuilt = rebuild_features(
             target, existing, features_dir, layer_ids, topk, time_budget_s=time_budget_s
         )
@@ -209,25 +205,14 @@ def build_corpus(
             logger.info(f"time budget of {time_budget_s:.0f} s spent; stopping (resume later)")
             break
         prompts = [ids for _, ids in batch]
-        responses, features, distributions = greedy_with_features(
-            target, prompts, layer_ids, max_new_tokens, eos, pad, topk=topk
+        generated += _append_batch(
+            out_dir,
+            features_dir,
+            batch,
+            greedy_with_features(target, prompts, layer_ids, max_new_tokens, eos, pad, topk=topk),
+            layer_ids,
         )
-        domain = batch[0][0]["domain"]
-        with gzip.open(corpus_file(out_dir, domain), "at") as handle:
-            for (row, prompt_ids), response, feature, distribution in zip(
-                batch, responses, features, distributions
-            ):
-                record = {
-                    "id": row["id"],
-                    "domain": domain,
-                    "input_ids": prompt_ids + response,
-                    "prompt_length": len(prompt_ids),
-                }
-                if features_dir is not None:
-                    save_features(features_dir, record, feature, layer_ids, distribution)
-                handle.write(json.dumps(record) + "\n")
-                generated += len(response)
-                sequences += 1
+        sequences += len(batch)
     seconds = time.perf_counter() - started
     stats = {
         "sequences": sequences,
@@ -238,6 +223,32 @@ def build_corpus(
     }
     logger.info(f"corpus: {stats}")
     return stats
+
+
+def _append_batch(
+    out_dir: Path,
+    features_dir: str | Path | None,
+    batch: list[tuple[dict, list[int]]],
+    generated: tuple[list[list[int]], list[torch.Tensor], list],
+    layer_ids: list[int],
+) -> int:
+    """Append one batch's records (``generated``: what ``greedy_with_features`` returned for it) to its domain's corpus
+    file, with their feature files; returns the generated tokens."""
+    domain = batch[0][0]["domain"]
+    tokens = 0
+    with gzip.open(corpus_file(out_dir, domain), "at") as handle:
+        for (row, prompt), response, feature, distribution in zip(batch, *generated):
+            record = {
+                "id": row["id"],
+                "domain": domain,
+                "input_ids": prompt + response,
+                "prompt_length": len(prompt),
+            }
+            if features_dir is not None:
+                save_features(features_dir, record, feature, layer_ids, distribution)
+            handle.write(json.dumps(record) + "\n")
+            tokens += len(response)
+    return tokens
 
 
 def save_features(
@@ -414,13 +425,7 @@ def greedy_with_features(
     hooks, captured = _tap(target, layer_ids)
     try:
         width = max(len(p) for p in prompts)
-        batch = len(prompts)
-        input_ids = torch.full((batch, width), pad, dtype=torch.long)
-        attention = torch.zeros((batch, width), dtype=torch.long)
-        for i, ids in enumerate(prompts):
-            input_ids[i, width - len(ids) :] = torch.tensor(ids)
-            attention[i, width - len(ids) :] = 1
-        input_ids, attention = input_ids.to(device), attention.to(device)
+        input_ids, attention = _left_padded(prompts, width, pad, device)
         position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache()
         out = target(
@@ -435,7 +440,7 @@ def greedy_with_features(
         pieces = [[_stack(captured, layer_ids, i)[width - len(p) :]] for i, p in enumerate(prompts)]
         responses: list[list[int]] = [[] for _ in prompts]
         distributions: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in prompts]
-        alive = list(range(batch))  # original row index of every row still in the batch
+        alive = list(range(len(prompts)))  # original row index of every row still in the batch
         next_pos = position_ids[:, -1]
         for _ in range(max_new_tokens):
             tokens = out.logits[:, -1].argmax(-1)
@@ -475,11 +480,24 @@ def greedy_with_features(
         # The feature of the last response token is never computed (it was not fed back), and never needed.
         assert stacked.shape[0] == len(prompt) + len(responses[row]) - 1, (stacked.shape, len(prompt))
         features.append(stacked.to(torch.bfloat16).contiguous())
-    soft = [
-        (torch.stack([i for i, _ in rows]), torch.stack([v for _, v in rows])) if rows else None
-        for rows in distributions
-    ]
-    return responses, features, soft
+    return responses, features, [_stacked_distribution(rows) for rows in distributions]
+
+
+def _left_padded(prompts: list[list[int]], width: int, pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask)`` [len(prompts), width] of ``prompts`` padded on the left with ``pad``."""
+    input_ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    attention = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, ids in enumerate(prompts):
+        input_ids[i, width - len(ids) :] = torch.tensor(ids)
+        attention[i, width - len(ids) :] = 1
+    return input_ids.to(device), attention.to(device)
+
+
+def _stacked_distribution(
+    rows: list[tuple[torch.Tensor, torch.Tensor]],
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """One response's per-token top-k ``(ids, log-probs)`` stacked to ``[R, k]`` each, or None without any."""
+    return (torch.stack([i for i, _ in rows]), torch.stack([v for _, v in rows])) if rows else None
 
 
 def _tap(target, layer_ids: list[int]) -> tuple[list, dict[int, torch.Tensor]]:
