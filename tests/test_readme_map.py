@@ -1,7 +1,8 @@
-"""README.md's "Where things are" map names only files and symbols that exist, so it cannot drift from the code.
+"""README.md's "Where things are" map names only files and symbols that exist, and its layout table names every module
+of the package, so neither can drift from the code.
 
-Every row of the section's table answers one question with at least one ``path::symbol`` reference (``symbol`` may
-be dotted: ``Class.method``); each reference is resolved on the file's syntax tree, nothing is imported."""
+Every row of the map answers one question with at least one ``path::symbol`` reference (``symbol`` may be dotted:
+``Class.method``); each reference is resolved on the file's syntax tree, nothing is imported."""
 
 import ast
 import re
@@ -50,3 +51,27 @@ def test_every_file_and_symbol_the_map_names_exists():
     assert missing == []
     undefined = [f"{path}::{symbol}" for path, symbol in references if not defines(REPO / path, symbol)]
     assert undefined == []
+
+
+def layout_rows() -> list[tuple[str, set[str]]]:
+    """(folder, the ``*.py`` names its row mentions) per row of the README's layout table (``| where | what |``)."""
+    text = (REPO / "README.md").read_text()
+    table = text.split("\n| where | what |\n", 1)[1].split("\n\n", 1)[0]
+    rows = []
+    for line in table.splitlines()[1:]:  # after the separator
+        where, what = line.split("|")[1:3]
+        folder = re.match(r"\s*`([\w/]+/)`", where).group(1)
+        rows.append((folder, set(re.findall(r"`([\w]+\.py)`", what))))
+    return rows
+
+
+def test_the_layout_table_names_every_module_of_the_package():
+    named: dict[str, set[str]] = {}
+    for folder, files in layout_rows():
+        named.setdefault(folder, set()).update(files)
+    folders = ("adaflash_hf/", "adaflash_hf/bench/", "adaflash_hf/online/", "adaflash_hf/serving/")
+    expected = {
+        folder: {p.name for p in (REPO / folder).glob("*.py") if p.name != "__init__.py"}
+        for folder in (*folders, "modeling/", "kernels/", "trainers/")
+    }
+    assert named == expected
