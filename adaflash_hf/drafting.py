@@ -36,6 +36,8 @@ import torch
 from adaflash_hf.lookup import DRAFT_SOURCES, LookupProposal, LookupRecord, lookup_rate
 
 LENGTH_MODES = ("adaptive", "fixed", "goodput")
+# The rows of a block whose confidence the goodput choice reads first; more only while a longer draft could pay.
+CONFIDENCE_ROWS = 4
 PROPOSAL_MODES = ("argmax", "sample")
 
 

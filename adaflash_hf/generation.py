@@ -54,6 +54,7 @@ from transformers.utils import logging
 
 from adaflash_hf.draft_vocab import draft_logits
 from adaflash_hf.drafting import (
+    CONFIDENCE_ROWS,
     DraftingSettings,
     ShadowLabels,
     SkipGate,
@@ -77,8 +78,6 @@ logger = logging.get_logger(__name__)
 
 TESTED_TRANSFORMERS = ("5.24.0", "5.25.0")  # [low, high)
 KNOBS = tuple(f"adaflash_{name}" for name in DraftingSettings.knobs())
-# The rows of the block whose confidence the goodput choice reads first; more only while a longer draft could pay.
-CONFIDENCE_ROWS = 4
 _HOOKED = ("_get_candidate_generator", "_validate_generation_mode", "_prepare_generation_config")
 # Drafters whose last_stats the hook set: disable() clears them, since the calls that follow (transformers' native
 # path) are invisible to adaflash_hf and must not be mistaken for the stats' call.

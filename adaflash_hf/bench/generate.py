@@ -54,6 +54,7 @@ import adaflash_hf
 from adaflash_hf import AdaFlashDrafter
 from adaflash_hf.bench.machine import cpu_flags, plot_cost_curve
 from adaflash_hf.launch import CONFIG_HELP, parse_args_with_config
+from adaflash_hf.modeling.length_head_adaflash import length_head_error, realised_acceptance
 from adaflash_hf.stats import tau_of
 
 logger = logging.get_logger(__name__)
@@ -464,7 +465,11 @@ def length_head_figures(stats: list[dict]) -> dict:
     histogram = [0] * block
     for k, _, _ in rounds:
         histogram[k] += 1
-    exact = [abs(p - a / (block - 1)) for k, a, p in rounds if a < k]
+    exact = [
+        float(length_head_error(torch.tensor(p), realised_acceptance(torch.tensor(a), block)))
+        for k, a, p in rounds
+        if a < k
+    ]
     return {
         "k_hat_histogram": histogram,
         "head_abs_error": statistics.fmean(exact) if exact else None,

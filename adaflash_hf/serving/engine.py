@@ -58,6 +58,7 @@ from transformers.utils import logging
 
 from adaflash_hf.draft_vocab import draft_logits, draft_tokens
 from adaflash_hf.drafting import (
+    CONFIDENCE_ROWS,
     DraftingSettings,
     ShadowLabels,
     SkipGate,
@@ -67,7 +68,6 @@ from adaflash_hf.drafting import (
     lookup_gains,
     plan_round,
 )
-from adaflash_hf.generation import CONFIDENCE_ROWS
 from adaflash_hf.kernels.verify_accept import verify_accept
 from adaflash_hf.lookup import LookupIndex, choose_lookup, truncate_lookup
 from adaflash_hf.serving.admission import AdmissionConfig, AdmissionController, default_kv_budget
@@ -180,6 +180,26 @@ def _prompt_tokens(prompt_ids) -> list[int]:
     return prompt
 
 
+def _check_engine_target(target):
+    """The target's text config, once it is known to fit the engine's full-attention KV pool."""
+    text_config = target.config.get_text_config()
+    if getattr(text_config, "sliding_window", None) and getattr(text_config, "use_sliding_window", True):
+        raise ValueError(
+            f"target sliding_window: expected None (the engine's KV pool is full attention), got "
+            f"{text_config.sliding_window}"
+        )
+    return text_config
+
+
+def _with_kv_budget(admission: AdmissionConfig | None, target, drafter) -> AdmissionConfig:
+    """``admission`` with ``kv_budget`` derived from the available memory when it is None: a request reserves its
+    whole KV up front, so an unbounded pool could ask for more than the machine has."""
+    admission = admission or AdmissionConfig()
+    if admission.kv_budget is None:
+        admission = replace(admission, kv_budget=default_kv_budget(target, drafter))
+    return admission
+
+
 def _drafting_settings(mode: str, drafting: DraftingSettings | None, **knobs) -> DraftingSettings:
     """The engine's ``DraftingSettings``: ``drafting``, or built from the keyword knobs (not both); ``mode="dflash"``
     means fixed length, ``mode="plain"`` drafts nothing."""
@@ -256,12 +276,7 @@ class AdaFlashEngine:
         if mode != "plain" and drafter is None:
             raise ValueError(f"drafter: expected an AdaFlashDrafter for mode={mode!r}, got None")
         drafter = _resolve_drafter(drafter)
-        text_config = target.config.get_text_config()
-        if getattr(text_config, "sliding_window", None) and getattr(text_config, "use_sliding_window", True):
-            raise ValueError(
-                f"target sliding_window: expected None (the engine's KV pool is full attention), got "
-                f"{text_config.sliding_window}"
-            )
+        text_config = _check_engine_target(target)
         self.drafter = drafter if mode != "plain" else None
         if self.drafter is not None:
             drafter.align_dtype(target)
@@ -277,13 +292,9 @@ class AdaFlashEngine:
             else LookupIndex(max_tokens=self.settings.lookup_history_tokens)
         )
         self.block_size = drafter.config.block_size if drafter is not None else 16
-        admission = admission or AdmissionConfig()
-        if admission.kv_budget is None:
-            # A request reserves its whole KV up front, so an unbounded pool could ask for more than the machine has.
-            admission = replace(
-                admission, kv_budget=default_kv_budget(target, drafter if self.drafter else None)
-            )
-        self.admission = AdmissionController(admission, self.block_size)
+        self.admission = AdmissionController(
+            _with_kv_budget(admission, target, self.drafter), self.block_size
+        )
         self.goodput = self.drafter is not None and self.settings.length_mode == "goodput"
         if self.goodput:
             self.cost = cost_model_for(target, "engine")
