@@ -15,7 +15,8 @@ Length modes:
   ``t_target`` and ``t_drafter`` come from a ``CostModel`` measured on this machine, device and dtype (a one-second
   calibration at first use, then the rounds' own timings); E_i from ``AcceptanceModel`` (the length head's â and the
   drafter's confidence in each of its proposals, calibrated online against realised acceptance) or, for a lookup
-  continuation, from the request's lookup record. k = 0 is plain decoding; a request whose drafting did not pay skips
+  continuation, from ``LookupModel`` (first-token and continuation rates by match length). Under greedy decoding
+  every proposal, verified or not, is labelled by the committed text (``ShadowLabels``). k = 0 is plain decoding; a request whose drafting did not pay skips
   the drafter forward for a while (``SkipGate``: its context stays buffered) and probes again, at most every
   ``max_skip`` rounds, so a request whose text becomes predictable gets drafts again.
 """
@@ -33,7 +34,7 @@ from dataclasses import dataclass, field, fields, replace
 
 import torch
 
-from adaflash_hf.lookup import DRAFT_SOURCES, LookupProposal, LookupRecord, lookup_rate
+from adaflash_hf.lookup import DRAFT_SOURCES, LookupProposal, LookupRecord
 
 LENGTH_MODES = ("adaptive", "fixed", "goodput")
 # The rows of a block whose confidence the goodput choice reads first; more only while a longer draft could pay.
@@ -392,6 +393,65 @@ def acceptance_model_for(drafter) -> AcceptanceModel:
     return _ACCEPTANCE_MODELS.setdefault(drafter, AcceptanceModel())
 
 
+def _match_bucket(match_length: int) -> int:
+    return min(max(1, match_length), 6)
+
+
+@dataclass
+class LookupModel:
+    """How far a lookup continuation gets accepted: P(its first token is accepted) and P(the next one is, once the
+    previous one was), per length of the n-gram match behind it (1..5, 6+), from labelled proposals.
+
+    Two rates, not one: lookups are bursty (a continuation of repeated text is either wrong at once or right for a
+    long way), which a single per-token rate undervalues at length. A request's model starts from its ``parent``'s
+    estimate (the engine's, or the target's in ``generate``: shared across requests), worth ``strength``
+    observations; the parent starts from the match's own evidence, support · n / (n + 1)."""
+
+    parent: LookupModel | None = None
+    strength: float = 4.0
+    # bucket -> [first accepted, first trials, next accepted, next trials]
+    counts: dict[int, list[float]] = field(default_factory=dict)
+
+    def rates(self, proposal: LookupProposal) -> tuple[float, float]:
+        if self.parent is not None:
+            prior_first, prior_next = self.parent.rates(proposal)
+        else:
+            prior_first = prior_next = proposal.support * proposal.match_length / (proposal.match_length + 1)
+        first_ok, first_n, next_ok, next_n = self.counts.get(
+            _match_bucket(proposal.match_length), (0, 0, 0, 0)
+        )
+        return (
+            (first_ok + self.strength * prior_first) / (first_n + self.strength),
+            (next_ok + self.strength * prior_next) / (next_n + self.strength),
+        )
+
+    def gains(self, proposal: LookupProposal | None) -> list[float]:
+        """P(lookup tokens 1..j all accepted) = first · next^(j-1)."""
+        if proposal is None or not proposal.tokens:
+            return []
+        first, following = self.rates(proposal)
+        return [first * following ** (j - 1) for j in range(1, len(proposal.tokens) + 1)]
+
+    def observe(self, match_length: int, length: int, accepted: int) -> None:
+        """One labelled continuation of ``length`` tokens, ``accepted`` of them accepted (here and in the parent)."""
+        counts = self.counts.setdefault(_match_bucket(match_length), [0.0, 0.0, 0.0, 0.0])
+        counts[0] += accepted > 0
+        counts[1] += 1
+        if accepted > 0:
+            counts[2] += accepted - 1
+            counts[3] += accepted - 1 + (accepted < length)
+        if self.parent is not None:
+            self.parent.observe(match_length, length, accepted)
+
+
+_LOOKUP_MODELS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def lookup_model_for(target) -> LookupModel:
+    """The lookup model shared by ``generate`` calls on ``target`` (each call's own model starts from it)."""
+    return _LOOKUP_MODELS.setdefault(target, LookupModel(strength=2.0))
+
+
 @dataclass
 class ShadowLabels:
     """Labels for every proposal a greedy round makes, verified or not: under greedy decoding the committed sequence
@@ -404,6 +464,8 @@ class ShadowLabels:
 
     acceptance: AcceptanceModel
     record: LookupRecord
+    lookups: LookupModel
+    # (start, tokens, the block's confidences or None for a lookup, the block's â or the lookup's match length)
     pending: list[tuple[int, list[int], list[float] | None, float]] = field(default_factory=list)
 
     def add_block(self, start: int, tokens: Sequence[int], confidences: Sequence[float], head: float) -> None:
@@ -411,9 +473,9 @@ class ShadowLabels:
         if tokens:
             self.pending.append((start, list(tokens), list(confidences[: len(tokens)]), head))
 
-    def add_lookup(self, start: int, tokens: Sequence[int]) -> None:
-        if tokens:
-            self.pending.append((start, list(tokens), None, 0.0))
+    def add_lookup(self, start: int, proposal: LookupProposal | None) -> None:
+        if proposal is not None and proposal.tokens:
+            self.pending.append((start, list(proposal.tokens), None, proposal.match_length))
 
     def resolve(self, sequence: Sequence[int]) -> None:
         """Settle every pending proposal whose outcome ``sequence`` (the committed tokens) now decides."""
@@ -426,17 +488,10 @@ class ShadowLabels:
                 continue
             if confidences is None:
                 self.record.add(len(tokens), accepted)
+                self.lookups.observe(int(head), len(tokens), accepted)
             else:
                 self.acceptance.update(confidences, head, min(len(tokens), accepted + 1), accepted)
         self.pending = still
-
-
-def lookup_gains(proposal: LookupProposal | None, record: LookupRecord) -> list[float]:
-    """P(lookup tokens 1..j all accepted) = a^j (``lookup.lookup_rate``)."""
-    if proposal is None or not proposal.tokens:
-        return []
-    rate = lookup_rate(proposal, record)
-    return [rate**j for j in range(1, len(proposal.tokens) + 1)]
 
 
 # ----------------------------------------------------------------------------------------------------- choice

@@ -56,12 +56,13 @@ from adaflash_hf.draft_vocab import draft_logits
 from adaflash_hf.drafting import (
     CONFIDENCE_ROWS,
     DraftingSettings,
+    LookupModel,
     ShadowLabels,
     SkipGate,
     acceptance_model_for,
     calibrate_target,
     cost_model_for,
-    lookup_gains,
+    lookup_model_for,
     plan_round,
 )
 from adaflash_hf.lookup import (
@@ -238,7 +239,10 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
             self.gate = SkipGate(max_skip=self.settings.max_skip)
             self.last_gains: list[float] | None = None  # the newest drafted block's expected gains
             # Greedy: every proposal gets its label from the committed text (ShadowLabels); sampling: verified only.
-            self.shadows = None if self.do_sample else ShadowLabels(self.acceptance, self.lookup_record)
+            self.lookups = LookupModel(parent=lookup_model_for(target))
+            self.shadows = (
+                None if self.do_sample else ShadowLabels(self.acceptance, self.lookup_record, self.lookups)
+            )
             if self.settings.calibrate and not self.cost.calibrated:
                 calibrate_target(
                     target,
@@ -356,9 +360,9 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
         the measured cost curve (``adaflash_hf.drafting``); k = 0 rounds whose drafting did not pay skip the drafter
         for a while (``SkipGate``)."""
         curve = self.cost.target_curve(1)
-        lookup_option = lookup_gains(proposal, self.lookup_record)
-        if self.shadows is not None and proposal is not None:
-            self.shadows.add_lookup(input_ids.shape[1], proposal.tokens)
+        lookup_option = self.lookups.gains(proposal)
+        if self.shadows is not None:
+            self.shadows.add_lookup(input_ids.shape[1], proposal)
         if curve is None or not self.cost.knows_target(1) or room == 0:
             return self._plain_round(input_ids, started)  # a plain step measures the k = 0 baseline first
         base = {"base_tokens": 1, "base_committed": 1.0, "target_seconds": curve}
@@ -386,8 +390,8 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
             self.shadows.add_block(input_ids.shape[1], tokens, confidences, head)
         plan = plan_round([[gains, lookup_option]], drafter_seconds=drafter_seconds, **base)
         length = plan.lengths[0]
-        if length == 0 and self.gate.probing and gains:
-            length = 1  # a probe verifies one draft: the acceptance model's label (SkipGate)
+        if length == 0 and self.gate.probing and gains and self.shadows is None:
+            length = 1  # sampling: a probe verifies one draft, the acceptance model's only label (SkipGate)
         self.gate.record(plan.lengths[0] > 0 and plan.goodput > 1.0 / curve(1))
         self.last_gains = gains
         if plan.sources[0] == 1:
@@ -478,6 +482,7 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
             "anchor": int(input_ids[0, -1]),
             "proposed": candidate_ids[0, cur_len:],
             "source": "lookup",
+            "match_length": proposal.match_length,
             "drafter_ran": drafter_ran,
         }
         return candidate_ids, logits
@@ -520,6 +525,8 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
         shadows = getattr(self, "shadows", None)
         if pending["source"] == "lookup" and shadows is None:
             self.lookup_record.add(pending["length"], accepted)
+            if self.settings.length_mode == "goodput":
+                self.lookups.observe(pending["match_length"], pending["length"], accepted)
         if self.settings.length_mode == "goodput":
             self.cost.observe_target(pending["length"] + 1, verify_seconds)
             if pending["drafter_ran"]:

@@ -60,12 +60,12 @@ from adaflash_hf.draft_vocab import draft_logits, draft_tokens
 from adaflash_hf.drafting import (
     CONFIDENCE_ROWS,
     DraftingSettings,
+    LookupModel,
     ShadowLabels,
     SkipGate,
     acceptance_model_for,
     calibrate_target,
     cost_model_for,
-    lookup_gains,
     plan_round,
 )
 from adaflash_hf.kernels.verify_accept import verify_accept
@@ -299,6 +299,7 @@ class AdaFlashEngine:
         if self.goodput:
             self.cost = cost_model_for(target, "engine")
             self.acceptance = acceptance_model_for(drafter)
+            self.lookups = LookupModel(strength=2.0)  # shared by the requests' own lookup models
             self.last_drafter_forward: tuple[int, float] | None = None  # (requests, seconds) of this step's
         self.vocab_size = target.get_output_embeddings().weight.shape[0]
         self.max_positions = getattr(text_config, "max_position_embeddings", None) or 1 << 62
@@ -356,8 +357,10 @@ class AdaFlashEngine:
             generator=torch.Generator().manual_seed(seed),
         )
         request.gate = SkipGate(max_skip=self.settings.max_skip)
-        if self.goodput and params.temperature == 0:
-            request.shadows = ShadowLabels(self.acceptance, request.lookup)
+        if self.goodput:
+            request.lookups = LookupModel(parent=self.lookups)
+            if params.temperature == 0:
+                request.shadows = ShadowLabels(self.acceptance, request.lookup, request.lookups)
         if self.draft_source == "hybrid":
             request.lookup_index = LookupIndex()
             request.lookup_index.extend(prompt)
@@ -579,10 +582,10 @@ class AdaFlashEngine:
         lengths, rows, lookups, ran = [0] * count, [None] * count, [None] * count, [False] * count
         room = [min(self.block_size - 1, r.remaining - 1) for r in decoding]
         proposals = self._lookup_proposals(decoding, room)
-        options = [[g] if (g := lookup_gains(p, r.lookup)) else [] for p, r in zip(proposals, decoding)]
+        options = [[g] if (g := r.lookups.gains(p)) else [] for p, r in zip(proposals, decoding)]
         for proposal, request in zip(proposals, decoding):
-            if request.shadows is not None and proposal is not None:
-                request.shadows.add_lookup(len(request.prompt) + len(request.output), proposal.tokens)
+            if request.shadows is not None:
+                request.shadows.add_lookup(len(request.prompt) + len(request.output), proposal)
         kinds = [["lookup"] if o else [] for o in options]
         running, base_tokens = count + admitted, prefill_tokens + count
         curve = self.cost.target_curve(running)
@@ -624,8 +627,10 @@ class AdaFlashEngine:
             lengths[i] = plan.lengths[i]
             if source == "lookup":
                 lookups[i], rows[i] = proposals[i].tokens[: lengths[i]], None
-            elif ran[i] and not lengths[i] and request.gate.probing and request.last_gains and spare > 0:
-                lengths[i], spare = 1, spare - 1  # a probe verifies one draft: the acceptance model's label
+                request.lookup_match = proposals[i].match_length
+            elif ran[i] and not lengths[i] and request.gate.probing and request.shadows is None:
+                if request.last_gains and spare > 0:  # sampling: a probe verifies one draft, the only label
+                    lengths[i], spare = 1, spare - 1
             if ran[i]:
                 request.gate.record(paid and source == "diffusion")
         return lengths, states, rows, lookups, fallbacks, ran
@@ -849,6 +854,8 @@ class AdaFlashEngine:
                 request.verify_rounds += 1
                 if source == "lookup" and request.shadows is None:
                     request.lookup.add(len(proposed), n_accepted)
+                    if request.lookups is not None and request.lookup_match is not None:
+                        request.lookups.observe(request.lookup_match, len(proposed), n_accepted)
                 if request.shadows is not None:
                     request.shadows.resolve(request.prompt + request.output)
             offset += lengths[i]

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from adaflash_hf.drafting import ShadowLabels, SkipGate
+from adaflash_hf.drafting import LookupModel, ShadowLabels, SkipGate
 from adaflash_hf.lookup import LookupIndex, LookupRecord
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
@@ -96,6 +96,8 @@ class Request:
     last_gains: list[float] | None = None
     goodput_round: tuple[list[float], float] | None = None
     shadows: ShadowLabels | None = None  # greedy requests: labels for every proposal from the committed text
+    lookups: LookupModel | None = None  # how far this request's lookup continuations get accepted
+    lookup_match: int | None = None  # the match length of the lookup verified this step
 
     @property
     def anchor(self) -> int:
