@@ -37,8 +37,10 @@ import torch
 from adaflash_hf.lookup import DRAFT_SOURCES, LookupProposal, LookupRecord
 
 LENGTH_MODES = ("adaptive", "fixed", "goodput")
-# The rows of a block whose confidence the goodput choice reads first; more only while a longer draft could pay.
+# The rows of a block whose confidence the goodput choice reads first (each costs an lm_head row over the draft
+# vocabulary); the rest only when the chain of acceptances reaches past them with at least this probability.
 CONFIDENCE_ROWS = 4
+REACH_FOR_MORE_ROWS = 0.05
 PROPOSAL_MODES = ("argmax", "sample")
 
 
@@ -148,8 +150,9 @@ class CostModel:
     by the requests in it; learnt from timings: the median of the last ``window`` samples per size bucket, so a
     noisy neighbour moves an estimate only when it persists.
 
-    ``target_seconds(n, running)`` interpolates linearly between measured sizes, is non-decreasing in n and
-    extrapolates past the largest measured size with the last measured slope. The table of the request count's
+    ``target_seconds(n, running)`` interpolates linearly between measured sizes (not forced monotone: CPUs have
+    kernels whose cost drops at some size) and extrapolates past the largest measured size with the last measured
+    slope (never decreasing there). The table of the request count's
     bucket answers once it has two sizes; until then the table pooled over every load does.
     """
 
@@ -200,9 +203,9 @@ class CostModel:
         if not table:
             return None
         sizes = sorted(table)
+        # No monotone fit: on a CPU a larger forward can cost less (oneDNN's fp32 path for 2-3 rows is slower than
+        # its GEMM for 4-8 on some machines, measured 1.5-2.4x against 1.2-1.5x), and the choice should use that.
         values = [statistics.median(table[s]) for s in sizes]
-        for i in range(1, len(values)):  # a larger forward never costs less
-            values[i] = max(values[i], values[i - 1])
         return functools.lru_cache(maxsize=None)(lambda n: _interpolate(sizes, values, n))
 
     def target_seconds(self, tokens: int, running: int = 1) -> float | None:
@@ -278,7 +281,7 @@ def calibrate_target(
     target,
     cost: CostModel,
     sizes: Sequence[int] = (1, 2, 3, 4, 5, 6, 8, 12, 16),
-    context: int = 128,
+    context: int = 256,
     repeats: int = 3,
     budget_s: float = 1.5,
     **forward_kwargs,

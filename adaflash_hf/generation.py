@@ -55,6 +55,7 @@ from transformers.utils import logging
 from adaflash_hf.draft_vocab import draft_logits
 from adaflash_hf.drafting import (
     CONFIDENCE_ROWS,
+    REACH_FOR_MORE_ROWS,
     DraftingSettings,
     LookupModel,
     ShadowLabels,
@@ -405,11 +406,12 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
         them (the lm_head rows are what costs)."""
         rows = min(room, CONFIDENCE_ROWS)
         drafted, confidences = self._block_logits(block_hidden[:, 1 : 1 + rows])
-        if rows < room and self.acceptance.gains(confidences, head)[-1] > 0.01:
-            drafted, confidences = self._block_logits(block_hidden[:, 1 : 1 + room])
+        if rows < room and self.acceptance.gains(confidences, head)[-1] > REACH_FOR_MORE_ROWS:
+            more, more_confidences = self._block_logits(block_hidden[:, 1 + rows : 1 + room])
+            drafted, confidences = torch.cat([drafted, more], dim=1), confidences + more_confidences
         if self.recorder is not None and drafted.shape[1] < self.block_size - 1:
-            full, _ = self._block_logits(block_hidden[:, 1 : self.block_size])
-            drafted = full
+            rest, _ = self._block_logits(block_hidden[:, 1 + drafted.shape[1] : self.block_size])
+            drafted = torch.cat([drafted, rest], dim=1)
         return drafted, confidences
 
     def _drafter_forward(self, input_ids, model_kwargs):

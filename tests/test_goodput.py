@@ -121,12 +121,27 @@ def test_the_skip_gate_backs_off_while_probes_lose_and_reopens_when_one_pays():
 
 
 # --------------------------------------------------------------------------------------------- the models
-def test_the_cost_curve_interpolates_never_decreases_and_extrapolates_the_last_slope():
+def test_the_cost_curve_interpolates_keeps_measured_drops_and_extrapolates_the_last_slope():
     cost = CostModel.profile({1: 1.0, 3: 1.2, 4: 1.1, 8: 2.0})
     curve = cost.target_curve()
-    assert curve(2) == pytest.approx(1.1) and curve(4) == pytest.approx(1.2)  # 1.1 at 4 raised to 1.2
-    assert curve(12) == pytest.approx(2.0 + 4 * (2.0 - 1.2) / 4)
-    assert cost.relative_curve() == {1: 1.0, 3: 1.2, 4: 1.2, 8: 2.0}
+    assert curve(2) == pytest.approx(1.1) and curve(4) == pytest.approx(
+        1.1
+    )  # 4 measured cheaper than 3: kept
+    assert curve(12) == pytest.approx(2.0 + 4 * (2.0 - 1.1) / 4)
+    assert cost.relative_curve() == {1: 1.0, 3: 1.2, 4: 1.1, 8: 2.0}
+
+
+def test_a_cheaper_larger_verify_is_chosen_over_a_dearer_smaller_one():
+    # Measured on a 2-core CPU without AMX: 2-3 rows take a slow fp32 path, 4-8 a fast GEMM.
+    cost = CostModel.profile({1: 1.0, 2: 1.55, 3: 2.0, 4: 1.25, 8: 1.3})
+    lengths, _, _ = plan_lengths(
+        [[0.7, 0.35, 0.15]],
+        base_tokens=1,
+        base_committed=1.0,
+        drafter_seconds=0.0,
+        target_seconds=cost.target_curve(),
+    )
+    assert lengths == [3]  # 4 tokens for 1.25 beat 2 tokens for 1.55
 
 
 def test_a_timing_spike_does_not_move_the_median_and_observations_learn():

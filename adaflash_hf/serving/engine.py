@@ -59,6 +59,7 @@ from transformers.utils import logging
 from adaflash_hf.draft_vocab import draft_logits, draft_tokens
 from adaflash_hf.drafting import (
     CONFIDENCE_ROWS,
+    REACH_FOR_MORE_ROWS,
     DraftingSettings,
     LookupModel,
     ShadowLabels,
@@ -675,7 +676,7 @@ class AdaFlashEngine:
                     room
                     if room > w
                     and confidences[row]
-                    and self.acceptance.gains(confidences[row], heads[row])[-1] > 0.01
+                    and self.acceptance.gains(confidences[row], heads[row])[-1] > REACH_FOR_MORE_ROWS
                     else 0
                     for row, (room, w) in enumerate(zip(rooms, first))
                 ]
