@@ -163,6 +163,10 @@ class CostModel:
         self.drafter: dict[int, deque] = {}  # drafting requests' bucket -> seconds
         self.calibrated = False
         self.frozen = False  # a profile given by the user (or a test): observations are ignored
+        # Engine steps, most recent last: (verify tokens, prefill tokens, running requests, seconds)
+        self.steps: deque = deque(maxlen=256)
+        self._fit: tuple[int, list[float] | None] = (-1, None)  # (steps seen when fitted, coefficients)
+        self._seen = 0
 
     @classmethod
     def profile(cls, target_seconds: dict[int, float], drafter_seconds: float = 0.0) -> CostModel:
@@ -183,6 +187,49 @@ class CostModel:
         for key in (0, _running_bucket(running)):
             table = self.target.setdefault(key, {})
             table.setdefault(bucket, deque(maxlen=self.window)).append(float(seconds))
+
+    def observe_step(self, verify_tokens: int, prefill_tokens: int, running: int, seconds: float) -> None:
+        """One packed engine step: its verify tokens (anchors + drafts), prefill tokens, requests and seconds."""
+        if self.frozen:
+            return
+        self.steps.append((verify_tokens, prefill_tokens, running, float(seconds)))
+        self._seen += 1
+        self.observe_target(verify_tokens + prefill_tokens, seconds, running)
+
+    def step_curve(self, running: int, prefill_tokens: int = 0) -> Callable[[int], float] | None:
+        """``verify tokens -> seconds`` of an engine step with ``running`` requests and ``prefill_tokens``.
+
+        Once 16 steps with at least three different verify sizes are known: a least-squares fit of seconds on
+        [1, verify tokens, prefill tokens, running] over the last 256 steps (refitted without the points more than
+        three median deviations off, slopes clamped at 0). A packed step's cost is close to linear in these, and a
+        fit over every step is far steadier than per-size medians that few steps reach. Before that: the per-size
+        curve at verify + prefill tokens."""
+        coefficients = self._step_fit()
+        if coefficients is None:
+            curve = self.target_curve(running)
+            return None if curve is None else (lambda n: curve(n + prefill_tokens))
+        a, per_verify, per_prefill, per_request = coefficients
+        base = a + per_prefill * prefill_tokens + per_request * running
+        return lambda n: max(base + per_verify * n, 1e-6)
+
+    def _step_fit(self) -> list[float] | None:
+        if self._fit[0] == self._seen:
+            return self._fit[1]
+        rows = list(self.steps)
+        coefficients = None
+        if len(rows) >= 16 and len({r[0] for r in rows}) >= 3:
+            data = torch.tensor(rows, dtype=torch.float64)
+            x = torch.cat([torch.ones(len(rows), 1, dtype=torch.float64), data[:, :3]], dim=1)
+            y = data[:, 3:]
+            ridge = 1e-6 * torch.eye(4, dtype=torch.float64)
+            for _ in range(2):
+                solution = torch.linalg.solve(x.T @ x + ridge, x.T @ y)
+                residual = (x @ solution - y).abs().flatten()
+                keep = residual <= 3 * residual.median() + 1e-9
+                x, y = x[keep], y[keep]
+            coefficients = [float(solution[0])] + [max(0.0, float(c)) for c in solution[1:, 0]]
+        self._fit = (self._seen, coefficients)
+        return coefficients
 
     def observe_drafter(self, requests: int, seconds: float) -> None:
         if self.frozen:
@@ -222,6 +269,13 @@ class CostModel:
         for i in range(1, len(values)):
             values[i] = max(values[i], values[i - 1])
         return _interpolate(sizes, values, _running_bucket(requests))
+
+    def marginal_drafter_seconds(self, requests: int) -> float:
+        """What one more request adds to a drafter forward over ``requests`` of them: the slope of the measured
+        curve (a batched forward's fixed part is paid once, whoever drafts), the whole forward for one request."""
+        if requests <= 1:
+            return self.drafter_seconds(1)
+        return max(0.0, self.drafter_seconds(requests) - self.drafter_seconds(1)) / (requests - 1)
 
     def relative_curve(self, running: int = 1) -> dict[int, float]:
         """Measured sizes -> seconds relative to a 1-token forward (the plot of ``adaflash bench``)."""
@@ -592,21 +646,35 @@ def plan_round(
     return Plan(lengths=lengths, sources=sources, goodput=value, expected_accepted=expected)
 
 
+def draft_surplus(gains: Sequence[float], verify_seconds: Callable[[int], float], rate: float) -> float:
+    """What a block's drafts are worth beyond their verify time, in tokens: max over k of the expected accepted drafts
+    of a k-draft verify minus the tokens plain decoding commits in the extra time ``verify_seconds(k)`` (``rate``:
+    tokens per second of the plain step); 0 when no k pays."""
+    best, expected = 0.0, 0.0
+    for k, gain in enumerate(gains, start=1):
+        expected += gain
+        best = max(best, expected - rate * verify_seconds(k))
+    return best
+
+
 @dataclass
 class SkipGate:
-    """Per request: whether the next round runs the drafter. A drafted round that did not pay (no draft chosen, or
-    the step slower than plain decoding would have been) skips the next ``backoff`` rounds, doubling up to
-    ``max_skip`` while probes keep losing; a round that pays resets it.
+    """Per request: whether the next round runs the drafter. The drafter costs ``cost`` tokens (its forward, in the
+    tokens plain decoding commits meanwhile) and a drafted round is worth its block's ``draft_surplus``; while the
+    recent average surplus (an EMA, starting optimistic) stays below the cost, the request skips the next
+    ``backoff`` rounds, doubling up to ``max_skip`` while probes keep losing, and a round that pays resets it. The
+    average, not the round, decides: the drafter's confidence varies from round to round, so one poor block says
+    little about the next.
 
-    The first drafted round and the one after each run of skips are probes (``probing``): they verify at least one
-    draft, so the acceptance model keeps getting labels even where it thinks drafting hopeless (a drafter that is
-    better than its confidence says would otherwise never be tried again). That costs one verified token per
-    probe, at most once every ``max_skip + 1`` rounds."""
+    The first drafted round and the one after each run of skips are probes (``probing``). Under sampling, where only
+    verified drafts teach the acceptance model, a probe verifies at least one draft."""
 
     max_skip: int = 16
     backoff: int = 0
     skip_left: int = 0
     probing: bool = True
+    average_surplus: float | None = None
+    smoothing: float = 0.3
 
     def should_draft(self) -> bool:
         """Consumes one skipped round when skipping; the round after the last skipped one is a probe."""
@@ -616,9 +684,13 @@ class SkipGate:
             return False
         return True
 
-    def record(self, paid: bool) -> None:
+    def record(self, surplus: float, cost: float) -> None:
+        """A drafted round: its block's surplus and the drafter's cost, both in tokens."""
         self.probing = False
-        if paid:
+        if self.average_surplus is None:
+            self.average_surplus = max(surplus, cost)  # optimistic: the first rounds do not decide alone
+        self.average_surplus += self.smoothing * (surplus - self.average_surplus)
+        if self.average_surplus >= cost:
             self.backoff = 0
         else:
             self.backoff = min(self.max_skip, max(1, 2 * self.backoff))

@@ -63,6 +63,7 @@ from adaflash_hf.drafting import (
     acceptance_model_for,
     calibrate_target,
     cost_model_for,
+    draft_surplus,
     lookup_model_for,
     plan_round,
 )
@@ -393,7 +394,9 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
         length = plan.lengths[0]
         if length == 0 and self.gate.probing and gains and self.shadows is None:
             length = 1  # sampling: a probe verifies one draft, the acceptance model's only label (SkipGate)
-        self.gate.record(plan.lengths[0] > 0 and plan.goodput > 1.0 / curve(1))
+        step = curve(1)
+        surplus = draft_surplus(gains, lambda k: curve(k + 1) - step, 1.0 / step)
+        self.gate.record(surplus, drafter_seconds / step)
         self.last_gains = gains
         if plan.sources[0] == 1:
             return self._lookup_round(input_ids, proposal, started, length)

@@ -14,6 +14,7 @@ from adaflash_hf.drafting import (
     ShadowLabels,
     SkipGate,
     calibrate_target,
+    draft_surplus,
     plan_lengths,
     plan_round,
     use_cost_model,
@@ -105,19 +106,28 @@ def test_each_request_gets_the_option_with_the_higher_goodput():
     assert plan.sources == [1, 0, 0] and plan.lengths[0] == 6
 
 
-def test_the_skip_gate_backs_off_while_probes_lose_and_reopens_when_one_pays():
-    gate = SkipGate(max_skip=4)
+def test_the_skip_gate_backs_off_while_the_average_surplus_is_below_the_drafters_cost():
+    gate = SkipGate(max_skip=4, smoothing=0.5)
     assert gate.should_draft() and gate.probing  # the first drafted round is a probe
     pattern = []
-    for paid in (False, False, False, False, True, False):
-        gate.record(paid)
+    for surplus in (0.0, 0.0, 0.0, 0.0, 0.0, 3.0, 0.0):  # the drafter costs 0.5 tokens a round
+        gate.record(surplus, cost=0.5)
         assert not gate.probing
         skipped = 0
         while not gate.should_draft():
             skipped += 1
         pattern.append(skipped)
         assert gate.probing == (skipped > 0)  # the round after skips is a probe
-    assert pattern == [1, 2, 4, 4, 0, 1]
+    # The optimistic start (0.5) halves per poor round: 0.25 skips 1, then 2, 4, 4 (max_skip), 4; one rich block
+    # (3.0) lifts the average over the cost, and one poor round after it does not close the gate at once.
+    assert pattern == [1, 2, 4, 4, 4, 0, 0]
+
+
+def test_the_surplus_is_the_best_k_net_of_its_verify_time():
+    gains = [0.8, 0.4, 0.1]
+    verify = lambda k: 0.1 * k  # noqa: E731  seconds beyond the plain step; the plain step commits 2 tokens/s
+    assert draft_surplus(gains, verify, rate=2.0) == pytest.approx(0.8 + 0.4 - 2.0 * 0.2)
+    assert draft_surplus(gains, lambda k: 1.0, rate=2.0) == 0.0  # no k pays
 
 
 # --------------------------------------------------------------------------------------------- the models

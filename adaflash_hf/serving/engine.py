@@ -67,6 +67,7 @@ from adaflash_hf.drafting import (
     acceptance_model_for,
     calibrate_target,
     cost_model_for,
+    draft_surplus,
     plan_round,
 )
 from adaflash_hf.kernels.verify_accept import verify_accept
@@ -588,12 +589,13 @@ class AdaFlashEngine:
             if request.shadows is not None:
                 request.shadows.add_lookup(len(request.prompt) + len(request.output), proposal)
         kinds = [["lookup"] if o else [] for o in options]
-        running, base_tokens = count + admitted, prefill_tokens + count
-        curve = self.cost.target_curve(running)
-        if not decoding or curve is None or not self.cost.knows_target(base_tokens, running):
+        # The plan counts verify tokens (anchors + drafts); the curve prices them beside this step's prefills.
+        running, base_tokens = count + admitted, count
+        curve = self.cost.step_curve(running, prefill_tokens)
+        if not decoding or curve is None or not self.cost.knows_target(prefill_tokens + count, running):
             return lengths, None, rows, lookups, 0, ran  # a plain step measures the baseline first
         base = {"base_tokens": base_tokens, "base_committed": float(running), "target_seconds": curve}
-        share = self.cost.drafter_seconds(count) / count
+        share = self.cost.marginal_drafter_seconds(count)
         drafting = [i for i, r in enumerate(decoding) if room[i] > 0 and r.gate.should_draft()]
         drafting = [
             i for i in drafting if not self._lookup_alone_wins(decoding[i], options[i], room[i], share, base)
@@ -619,9 +621,11 @@ class AdaFlashEngine:
                     start = len(request.prompt) + len(request.output)
                     request.shadows.add_block(start, tokens[row], confidences[row], heads[row])
                 options[i], kinds[i] = [request.last_gains, *options[i]], ["diffusion", *kinds[i]]
-        budget = self.admission.config.token_budget - base_tokens
+        budget = self.admission.config.token_budget - prefill_tokens - base_tokens
         plan = plan_round(options, drafter_seconds=drafter_seconds, budget=budget, **base)
-        paid = plan.goodput > running / curve(base_tokens)  # faster than the plain step would have been
+        plain = curve(base_tokens)
+        rate = running / plain
+        drafter_cost = rate * share
         spare = budget - sum(plan.lengths)
         for i, request in enumerate(decoding):
             source = None if plan.sources[i] is None else kinds[i][plan.sources[i]]
@@ -633,7 +637,9 @@ class AdaFlashEngine:
                 if request.last_gains and spare > 0:  # sampling: a probe verifies one draft, the only label
                     lengths[i], spare = 1, spare - 1
             if ran[i]:
-                request.gate.record(paid and source == "diffusion")
+                gains = request.last_gains or []
+                surplus = draft_surplus(gains, lambda k: curve(base_tokens + k) - plain, rate)
+                request.gate.record(surplus, drafter_cost)
         return lengths, states, rows, lookups, fallbacks, ran
 
     def _lookup_alone_wins(
@@ -685,9 +691,7 @@ class AdaFlashEngine:
     def _learn(self, decoding, admitted: int, prefill_tokens: int, drafts, sources, accepted, target_seconds):
         """Goodput: feed the step's timings to the cost model and its verified blocks to the acceptance model."""
         running = len(decoding) + admitted
-        self.cost.observe_target(
-            prefill_tokens + len(decoding) + sum(map(len, drafts)), target_seconds, running
-        )
+        self.cost.observe_step(len(decoding) + sum(map(len, drafts)), prefill_tokens, running, target_seconds)
         if self.last_drafter_forward is not None:
             self.cost.observe_drafter(*self.last_drafter_forward)
             self.last_drafter_forward = None
@@ -705,11 +709,11 @@ class AdaFlashEngine:
     def _calibrate_once(self) -> None:
         if self.settings.calibrate and not self.cost.calibrated:
             budget = self.admission.config.token_budget
-            # Larger steps are rare and measured online; the curve extrapolates the last slope until then.
-            sizes = [n for n in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) if n <= budget]
+            # A few sizes for the first steps: after 16 steps the fit over the steps themselves takes over.
+            sizes = [n for n in (1, 4, 16, 64) if n <= budget]
             layers = [i + 1 for i in self.drafter.config.target_layer_ids]
             calibrate_target(
-                self.target, self.cost, sizes=sizes, repeats=2, budget_s=2.0, output_hidden_states=layers
+                self.target, self.cost, sizes=sizes, repeats=1, budget_s=1.0, output_hidden_states=layers
             )
 
     def _drafter_forward(self, decoding: list[Request], gamma: float):
