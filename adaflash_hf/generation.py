@@ -52,19 +52,15 @@ from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.utils import GenerationMixin
 from transformers.utils import logging
 
+from adaflash_hf.acceptance import LookupModel, ShadowLabels, acceptance_model_for, lookup_model_for
+from adaflash_hf.cost_model import calibrate_target, cost_model_for
 from adaflash_hf.draft_vocab import draft_logits
 from adaflash_hf.drafting import (
     CONFIDENCE_ROWS,
     REACH_FOR_MORE_ROWS,
     DraftingSettings,
-    LookupModel,
-    ShadowLabels,
     SkipGate,
-    acceptance_model_for,
-    calibrate_target,
-    cost_model_for,
     draft_surplus,
-    lookup_model_for,
     plan_round,
 )
 from adaflash_hf.lookup import (

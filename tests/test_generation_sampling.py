@@ -20,7 +20,7 @@ from transformers.generation.logits_process import (
 )
 
 from adaflash_hf import AdaFlashCandidateGenerator
-from adaflash_hf.drafting import CostModel, use_cost_model
+from adaflash_hf.cost_model import CostModel, use_cost_model
 
 VOCAB = 16
 SCALE = 12.0

@@ -6,19 +6,9 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from adaflash_hf.drafting import (
-    AcceptanceModel,
-    CostModel,
-    DraftingSettings,
-    LookupModel,
-    ShadowLabels,
-    SkipGate,
-    calibrate_target,
-    draft_surplus,
-    plan_lengths,
-    plan_round,
-    use_cost_model,
-)
+from adaflash_hf.acceptance import AcceptanceModel, LookupModel, ShadowLabels
+from adaflash_hf.cost_model import CostModel, calibrate_target, use_cost_model
+from adaflash_hf.drafting import DraftingSettings, SkipGate, draft_surplus, plan_lengths, plan_round
 from adaflash_hf.lookup import LookupProposal, LookupRecord
 from adaflash_hf.serving import AdaFlashEngine, SamplingParams
 

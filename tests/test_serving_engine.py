@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from adaflash_hf import AdaFlashDrafter
-from adaflash_hf.drafting import CostModel, use_cost_model
+from adaflash_hf.cost_model import CostModel, use_cost_model
 from adaflash_hf.serving import MODES, AdaFlashEngine, AdmissionConfig, SamplingParams
 
 

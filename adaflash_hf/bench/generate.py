@@ -270,7 +270,7 @@ def run_benchmark(
         for domain in prompts
         for method in methods
     ]
-    from adaflash_hf.drafting import cost_model_for
+    from adaflash_hf.cost_model import cost_model_for
 
     cost = cost_model_for(target, "generate")
     return {

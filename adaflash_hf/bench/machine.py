@@ -1,5 +1,5 @@
 """What every benchmark record says about the machine it ran on: the CPU's bf16 units, and the verify-cost curve the
-goodput cost model measured there (``adaflash_hf.drafting.CostModel``)."""
+goodput cost model measured there (``adaflash_hf.cost_model.CostModel``)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,7 @@ def cpu_flags() -> str:
         flags = set(Path("/proc/cpuinfo").read_text().split())
     except OSError:
         return "unknown"
-    found = [f for f in ("amx_bf16", "avx512_bf16") if f in flags]
-    return ", ".join(found) or "neither amx_bf16 nor avx512_bf16"
+    return ", ".join(f if f in flags else f"no {f}" for f in ("amx_bf16", "avx512_bf16"))
 
 
 def plot_cost_curve(curves: dict, path: Path, cpu: str | None = None) -> None:

@@ -213,7 +213,7 @@ def run_benchmark(
 
 def _cost_curves(target, concurrency: list[int]) -> dict:
     """The engine cost model's relative curve per running-request bucket measured in this run."""
-    from adaflash_hf.drafting import cost_model_for
+    from adaflash_hf.cost_model import cost_model_for
 
     cost = cost_model_for(target, "engine")
     curves = {str(level): cost.relative_curve(level) for level in concurrency}

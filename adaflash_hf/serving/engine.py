@@ -56,17 +56,14 @@ from dataclasses import dataclass, replace
 import torch
 from transformers.utils import logging
 
+from adaflash_hf.acceptance import LookupModel, ShadowLabels, acceptance_model_for
+from adaflash_hf.cost_model import calibrate_target, cost_model_for
 from adaflash_hf.draft_vocab import draft_logits, draft_tokens
 from adaflash_hf.drafting import (
     CONFIDENCE_ROWS,
     REACH_FOR_MORE_ROWS,
     DraftingSettings,
-    LookupModel,
-    ShadowLabels,
     SkipGate,
-    acceptance_model_for,
-    calibrate_target,
-    cost_model_for,
     draft_surplus,
     plan_round,
 )

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from adaflash_hf.drafting import LookupModel, ShadowLabels, SkipGate
+from adaflash_hf.acceptance import LookupModel, ShadowLabels
+from adaflash_hf.drafting import SkipGate
 from adaflash_hf.lookup import LookupIndex, LookupRecord
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"

@@ -1,0 +1,166 @@
+"""How many drafts get accepted, for ``length_mode="goodput"``: ``AcceptanceModel`` (a block's drafts, from the
+drafter's confidence and the length head's â), ``LookupModel`` (a lookup continuation's, from its match length), and
+``ShadowLabels``, which under greedy decoding labels every proposal, verified or not, from the committed text."""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from adaflash_hf.lookup import LookupProposal, LookupRecord
+
+
+def _logit(p: float) -> float:
+    p = min(max(p, 1e-4), 1 - 1e-4)
+    return math.log(p / (1 - p))
+
+
+@dataclass
+class AcceptanceModel:
+    """P(draft j accepted | drafts 1..j-1 accepted), an online logistic regression on the drafter's confidence in
+    its proposal j, the length head's â and the position: σ(w · [1, logit c_j, logit â, log j]).
+
+    It starts at w = (0, 1, 0, 0), the drafter's confidence taken at its word, and learns from every verified
+    position (accepted, or the first rejected one) with a small constant step, so it follows a drafter whose
+    weights are reloaded online. ``gains`` turns a round's estimates into the chain P(drafts 1..j all accepted).
+    """
+
+    weights: list[float] = field(default_factory=lambda: [0.0, 1.0, 0.0, 0.0])
+    learning_rate: float = 0.05
+    updates: int = 0
+
+    def _features(self, confidence: float, head: float, position: int) -> list[float]:
+        return [1.0, _logit(confidence), _logit(head), math.log(position)]
+
+    def probability(self, confidence: float, head: float, position: int) -> float:
+        z = sum(w * x for w, x in zip(self.weights, self._features(confidence, head, position)))
+        return 1.0 / (1.0 + math.exp(-max(-30.0, min(30.0, z))))
+
+    def gains(self, confidences: Sequence[float], head: float) -> list[float]:
+        """P(drafts 1..j all accepted), j = 1..len(confidences): the expected accepted drafts of a k-draft verify is
+        the sum of the first k."""
+        out, reach = [], 1.0
+        for j, confidence in enumerate(confidences, start=1):
+            reach *= self.probability(confidence, head, j)
+            out.append(reach)
+        return out
+
+    def update(self, confidences: Sequence[float], head: float, verified: int, accepted: int) -> None:
+        """Learn from one verify: drafts 1..accepted were accepted, draft accepted+1 (if verified) was not."""
+        for j in range(1, min(verified, accepted + 1, len(confidences)) + 1):
+            label = 1.0 if j <= accepted else 0.0
+            x = self._features(confidences[j - 1], head, j)
+            error = label - self.probability(confidences[j - 1], head, j)
+            self.weights = [w + self.learning_rate * error * xi for w, xi in zip(self.weights, x)]
+            self.updates += 1
+
+
+_ACCEPTANCE_MODELS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def acceptance_model_for(drafter) -> AcceptanceModel:
+    """The drafter's acceptance model, kept across ``generate`` calls (what it learnt stays)."""
+    return _ACCEPTANCE_MODELS.setdefault(drafter, AcceptanceModel())
+
+
+def _match_bucket(match_length: int) -> int:
+    return min(max(1, match_length), 6)
+
+
+@dataclass
+class LookupModel:
+    """How far a lookup continuation gets accepted: P(its first token is accepted) and P(the next one is, once the
+    previous one was), per length of the n-gram match behind it (1..5, 6+), from labelled proposals.
+
+    Two rates, not one: lookups are bursty (a continuation of repeated text is either wrong at once or right for a
+    long way), which a single per-token rate undervalues at length. A request's model starts from its ``parent``'s
+    estimate (the engine's, or the target's in ``generate``: shared across requests), worth ``strength``
+    observations; the parent starts from the match's own evidence, support · n / (n + 1)."""
+
+    parent: LookupModel | None = None
+    strength: float = 4.0
+    # bucket -> [first accepted, first trials, next accepted, next trials]
+    counts: dict[int, list[float]] = field(default_factory=dict)
+
+    def rates(self, proposal: LookupProposal) -> tuple[float, float]:
+        if self.parent is not None:
+            prior_first, prior_next = self.parent.rates(proposal)
+        else:
+            prior_first = prior_next = proposal.support * proposal.match_length / (proposal.match_length + 1)
+        first_ok, first_n, next_ok, next_n = self.counts.get(
+            _match_bucket(proposal.match_length), (0, 0, 0, 0)
+        )
+        return (
+            (first_ok + self.strength * prior_first) / (first_n + self.strength),
+            (next_ok + self.strength * prior_next) / (next_n + self.strength),
+        )
+
+    def gains(self, proposal: LookupProposal | None) -> list[float]:
+        """P(lookup tokens 1..j all accepted) = first · next^(j-1)."""
+        if proposal is None or not proposal.tokens:
+            return []
+        first, following = self.rates(proposal)
+        return [first * following ** (j - 1) for j in range(1, len(proposal.tokens) + 1)]
+
+    def observe(self, match_length: int, length: int, accepted: int) -> None:
+        """One labelled continuation of ``length`` tokens, ``accepted`` of them accepted (here and in the parent)."""
+        counts = self.counts.setdefault(_match_bucket(match_length), [0.0, 0.0, 0.0, 0.0])
+        counts[0] += accepted > 0
+        counts[1] += 1
+        if accepted > 0:
+            counts[2] += accepted - 1
+            counts[3] += accepted - 1 + (accepted < length)
+        if self.parent is not None:
+            self.parent.observe(match_length, length, accepted)
+
+
+_LOOKUP_MODELS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def lookup_model_for(target) -> LookupModel:
+    """The lookup model shared by ``generate`` calls on ``target`` (each call's own model starts from it)."""
+    return _LOOKUP_MODELS.setdefault(target, LookupModel(strength=2.0))
+
+
+@dataclass
+class ShadowLabels:
+    """Labels for every proposal a greedy round makes, verified or not: under greedy decoding the committed sequence
+    is the target's own greedy text, so draft j is accepted exactly when it equals the committed token there (given
+    drafts 1..j-1 were). A block the round chose not to verify, or a lookup continuation it did not take, is
+    resolved once the sequence has grown past its first mismatch, and feeds the acceptance model (blocks) or the
+    lookup record (continuations). Without this, a request that stops drafting stops learning that it should
+    draft again. Sampling rounds are not greedy text: there only verified drafts teach (``AcceptanceModel.update``).
+    """
+
+    acceptance: AcceptanceModel
+    record: LookupRecord
+    lookups: LookupModel
+    # (start, tokens, the block's confidences or None for a lookup, the block's â or the lookup's match length)
+    pending: list[tuple[int, list[int], list[float] | None, float]] = field(default_factory=list)
+
+    def add_block(self, start: int, tokens: Sequence[int], confidences: Sequence[float], head: float) -> None:
+        """Block proposals for positions ``start``, ``start + 1``, ... with the drafter's confidence in each."""
+        if tokens:
+            self.pending.append((start, list(tokens), list(confidences[: len(tokens)]), head))
+
+    def add_lookup(self, start: int, proposal: LookupProposal | None) -> None:
+        if proposal is not None and proposal.tokens:
+            self.pending.append((start, list(proposal.tokens), None, proposal.match_length))
+
+    def resolve(self, sequence: Sequence[int]) -> None:
+        """Settle every pending proposal whose outcome ``sequence`` (the committed tokens) now decides."""
+        still = []
+        for start, tokens, confidences, head in self.pending:
+            seen = sequence[start : start + len(tokens)]
+            accepted = next((j for j, (a, b) in enumerate(zip(tokens, seen)) if a != b), len(seen))
+            if accepted == len(seen) < len(tokens):
+                still.append((start, tokens, confidences, head))  # all seen so far agree: wait for more
+                continue
+            if confidences is None:
+                self.record.add(len(tokens), accepted)
+                self.lookups.observe(int(head), len(tokens), accepted)
+            else:
+                self.acceptance.update(confidences, head, min(len(tokens), accepted + 1), accepted)
+        self.pending = still

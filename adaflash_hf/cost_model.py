@@ -1,0 +1,279 @@
+"""The verify-cost model of ``length_mode="goodput"``: seconds of one target forward on the machine at hand, by the
+tokens in it (and, in the engine, the running requests and prefill tokens), and of one drafter forward, learnt from
+the rounds themselves after a one-second calibration at first use. Kept per target, device and dtype
+(``cost_model_for``); a known machine's profile can replace it (``CostModel.profile``, ``use_cost_model``)."""
+
+from __future__ import annotations
+
+import functools
+import math
+import statistics
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable, Sequence
+
+import torch
+
+
+def _token_bucket(tokens: int) -> int:
+    """Exact up to 16 tokens, then a grid of ratio sqrt(2): forward cost is smooth there, and few sizes recur."""
+    if tokens <= 16:
+        return max(1, tokens)
+    return int(round(2 ** (round(2 * math.log2(tokens)) / 2)))
+
+
+def _running_bucket(running: int) -> int:
+    """Powers of two: 1, 2, 4, 8, ... (0 is the table pooled over every load)."""
+    return 1 << max(0, math.ceil(math.log2(max(1, running))))
+
+
+class CostModel:
+    """Seconds of one target forward by the tokens in it (and the requests running in it), and of one drafter forward
+    by the requests in it; learnt from timings: the median of the last ``window`` samples per size bucket, so a
+    noisy neighbour moves an estimate only when it persists.
+
+    ``target_seconds(n, running)`` interpolates linearly between measured sizes (not forced monotone: CPUs have
+    kernels whose cost drops at some size) and extrapolates past the largest measured size with the last measured
+    slope (never decreasing there). The table of the request count's
+    bucket answers once it has two sizes; until then the table pooled over every load does.
+    """
+
+    def __init__(self, window: int = 9):
+        self.window = window
+        # running bucket (0: pooled over every load) -> token bucket -> seconds
+        self.target: dict[int, dict[int, deque]] = {0: {}}
+        self.drafter: dict[int, deque] = {}  # drafting requests' bucket -> seconds
+        self.calibrated = False
+        self.frozen = False  # a profile given by the user (or a test): observations are ignored
+        # Engine steps, most recent last: (verify tokens, prefill tokens, running requests, seconds)
+        self.steps: deque = deque(maxlen=256)
+        self._fit: tuple[int, list[float] | None] = (-1, None)  # (steps seen when fitted, coefficients)
+        self._seen = 0
+
+    @classmethod
+    def profile(cls, target_seconds: dict[int, float], drafter_seconds: float = 0.0) -> CostModel:
+        """A fixed cost model from known timings (tokens -> seconds of one target forward), for a machine profiled
+        beforehand or a test; it learns nothing. Install it with ``use_cost_model``."""
+        model = cls(window=1)
+        for tokens, seconds in target_seconds.items():
+            model.observe_target(tokens, seconds)
+        if drafter_seconds:
+            model.observe_drafter(1, drafter_seconds)
+        model.calibrated = model.frozen = True
+        return model
+
+    def observe_target(self, tokens: int, seconds: float, running: int = 1) -> None:
+        if self.frozen:
+            return
+        bucket = _token_bucket(tokens)
+        for key in (0, _running_bucket(running)):
+            table = self.target.setdefault(key, {})
+            table.setdefault(bucket, deque(maxlen=self.window)).append(float(seconds))
+
+    def observe_step(self, verify_tokens: int, prefill_tokens: int, running: int, seconds: float) -> None:
+        """One packed engine step: its verify tokens (anchors + drafts), prefill tokens, requests and seconds."""
+        if self.frozen:
+            return
+        self.steps.append((verify_tokens, prefill_tokens, running, float(seconds)))
+        self._seen += 1
+        self.observe_target(verify_tokens + prefill_tokens, seconds, running)
+
+    def step_curve(self, running: int, prefill_tokens: int = 0) -> Callable[[int], float] | None:
+        """``verify tokens -> seconds`` of an engine step with ``running`` requests and ``prefill_tokens``.
+
+        Once 16 steps with at least three different verify sizes are known: a least-squares fit of seconds on
+        [1, verify tokens, prefill tokens, running] over the last 256 steps (refitted without the points more than
+        three median deviations off, slopes clamped at 0). A packed step's cost is close to linear in these, and a
+        fit over every step is far steadier than per-size medians that few steps reach. Before that: the per-size
+        curve at verify + prefill tokens."""
+        coefficients = self._step_fit()
+        if coefficients is None:
+            curve = self.target_curve(running)
+            return None if curve is None else (lambda n: curve(n + prefill_tokens))
+        a, per_verify, per_prefill, per_request = coefficients
+        base = a + per_prefill * prefill_tokens + per_request * running
+        return lambda n: max(base + per_verify * n, 1e-6)
+
+    def _step_fit(self) -> list[float] | None:
+        if self._fit[0] == self._seen:
+            return self._fit[1]
+        rows = list(self.steps)
+        coefficients = None
+        if len(rows) >= 16 and len({r[0] for r in rows}) >= 3:
+            data = torch.tensor(rows, dtype=torch.float64)
+            x = torch.cat([torch.ones(len(rows), 1, dtype=torch.float64), data[:, :3]], dim=1)
+            y = data[:, 3:]
+            ridge = 1e-6 * torch.eye(4, dtype=torch.float64)
+            for _ in range(2):
+                solution = torch.linalg.solve(x.T @ x + ridge, x.T @ y)
+                residual = (x @ solution - y).abs().flatten()
+                keep = residual <= 3 * residual.median() + 1e-9
+                x, y = x[keep], y[keep]
+            coefficients = [float(solution[0])] + [max(0.0, float(c)) for c in solution[1:, 0]]
+        self._fit = (self._seen, coefficients)
+        return coefficients
+
+    def observe_drafter(self, requests: int, seconds: float) -> None:
+        if self.frozen:
+            return
+        bucket = _running_bucket(requests)
+        self.drafter.setdefault(bucket, deque(maxlen=self.window)).append(float(seconds))
+
+    def knows_target(self, tokens: int, running: int = 1) -> bool:
+        """Whether a size of at most ``tokens`` has been measured (at any load): below the smallest measured size the
+        curve is flat, which would make a plain step look as dear as a verify."""
+        return any(size <= _token_bucket(tokens) for size in self.target[0])
+
+    def target_curve(self, running: int = 1) -> Callable[[int], float] | None:
+        """``n -> seconds`` for a forward of n tokens with ``running`` requests, or None before any measurement."""
+        table = self.target.get(_running_bucket(running), {})
+        if len(table) < 2:
+            table = self.target[0]
+        if not table:
+            return None
+        sizes = sorted(table)
+        # No monotone fit: on a CPU a larger forward can cost less (oneDNN's fp32 path for 2-3 rows is slower than
+        # its GEMM for 4-8 on some machines, measured 1.5-2.4x against 1.2-1.5x), and the choice should use that.
+        values = [statistics.median(table[s]) for s in sizes]
+        return functools.lru_cache(maxsize=None)(lambda n: _interpolate(sizes, values, n))
+
+    def target_seconds(self, tokens: int, running: int = 1) -> float | None:
+        curve = self.target_curve(running)
+        return None if curve is None else curve(tokens)
+
+    def drafter_seconds(self, requests: int) -> float:
+        """Seconds of a drafter forward over ``requests`` requests; 0 before any was measured (the first drafted
+        round measures it)."""
+        if not self.drafter:
+            return 0.0
+        sizes = sorted(self.drafter)
+        values = [statistics.median(self.drafter[s]) for s in sizes]
+        for i in range(1, len(values)):
+            values[i] = max(values[i], values[i - 1])
+        return _interpolate(sizes, values, _running_bucket(requests))
+
+    def marginal_drafter_seconds(self, requests: int) -> float:
+        """What one more request adds to a drafter forward over ``requests`` of them: the slope of the measured
+        curve (a batched forward's fixed part is paid once, whoever drafts), the whole forward for one request."""
+        if requests <= 1:
+            return self.drafter_seconds(1)
+        return max(0.0, self.drafter_seconds(requests) - self.drafter_seconds(1)) / (requests - 1)
+
+    def relative_curve(self, running: int = 1) -> dict[int, float]:
+        """Measured sizes -> seconds relative to a 1-token forward (the plot of ``adaflash bench``)."""
+        curve = self.target_curve(running)
+        table = self.target.get(_running_bucket(running), {}) if running > 1 else self.target[0]
+        if curve is None or not table:
+            return {}
+        base = curve(1)
+        return {size: curve(size) / base for size in sorted(table)}
+
+    def to_dict(self) -> dict:
+        return {
+            "target": {
+                str(r): {str(n): statistics.median(v) for n, v in sorted(t.items())}
+                for r, t in sorted(self.target.items())
+            },
+            "drafter": {str(r): statistics.median(v) for r, v in sorted(self.drafter.items())},
+            "calibrated": self.calibrated,
+        }
+
+
+def _interpolate(sizes: list[int], values: list[float], n: int) -> float:
+    if n <= sizes[0]:
+        return values[0]
+    for (a, va), (b, vb) in zip(zip(sizes, values), zip(sizes[1:], values[1:])):
+        if n <= b:
+            return va + (vb - va) * (n - a) / (b - a)
+    if len(sizes) == 1:
+        return values[0]  # one size known: optimistic, so the first rounds at other sizes measure them
+    slope = max(0.0, (values[-1] - values[-2]) / (sizes[-1] - sizes[-2]))
+    return values[-1] + slope * (n - sizes[-1])
+
+
+_COST_MODELS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def cost_model_for(target, kind: str) -> CostModel:
+    """The cost model of ``target`` on its current device and dtype for one kind of forward (``"generate"``: batch 1
+    with a dynamic cache; ``"engine"``: the packed forward), shared by every call that uses it."""
+    parameter = next(target.parameters())
+    models = _COST_MODELS.setdefault(target, {})
+    return models.setdefault((kind, str(parameter.device), str(parameter.dtype)), CostModel())
+
+
+def use_cost_model(target, kind: str, model: CostModel) -> None:
+    """Make ``model`` the cost model of ``target`` (current device and dtype) for ``kind`` forwards."""
+    if kind not in ("generate", "engine"):
+        raise ValueError(f"kind: expected 'generate' or 'engine', got {kind!r}")
+    if not isinstance(model, CostModel):
+        raise TypeError(f"model: expected a CostModel, got {type(model).__name__}")
+    parameter = next(target.parameters())
+    _COST_MODELS.setdefault(target, {})[(kind, str(parameter.device), str(parameter.dtype))] = model
+
+
+@torch.no_grad()
+def calibrate_target(
+    target,
+    cost: CostModel,
+    sizes: Sequence[int] = (1, 2, 3, 4, 5, 6, 8, 12, 16),
+    context: int = 256,
+    repeats: int = 3,
+    budget_s: float = 1.5,
+    **forward_kwargs,
+) -> None:
+    """Time target forwards of each of ``sizes`` new tokens after ``context`` random tokens (a cropped dynamic cache,
+    as ``generate`` verifies) and feed them to ``cost``: one warm-up forward per size, then up to ``repeats`` passes
+    while ``budget_s`` lasts (the first pass always completes). Sizes go coarse to fine (1, the largest, the middle,
+    ...), so a pass cut short still spans the range, and every size is timed right after a 1-token forward, so a
+    neighbour's load hits both sides of the ratio that decides the choice."""
+    from transformers import DynamicCache
+
+    device = next(target.parameters()).device
+    vocab = target.get_input_embeddings().weight.shape[0]
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (1, context + max(sizes)), generator=generator).to(device)
+    cache = DynamicCache()
+    target(input_ids=ids[:, :context], cache=cache, use_cache=True, logits_to_keep=1)
+
+    def forward(n: int) -> float:
+        position_ids = torch.arange(context, context + n, device=device)[None]
+        tick = time.perf_counter()
+        target(
+            input_ids=ids[:, context : context + n],
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=n,
+            **forward_kwargs,
+        )
+        seconds = time.perf_counter() - tick
+        cache.crop(-n)
+        return seconds
+
+    order = _coarse_to_fine(sorted(set(sizes)))
+    for n in order:
+        forward(n)  # warm-up: the first forward of a shape pays for allocations
+    started = time.perf_counter()
+    for repeat in range(repeats):
+        if repeat and time.perf_counter() - started > budget_s:
+            break
+        for n in order:
+            cost.observe_target(1, forward(1))
+            if n != 1:
+                cost.observe_target(n, forward(n))
+    cost.calibrated = True
+
+
+def _coarse_to_fine(sizes: list[int]) -> list[int]:
+    """1 and the largest first, then midpoints of the widest gaps: [1, 16, 5, 3, 8, ...] from 1..16."""
+    order, pending = [sizes[0], sizes[-1]], [(0, len(sizes) - 1)]
+    while pending:
+        low, high = pending.pop(0)
+        if high - low < 2:
+            continue
+        middle = (low + high) // 2
+        order.append(sizes[middle])
+        pending += [(low, middle), (middle, high)]
+    return list(dict.fromkeys(order))
