@@ -83,17 +83,20 @@ class CostModel:
         """``verify tokens -> seconds`` of an engine step with ``running`` requests and ``prefill_tokens``.
 
         Once 16 steps with at least three different verify sizes are known: a least-squares fit of seconds on
-        [1, verify tokens, prefill tokens, running] over the last 256 steps (refitted without the points more than
-        three median deviations off, slopes clamped at 0). A packed step's cost is close to linear in these, and a
-        fit over every step is far steadier than per-size medians that few steps reach. Before that: the per-size
-        curve at verify + prefill tokens."""
+        [1, verify tokens, prefill tokens, running, single] over the last 256 steps (refitted without the points
+        more than three median deviations, or 1% of a median step, off; slopes clamped at 0). A packed step's cost
+        is close to linear in these, and a fit over every step is far steadier than per-size medians that few
+        steps reach. ``single`` (1 for a forward of one token, its coefficient of either sign) is the jump between
+        a one-row forward and any larger one: on a CPU a 1-token step runs matrix-vector kernels and a 2-token one
+        costs 1.5-1.7x it, which a line through the larger sizes would price at a few percent. Before that: the
+        per-size curve at verify + prefill tokens."""
         coefficients = self._step_fit()
         if coefficients is None:
             curve = self.target_curve(running)
             return None if curve is None else (lambda n: curve(n + prefill_tokens))
-        a, per_verify, per_prefill, per_request = coefficients
+        a, per_verify, per_prefill, per_request, single = coefficients
         base = a + per_prefill * prefill_tokens + per_request * running
-        return lambda n: max(base + per_verify * n, 1e-6)
+        return lambda n: max(base + per_verify * n + (single if n + prefill_tokens == 1 else 0.0), 1e-6)
 
     def _step_fit(self) -> list[float] | None:
         if self._fit[0] == self._seen:
@@ -102,15 +105,17 @@ class CostModel:
         coefficients = None
         if len(rows) >= 16 and len({r[0] for r in rows}) >= 3:
             data = torch.tensor(rows, dtype=torch.float64)
-            x = torch.cat([torch.ones(len(rows), 1, dtype=torch.float64), data[:, :3]], dim=1)
+            single = (data[:, :1] + data[:, 1:2] == 1).to(torch.float64)
+            x = torch.cat([torch.ones(len(rows), 1, dtype=torch.float64), data[:, :3], single], dim=1)
             y = data[:, 3:]
-            ridge = 1e-6 * torch.eye(4, dtype=torch.float64)
+            ridge = 1e-6 * torch.eye(5, dtype=torch.float64)
             for _ in range(2):
                 solution = torch.linalg.solve(x.T @ x + ridge, x.T @ y)
                 residual = (x @ solution - y).abs().flatten()
-                keep = residual <= 3 * residual.median() + 1e-9
+                keep = residual <= 3 * residual.median() + 0.01 * y.abs().median()  # floor: exact timings
                 x, y = x[keep], y[keep]
-            coefficients = [float(solution[0])] + [max(0.0, float(c)) for c in solution[1:, 0]]
+            slopes = [max(0.0, float(c)) for c in solution[1:4, 0]]
+            coefficients = [float(solution[0]), *slopes, float(solution[4])]
         self._fit = (self._seen, coefficients)
         return coefficients
 

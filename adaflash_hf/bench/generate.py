@@ -110,31 +110,15 @@ def _native_dflash(target, drafter, input_ids, config):
             adaflash_hf.enable()
 
 
-def _adaflash_fixed(target, drafter, input_ids, config):
-    config.adaflash_length_mode = "fixed"
-    return _generate(target, input_ids, config, assistant_model=drafter)
+def _adaflash(length_mode: str, draft_source: str = "diffusion"):
+    """A runner for AdaFlash with these drafting settings (the generation-config fields ``generate`` reads)."""
 
+    def run(target, drafter, input_ids, config):
+        config.adaflash_length_mode = length_mode
+        config.adaflash_draft_source = draft_source
+        return _generate(target, input_ids, config, assistant_model=drafter)
 
-def _adaflash_adaptive(target, drafter, input_ids, config):
-    config.adaflash_length_mode = "adaptive"
-    return _generate(target, input_ids, config, assistant_model=drafter)
-
-
-def _adaflash_hybrid(target, drafter, input_ids, config):
-    config.adaflash_length_mode = "adaptive"
-    config.adaflash_draft_source = "hybrid"
-    return _generate(target, input_ids, config, assistant_model=drafter)
-
-
-def _adaflash_goodput(target, drafter, input_ids, config):
-    config.adaflash_length_mode = "goodput"
-    return _generate(target, input_ids, config, assistant_model=drafter)
-
-
-def _adaflash_hybrid_goodput(target, drafter, input_ids, config):
-    config.adaflash_length_mode = "goodput"
-    config.adaflash_draft_source = "hybrid"
-    return _generate(target, input_ids, config, assistant_model=drafter)
+    return run
 
 
 # Looked up at call time, so a test can swap one entry.
@@ -142,11 +126,11 @@ RUNNERS = {
     "plain": _plain,
     "prompt_lookup": _prompt_lookup,
     "native_dflash": _native_dflash,
-    "adaflash_fixed": _adaflash_fixed,
-    "adaflash_adaptive": _adaflash_adaptive,
-    "adaflash_hybrid": _adaflash_hybrid,
-    "adaflash_goodput": _adaflash_goodput,
-    "adaflash_hybrid_goodput": _adaflash_hybrid_goodput,
+    "adaflash_fixed": _adaflash("fixed"),
+    "adaflash_adaptive": _adaflash("adaptive"),
+    "adaflash_hybrid": _adaflash("adaptive", "hybrid"),
+    "adaflash_goodput": _adaflash("goodput"),
+    "adaflash_hybrid_goodput": _adaflash("goodput", "hybrid"),
 }
 
 

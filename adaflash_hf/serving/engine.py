@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import statistics
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -300,6 +301,9 @@ class AdaFlashEngine:
             self.acceptance = acceptance_model_for(drafter)
             self.lookups = LookupModel(strength=2.0)  # shared by the requests' own lookup models
             self.last_drafter_forward: tuple[int, float] | None = None  # (requests, seconds) of this step's
+            # The whole batch's drafter, judged on whole steps (below: _judge_drafter_step).
+            self.batch_gate = SkipGate(max_skip=self.settings.max_skip)
+            self.plain_overhead: deque = deque(maxlen=32)  # seconds of plain steps outside the target forward
         self.vocab_size = target.get_output_embeddings().weight.shape[0]
         self.max_positions = getattr(text_config, "max_position_embeddings", None) or 1 << 62
         eos = target.generation_config.eos_token_id
@@ -481,6 +485,11 @@ class AdaFlashEngine:
         outputs, committed = self._commit(
             admitted, decoding, drafts, accepted, next_tokens, features, full_drafts, sources
         )
+        if self.goodput and decoding:
+            seconds = time.perf_counter() - started
+            self._judge_drafter_step(
+                any(ran), committed, decoding, admitted, prefill_tokens, seconds, target_seconds
+            )
         self.running = [r for r in self.running if r.status == RUNNING]
         self.admission.update(len(decoding) + len(admitted), sum(lengths) + len(lengths), len(lengths))
         self.stats.append(
@@ -593,7 +602,8 @@ class AdaFlashEngine:
             return lengths, None, rows, lookups, 0, ran  # a plain step measures the baseline first
         base = {"base_tokens": base_tokens, "base_committed": float(running), "target_seconds": curve}
         share = self.cost.marginal_drafter_seconds(count)
-        drafting = [i for i, r in enumerate(decoding) if room[i] > 0 and r.gate.should_draft()]
+        batch_open = self.batch_gate.should_draft()
+        drafting = [i for i, r in enumerate(decoding) if batch_open and room[i] > 0 and r.gate.should_draft()]
         drafting = [
             i for i in drafting if not self._lookup_alone_wins(decoding[i], options[i], room[i], share, base)
         ]
@@ -702,6 +712,32 @@ class AdaFlashEngine:
             ):
                 self.acceptance.update(*request.goodput_round, len(draft), n_accepted)
             request.goodput_round = None
+
+    def _judge_drafter_step(
+        self,
+        drafted: bool,
+        committed: int,
+        decoding,
+        admitted,
+        prefill_tokens: int,
+        seconds: float,
+        target: float,
+    ) -> None:
+        """The safety net under the per-request choice: everything the plan does not price (the drafter's fixed cost
+        when few requests draft, the confidences, the bookkeeping) shows in the step's wall time. A step where the
+        drafter ran is worth its committed tokens minus what plain decoding would have committed in the same
+        seconds (a plain step: the cost model's step at no drafts plus the measured overhead of plain steps); while
+        that average stays negative the whole batch skips the drafter (``SkipGate``'s backoff, with probes)."""
+        if not drafted:
+            self.plain_overhead.append(max(0.0, seconds - target))
+            return
+        running = len(decoding) + len(admitted)
+        curve = self.cost.step_curve(running, prefill_tokens)
+        if curve is None:
+            return
+        overhead = statistics.median(self.plain_overhead) if self.plain_overhead else 0.0
+        plain_seconds = curve(len(decoding)) + overhead
+        self.batch_gate.record(committed - len(decoding) * seconds / plain_seconds, 0.0)
 
     def _calibrate_once(self) -> None:
         if self.settings.calibrate and not self.cost.calibrated:
