@@ -18,6 +18,7 @@ trust_remote_code=True)`` uses the uploaded remote code.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import tempfile
@@ -218,6 +219,18 @@ def stage_drafter(drafter: AdaFlashDrafter, folder: str | os.PathLike, card: Mod
     return files
 
 
+def _unreachable_errors() -> tuple[type[BaseException], ...]:
+    """What the Hub client raises when no connection can be made: offline mode, a refused or timed-out connection,
+    whichever HTTP library this huggingface_hub uses (its transport errors are not OSErrors)."""
+    errors: list[type[BaseException]] = [ConnectionError, TimeoutError]
+    for module in ("httpx2", "httpx"):
+        try:
+            errors.append(importlib.import_module(module).TransportError)
+        except (ImportError, AttributeError):
+            pass
+    return tuple(errors)
+
+
 def push_drafter(
     drafter_or_path: AdaFlashDrafter | str | os.PathLike,
     repo_id: str,
@@ -291,7 +304,7 @@ def push_drafter(
                 token=token,
                 repo_type="model",
             )
-        except ConnectionError as error:  # HF_HUB_OFFLINE's OfflineModeIsEnabled among them
+        except _unreachable_errors() as error:  # HF_HUB_OFFLINE's OfflineModeIsEnabled among them
             raise ConnectionError(
                 f"the Hub is unreachable, nothing was uploaded to {repo_id} ({type(error).__name__}: {error}); "
                 "--dry-run (dry_run=True) stages the drafter and lists what would be uploaded, without the Hub"

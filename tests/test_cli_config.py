@@ -277,3 +277,15 @@ def test_a_strict_load_error_comes_without_transformers_load_report(
     ):
         AdaFlashDrafter.from_pretrained(drafter_folder)
     assert not [r.getMessage() for r in caplog.records if "LOAD REPORT" in r.getMessage()]
+
+
+def test_publish_with_the_hub_down_not_offline_says_it_is_unreachable(drafter_folder, capsys, monkeypatch):
+    # Not offline mode: a real connection to a port nothing listens on, refused at once (the HTTP client's own error).
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setenv("HF_TOKEN", "hf_not_a_real_token")
+    assert cli.main(["publish", str(drafter_folder), "me/test-drafter"]) == 1
+    line = _one_error_line(capsys, "publish")
+    assert "the Hub is unreachable, nothing was uploaded to me/test-drafter" in line and "--dry-run" in line
