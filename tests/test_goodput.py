@@ -462,3 +462,22 @@ def test_the_batch_skips_the_drafter_while_whole_drafted_steps_lose_to_plain(fre
     engine.step()
     assert engine.stats[-1].skipped_drafter == engine.stats[-1].verifies == 2
     assert engine.batch_gate.skip_left == skipped - 1
+
+
+def test_the_batch_gate_judges_against_measured_plain_steps_once_it_has_them(fresh_target, drafter_factory):
+    # The profile prices a plain step at 0.1 s, but measured plain steps take 0.3 s: a drafted step committing 6
+    # tokens in 0.4 s loses to the profile (8 tokens) and wins against the measured steps (5.3 tokens).
+    target = fresh_target
+    drafter = drafter_factory(target)
+    use_cost_model(target, "engine", CostModel.profile({1: 0.1, 4: 0.1, 16: 0.2}, drafter_seconds=0.01))
+    engine = AdaFlashEngine(target, drafter, drafting=DraftingSettings(length_mode="goodput", max_skip=4))
+    running = [object()] * 4
+    for _ in range(3):
+        engine._judge_drafter_step(True, 6, running, [], 0, seconds=0.4, target=0.1)
+    assert engine.batch_gate.skip_left > 0  # judged by the profile: losing
+    engine.batch_gate = SkipGate(max_skip=4)
+    for _ in range(3):
+        engine._judge_drafter_step(False, 4, running, [], 0, seconds=0.3, target=0.1)
+    for _ in range(3):
+        engine._judge_drafter_step(True, 6, running, [], 0, seconds=0.4, target=0.1)
+    assert engine.batch_gate.skip_left == 0 and engine.batch_gate.average_surplus > 0

@@ -304,6 +304,9 @@ class AdaFlashEngine:
             # The whole batch's drafter, judged on whole steps (below: _judge_drafter_step).
             self.batch_gate = SkipGate(max_skip=self.settings.max_skip)
             self.plain_overhead: deque = deque(maxlen=32)  # seconds of plain steps outside the target forward
+            self.plain_steps: dict[
+                int, deque
+            ] = {}  # running requests -> seconds of recent plain decode steps
         self.vocab_size = target.get_output_embeddings().weight.shape[0]
         self.max_positions = getattr(text_config, "max_position_embeddings", None) or 1 << 62
         eos = target.generation_config.eos_token_id
@@ -726,17 +729,24 @@ class AdaFlashEngine:
         """The safety net under the per-request choice: everything the plan does not price (the drafter's fixed cost
         when few requests draft, the confidences, the bookkeeping) shows in the step's wall time. A step where the
         drafter ran is worth its committed tokens minus what plain decoding would have committed in the same
-        seconds (a plain step: the cost model's step at no drafts plus the measured overhead of plain steps); while
-        that average stays negative the whole batch skips the drafter (``SkipGate``'s backoff, with probes)."""
+        seconds (a plain step: the median of the last plain decode steps at this many running requests, measured
+        whole; without three of them, the cost model's step at no drafts plus the measured overhead of plain steps);
+        while that average stays negative the whole batch skips the drafter (``SkipGate``'s backoff, with probes)."""
+        running = len(decoding) + len(admitted)
         if not drafted:
             self.plain_overhead.append(max(0.0, seconds - target))
+            if not admitted:
+                self.plain_steps.setdefault(running, deque(maxlen=16)).append(seconds)
             return
-        running = len(decoding) + len(admitted)
-        curve = self.cost.step_curve(running, prefill_tokens)
-        if curve is None:
-            return
-        overhead = statistics.median(self.plain_overhead) if self.plain_overhead else 0.0
-        plain_seconds = curve(len(decoding)) + overhead
+        measured = self.plain_steps.get(running, ()) if not admitted else ()
+        if len(measured) >= 3:
+            plain_seconds = statistics.median(measured)
+        else:
+            curve = self.cost.step_curve(running, prefill_tokens)
+            if curve is None:
+                return
+            overhead = statistics.median(self.plain_overhead) if self.plain_overhead else 0.0
+            plain_seconds = curve(len(decoding)) + overhead
         self.batch_gate.record(committed - len(decoding) * seconds / plain_seconds, 0.0)
 
     def _calibrate_once(self) -> None:
