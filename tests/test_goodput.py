@@ -437,14 +437,19 @@ def test_the_engines_block_after_skipped_forwards_equals_the_block_without_skipp
         assert drafted == runs["fixed"][key], key
 
 
+def _gated_engine(target, drafter_factory) -> AdaFlashEngine:
+    """A goodput engine whose cost model prices a plain 4-request step at 0.1 s (a profile: it learns nothing)."""
+    use_cost_model(target, "engine", CostModel.profile({1: 0.1, 4: 0.1, 16: 0.2}, drafter_seconds=0.01))
+    return AdaFlashEngine(
+        target, drafter_factory(target), drafting=DraftingSettings(length_mode="goodput", max_skip=4)
+    )
+
+
 def test_the_batch_skips_the_drafter_while_whole_drafted_steps_lose_to_plain(fresh_target, drafter_factory):
     # Wall time the plan does not price (a drafter's fixed cost, bookkeeping) shows in whole steps: judged here with
     # injected step timings against a profiled plain step of 0.1 s (+ 0.01 s measured outside the target).
-    target = fresh_target
-    drafter = drafter_factory(target)
-    use_cost_model(target, "engine", CostModel.profile({1: 0.1, 4: 0.1, 16: 0.2}, drafter_seconds=0.01))
-    engine = AdaFlashEngine(target, drafter, drafting=DraftingSettings(length_mode="goodput", max_skip=4))
-    running = [object()] * 4
+    engine = _gated_engine(fresh_target, drafter_factory)
+    running = [object()] * 4  # four decoding requests (only their count is read)
     engine._judge_drafter_step(False, 4, running, [], 0, seconds=0.11, target=0.1)
     # Drafted steps committing 6 tokens in 0.11 s: ahead of plain's 4; the batch keeps drafting.
     for _ in range(3):
@@ -467,11 +472,8 @@ def test_the_batch_skips_the_drafter_while_whole_drafted_steps_lose_to_plain(fre
 def test_the_batch_gate_judges_against_measured_plain_steps_once_it_has_them(fresh_target, drafter_factory):
     # The profile prices a plain step at 0.1 s, but measured plain steps take 0.3 s: a drafted step committing 6
     # tokens in 0.4 s loses to the profile (8 tokens) and wins against the measured steps (5.3 tokens).
-    target = fresh_target
-    drafter = drafter_factory(target)
-    use_cost_model(target, "engine", CostModel.profile({1: 0.1, 4: 0.1, 16: 0.2}, drafter_seconds=0.01))
-    engine = AdaFlashEngine(target, drafter, drafting=DraftingSettings(length_mode="goodput", max_skip=4))
-    running = [object()] * 4
+    engine = _gated_engine(fresh_target, drafter_factory)
+    running = [object()] * 4  # four decoding requests (only their count is read)
     for _ in range(3):
         engine._judge_drafter_step(True, 6, running, [], 0, seconds=0.4, target=0.1)
     assert engine.batch_gate.skip_left > 0  # judged by the profile: losing
