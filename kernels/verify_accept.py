@@ -200,12 +200,21 @@ def _accept_torch(logits, draft_tokens, cu, temps, draft_probs, u_accept, u_samp
     draft_pos = torch.arange(draft_tokens.numel(), device=device) - (starts - requests)[draft_req]
     draft_logits = logits[starts[draft_req] + draft_pos].to(dtype)
     greedy_ok = draft_logits.argmax(-1) == draft_tokens
-    p_draft = torch.softmax(draft_logits * inv_t[draft_req, None], -1)
-    p_tok = p_draft.gather(1, draft_tokens[:, None]).squeeze(1)
-    q_tok = 1.0 if draft_probs is None else draft_probs.gather(1, draft_tokens[:, None]).squeeze(1).to(dtype)
-    ok = torch.where(greedy[draft_req], greedy_ok, u_accept.to(dtype) * q_tok < p_tok)
+    # An all-greedy batch needs no probabilities: argmaxes decide (the same tokens, without the vocabulary softmaxes).
+    all_greedy = bool(greedy.all())
+    if all_greedy:
+        ok = greedy_ok
+    else:
+        p_draft = torch.softmax(draft_logits * inv_t[draft_req, None], -1)
+        p_tok = p_draft.gather(1, draft_tokens[:, None]).squeeze(1)
+        q_tok = (
+            1.0 if draft_probs is None else draft_probs.gather(1, draft_tokens[:, None]).squeeze(1).to(dtype)
+        )
+        ok = torch.where(greedy[draft_req], greedy_ok, u_accept.to(dtype) * q_tok < p_tok)
     accepted = draft_lengths.clone()
     accepted.scatter_reduce_(0, draft_req[~ok], draft_pos[~ok], reduce="amin")
+    if all_greedy:
+        return AcceptResult(accepted, logits[starts + accepted].argmax(-1))
 
     final_logits = logits[starts + accepted].to(dtype)
     p = torch.softmax(final_logits * inv_t[:, None], -1)

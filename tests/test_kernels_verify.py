@@ -92,6 +92,26 @@ def test_acceptance_matches_per_request_reference_on_random_ragged_batches(with_
         assert (out.accepted.tolist(), out.next_tokens.tolist()) == expected
 
 
+def test_all_greedy_batches_take_the_argmax_path_and_match_the_reference():
+    # No request samples: the torch path decides by argmaxes alone (no vocabulary softmax); the same tokens.
+    g = torch.Generator().manual_seed(77)
+    for _ in range(100):
+        drafts, packed, logits, temps, _, accept_u, sample_u = random_verify_case(g, vocab=64)
+        greedy = torch.zeros_like(temps)
+        out = verify_accept(
+            logits, packed.draft_tokens, packed.cu_seqlens_q, greedy, None, accept_u, sample_u
+        )
+        expected = reference_accept(logits, drafts, greedy, None, accept_u, sample_u)
+        assert (out.accepted.tolist(), out.next_tokens.tolist()) == expected
+        mixed = greedy.clone()
+        mixed[0] = 0.7  # one sampling request: the full path, and the greedy requests' results do not change
+        out_mixed = verify_accept(
+            logits, packed.draft_tokens, packed.cu_seqlens_q, mixed, None, accept_u, sample_u
+        )
+        assert out_mixed.accepted.tolist()[1:] == expected[0][1:]
+        assert out_mixed.next_tokens.tolist()[1:] == expected[1][1:]
+
+
 def test_greedy_accepts_the_target_argmax_and_emits_the_bonus_token():
     logits = torch.full((4, 10), -1.0)
     logits[0, 3] = logits[1, 5] = logits[2, 7] = logits[3, 2] = 1.0
