@@ -479,6 +479,10 @@ def test_the_batch_gate_judges_against_measured_plain_steps_once_it_has_them(fre
     assert engine.batch_gate.skip_left > 0  # judged by the profile: losing
     engine.batch_gate = SkipGate(max_skip=4)
     for _ in range(3):
+        # Lookup-only steps (no drafter, 8 lookup drafts verified) are no plain steps: not measured as such.
+        engine._judge_drafter_step(False, 7, running, [], 0, seconds=0.9, target=0.8, verified=8)
+    assert not engine.plain_steps
+    for _ in range(3):
         engine._judge_drafter_step(False, 4, running, [], 0, seconds=0.3, target=0.1)
     for _ in range(3):
         engine._judge_drafter_step(True, 6, running, [], 0, seconds=0.4, target=0.1)

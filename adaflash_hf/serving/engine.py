@@ -304,9 +304,8 @@ class AdaFlashEngine:
             # The whole batch's drafter, judged on whole steps (below: _judge_drafter_step).
             self.batch_gate = SkipGate(max_skip=self.settings.max_skip)
             self.plain_overhead: deque = deque(maxlen=32)  # seconds of plain steps outside the target forward
-            self.plain_steps: dict[
-                int, deque
-            ] = {}  # running requests -> seconds of recent plain decode steps
+            # running requests -> seconds of recent plain decode steps (no drafter, nothing verified, no prefill)
+            self.plain_steps: dict[int, deque] = {}
         self.vocab_size = target.get_output_embeddings().weight.shape[0]
         self.max_positions = getattr(text_config, "max_position_embeddings", None) or 1 << 62
         eos = target.generation_config.eos_token_id
@@ -491,7 +490,7 @@ class AdaFlashEngine:
         if self.goodput and decoding:
             seconds = time.perf_counter() - started
             self._judge_drafter_step(
-                any(ran), committed, decoding, admitted, prefill_tokens, seconds, target_seconds
+                any(ran), committed, decoding, admitted, prefill_tokens, seconds, target_seconds, sum(lengths)
             )
         self.running = [r for r in self.running if r.status == RUNNING]
         self.admission.update(len(decoding) + len(admitted), sum(lengths) + len(lengths), len(lengths))
@@ -725,17 +724,20 @@ class AdaFlashEngine:
         prefill_tokens: int,
         seconds: float,
         target: float,
+        verified: int = 0,
     ) -> None:
         """The safety net under the per-request choice: everything the plan does not price (the drafter's fixed cost
         when few requests draft, the confidences, the bookkeeping) shows in the step's wall time. A step where the
         drafter ran is worth its committed tokens minus what plain decoding would have committed in the same
         seconds (a plain step: the median of the last plain decode steps at this many running requests, measured
         whole; without three of them, the cost model's step at no drafts plus the measured overhead of plain steps);
-        while that average stays negative the whole batch skips the drafter (``SkipGate``'s backoff, with probes)."""
+        while that average stays negative the whole batch skips the drafter (``SkipGate``'s backoff, with probes).
+        ``verified``: the step's verified drafts; a step without the drafter that verified lookup continuations is no
+        plain step."""
         running = len(decoding) + len(admitted)
         if not drafted:
             self.plain_overhead.append(max(0.0, seconds - target))
-            if not admitted:
+            if not admitted and not verified:
                 self.plain_steps.setdefault(running, deque(maxlen=16)).append(seconds)
             return
         measured = self.plain_steps.get(running, ()) if not admitted else ()
