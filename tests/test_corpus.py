@@ -230,3 +230,33 @@ def test_an_out_dir_that_is_a_file_is_refused_before_anything_loads(monkeypatch,
     (tmp_path / "file").write_text("x")
     with pytest.raises(ValueError, match="--out-dir: expected a folder .*, got the file"):
         corpus.main(["--out-dir", str(tmp_path / "file")])
+
+
+def test_training_sequences_whose_prompt_is_a_heldout_prompt_are_dropped(monkeypatch):
+    from adaflash_hf.data import prompt_ids
+    from adaflash_hf.trainers import train_drafter
+
+    tokenizer = tiny_tokenizer(500)
+    heldout, train = rows(("chat",))[:2], rows(("chat",))[2:]
+    monkeypatch.setattr(train_drafter, "load_domain", lambda domain, split: heldout if split == "heldout" else [])
+
+    def record(row, response=(7, 8)):
+        prompt = prompt_ids(tokenizer, row)[0].tolist()
+        return {"id": row["id"], "input_ids": prompt + list(response), "prompt_length": len(prompt)}
+
+    twin = dict(heldout[1], id="chat/other-id")  # the same first turn under another conversation id
+    records = [record(train[0]), record(twin), record(train[0], response=())]
+    kept = train_drafter._without_heldout_twins(records, tokenizer, ["chat"])
+    assert [r["id"] for r in kept] == [train[0]["id"], train[0]["id"]]
+
+
+def test_drop_prompt_twins_compares_whole_prompts_not_prefixes_or_responses():
+    from adaflash_hf.trainers.corpus import drop_prompt_twins
+
+    records = [
+        {"input_ids": [1, 2, 3, 9], "prompt_length": 3},  # prompt [1, 2, 3]: a twin
+        {"input_ids": [1, 2, 3, 9], "prompt_length": 2},  # prompt [1, 2]: a prefix of it, kept
+        {"input_ids": [1, 2, 3, 4], "prompt_length": 4},  # response-free but another prompt, kept
+    ]
+    kept, dropped = drop_prompt_twins(records, [[1, 2, 3], (5,)])
+    assert dropped == 1 and kept == records[1:]

@@ -74,6 +74,15 @@ def read_corpus(out_dir: str | Path, domains: Iterable[str]) -> list[dict]:
     return records
 
 
+def drop_prompt_twins(records: list[dict], prompts: Iterable[Iterable[int]]) -> tuple[list[dict], int]:
+    """``records`` without those whose prompt (``input_ids[:prompt_length]``) is one of ``prompts`` (token ids), and
+    how many were dropped: a training sequence whose prompt is also a held-out prompt (ShareGPT repeats some first turns
+    under different conversation ids) would inflate every held-out figure."""
+    excluded = {tuple(ids) for ids in prompts}
+    kept = [r for r in records if tuple(r["input_ids"][: r["prompt_length"]]) not in excluded]
+    return kept, len(records) - len(kept)
+
+
 def _read_jsonl_gz(path: Path) -> list[dict]:
     records = []
     try:

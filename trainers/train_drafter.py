@@ -21,7 +21,7 @@ from trl import TrlParser
 from adaflash_hf.assets import load_target
 from adaflash_hf.data import load_domain, prompt_ids
 from adaflash_hf.modeling import AdaFlashDrafter
-from adaflash_hf.trainers.corpus import read_corpus
+from adaflash_hf.trainers.corpus import drop_prompt_twins, read_corpus
 from adaflash_hf.trainers.drafter_setup import add_config_option, build_drafter
 from adaflash_hf.trainers.train_drafter_config import DrafterTrainingConfig
 from adaflash_hf.trainers.train_drafter_trainer import DrafterTrainer
@@ -38,6 +38,8 @@ def main(args: DrafterTrainingConfig) -> AdaFlashDrafter:
     # Read first: a missing domain file fails before the target loads.
     records = read_corpus(args.corpus_dir, args.domains)
     target, tokenizer = load_target(args.target_model)
+    if args.drop_heldout_twins:
+        records = _without_heldout_twins(records, tokenizer, args.domains)
     if args.max_train_sequences is not None:
         records = records[: args.max_train_sequences]
     train_dataset = datasets.Dataset.from_list(
@@ -74,6 +76,13 @@ def main(args: DrafterTrainingConfig) -> AdaFlashDrafter:
     if trainer.is_world_process_zero():
         trainer.model.save_pretrained(args.output_dir)
     return trainer.model
+
+
+def _without_heldout_twins(records: list[dict], tokenizer, domains) -> list[dict]:
+    heldout = [prompt_ids(tokenizer, row)[0].tolist() for domain in domains for row in load_domain(domain, "heldout")]
+    records, dropped = drop_prompt_twins(records, heldout)
+    logger.info(f"dropped {dropped} training sequences whose prompt is a held-out prompt ({len(heldout)} held out)")
+    return records
 
 
 def make_parser(subparsers=None) -> TrlParser:

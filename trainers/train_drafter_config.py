@@ -55,6 +55,13 @@ class DrafterTrainingConfig(DrafterArguments, TrainingArguments):
     max_train_sequences: int | None = field(
         default=None, metadata={"help": "Use only the first N training sequences (None = all)."}
     )
+    drop_heldout_twins: bool = field(
+        default=True,
+        metadata={
+            "help": "Drop every training sequence whose prompt is also a prompt of the held-out split of its domains "
+            "(the same first turn under another conversation id), so that held-out figures measure unseen prompts."
+        },
+    )
     heldout_corpus_dir: str | None = field(
         default=None,
         metadata={
