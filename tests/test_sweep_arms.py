@@ -296,3 +296,15 @@ def test_the_sweep_arms_differ_in_their_arm_only_and_see_equal_blocks(monkeypatc
         assert args.heldout_corpus_dir == base.heldout_corpus_dir and args.corpus_dir == base.corpus_dir, arm
         assert args.seed == base.seed and args.draft_vocab_size == base.draft_vocab_size == 8192
         assert args.final_norm_init == base.final_norm_init and args.loss_positions == base.loss_positions
+
+
+def test_the_sweep_runner_knows_every_arm_and_refuses_an_unknown_one():
+    import re
+    import subprocess
+
+    script = ROOT / "examples" / "run_sweep.sh"
+    default_arms = re.search(r"arms=\((baseline [^)]*)\)", script.read_text()).group(1).split()
+    assert set(ARMS) <= set(default_arms)
+    assert all((ROOT / "examples" / "configs" / f"sweep_{arm}.yaml").is_file() for arm in default_arms)
+    done = subprocess.run([str(script), "no_such_arm"], capture_output=True, text=True)
+    assert done.returncode == 2 and "examples/configs/sweep_no_such_arm.yaml" in done.stderr
