@@ -603,3 +603,66 @@ def test_the_script_needs_a_corpus_and_says_how_to_build_one(tmp_path):
         ValueError, match=r"corpus_dir: expected a corpus written by `adaflash corpus --out-dir DIR`"
     ):
         main(args)
+
+
+def _write_corpus(folder: Path, per_domain: int, offset: int) -> None:
+    """A corpus of every domain, as `adaflash corpus` writes it, whose prompts use token ids of their own:
+    ``offset + 100 * d`` onwards for the d-th of chat, code, math."""
+    folder.mkdir()
+    for d, domain in enumerate(("chat", "code", "math")):
+        with gzip.open(folder / f"{domain}.jsonl.gz", "wt") as handle:
+            for i in range(per_domain):
+                prompt = [offset + 100 * d + i, offset + 100 * d + 50 + i, 4]
+                row = {"id": f"{domain}/{i}", "domain": domain, "input_ids": prompt + [5, 6, 7] * 6}
+                handle.write(json.dumps({**row, "prompt_length": 3}) + "\n")
+
+
+def test_a_domain_left_out_of_training_is_in_no_training_sequence_and_still_evaluated(
+    target_factory, tmp_path, monkeypatch
+):
+    from adaflash_hf.trainers import train_drafter
+
+    tiny_script_inputs(target_factory("llama"), tmp_path / "script")
+    _write_corpus(tmp_path / "corpus", per_domain=4, offset=10)
+    _write_corpus(tmp_path / "heldout", per_domain=2, offset=30)
+    trainers = []
+
+    class Recorded(DrafterTrainer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            trainers.append(self)
+
+    monkeypatch.setattr(train_drafter, "DrafterTrainer", Recorded)
+    args = DrafterTrainingConfig(
+        target_model=str(tmp_path / "script" / "target"), corpus_dir=str(tmp_path / "corpus"),
+        domains=["chat", "math"], heldout_domains=["chat", "code", "math"],
+        heldout_corpus_dir=str(tmp_path / "heldout"), drop_heldout_twins=False, eval_prompts_per_domain=0,
+        output_dir=str(tmp_path / "out"), max_steps=1, per_device_train_batch_size=2, num_anchors=4,
+        drafter_layers=1, mask_token_id=3, save_strategy="no", report_to="none", use_cpu=True, disable_tqdm=True,
+    )  # fmt: skip
+    train_drafter.main(args)
+
+    (trainer,) = trainers
+    train = trainer.train_dataset
+    assert sorted(set(train["domain"])) == ["chat", "math"] and len(train) == 8
+    code_tokens = set(range(110, 200))  # the code prompts' token range
+    assert not any(code_tokens & set(ids) for ids in train["input_ids"])
+    assert sorted({r["domain"] for r in trainer.heldout_records}) == ["chat", "code", "math"]
+    point = json.loads((tmp_path / "out" / "learning_curve.json").read_text())["points"][-1]
+    assert {"chat", "code", "math"} <= set(point["metrics"])
+
+
+def test_held_out_domains_default_to_the_training_domains(tmp_path):
+    args = DrafterTrainingConfig(output_dir=str(tmp_path), domains=["chat", "math"], report_to="none")
+    assert args.heldout_domains == ["chat", "math"]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("domains", []), ("domains", ["chat", "poetry"]), ("heldout_domains", ["code", "code"])],
+)
+def test_training_and_held_out_domains_must_be_known_and_not_empty(tmp_path, field, value):
+    with pytest.raises(
+        ValueError, match=rf"{field}: expected distinct domains among \['chat', 'code', 'math'\], "
+    ):
+        DrafterTrainingConfig(output_dir=str(tmp_path), report_to="none", **{field: value})

@@ -39,7 +39,7 @@ def main(args: DrafterTrainingConfig) -> AdaFlashDrafter:
     records = read_corpus(args.corpus_dir, args.domains)
     target, tokenizer = load_target(args.target_model)
     if args.drop_heldout_twins:
-        records = _without_heldout_twins(records, tokenizer, args.domains)
+        records = _without_heldout_twins(records, tokenizer, args.heldout_domains)
     if args.max_train_sequences is not None:
         records = records[: args.max_train_sequences]
     train_dataset = datasets.Dataset.from_list(
@@ -55,7 +55,7 @@ def main(args: DrafterTrainingConfig) -> AdaFlashDrafter:
     )
     eval_prompts = [
         prompt_ids(tokenizer, row)
-        for domain in (args.domains if args.eval_prompts_per_domain > 0 else ())
+        for domain in (args.heldout_domains if args.eval_prompts_per_domain > 0 else ())
         for row in load_domain(domain, "heldout", n=args.eval_prompts_per_domain, seed=args.seed)
     ]
     drafter = build_drafter(args, target, records)
@@ -79,9 +79,13 @@ def main(args: DrafterTrainingConfig) -> AdaFlashDrafter:
 
 
 def _without_heldout_twins(records: list[dict], tokenizer, domains) -> list[dict]:
-    heldout = [prompt_ids(tokenizer, row)[0].tolist() for domain in domains for row in load_domain(domain, "heldout")]
+    heldout = [
+        prompt_ids(tokenizer, row)[0].tolist() for domain in domains for row in load_domain(domain, "heldout")
+    ]
     records, dropped = drop_prompt_twins(records, heldout)
-    logger.info(f"dropped {dropped} training sequences whose prompt is a held-out prompt ({len(heldout)} held out)")
+    logger.info(
+        f"dropped {dropped} training sequences whose prompt is a held-out prompt ({len(heldout)} held out)"
+    )
     return records
 
 

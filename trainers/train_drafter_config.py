@@ -4,6 +4,7 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
+from adaflash_hf.data import DOMAINS
 from adaflash_hf.trainers.drafter_setup import DrafterArguments
 
 
@@ -18,7 +19,18 @@ class DrafterTrainingConfig(DrafterArguments, TrainingArguments):
 
     domains: list[str] = field(
         default_factory=lambda: ["chat", "code", "math"],
-        metadata={"help": "Training domains of adaflash_hf.data."},
+        metadata={
+            "help": "Training domains of adaflash_hf.data: the corpus files read for training. A domain left out is "
+            "in no training sequence (e.g. [chat, math]: a drafter that never saw code)."
+        },
+    )
+    heldout_domains: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "Domains of the held-out evaluation (the learning curve, eval_prompts_per_domain) and of the "
+            "held-out twins dropped from training; None = `domains`. List a domain left out of `domains` here to "
+            "measure it (domains: [chat, math], heldout_domains: [chat, code, math])."
+        },
     )
     max_length: int = field(default=512, metadata={"help": "Sequences are truncated to this many tokens."})
     num_anchors: int = field(default=24, metadata={"help": "Random anchors (blocks) per sequence and step."})
@@ -58,8 +70,9 @@ class DrafterTrainingConfig(DrafterArguments, TrainingArguments):
     drop_heldout_twins: bool = field(
         default=True,
         metadata={
-            "help": "Drop every training sequence whose prompt is also a prompt of the held-out split of its domains "
-            "(the same first turn under another conversation id), so that held-out figures measure unseen prompts."
+            "help": "Drop every training sequence whose prompt is also a prompt of the held-out split of "
+            "heldout_domains (the same first turn under another conversation id), so that held-out figures measure "
+            "unseen prompts."
         },
     )
     heldout_corpus_dir: str | None = field(
@@ -174,6 +187,10 @@ class DrafterTrainingConfig(DrafterArguments, TrainingArguments):
 
     def __post_init__(self):
         super().__post_init__()
+        _check_domains("domains", self.domains)
+        if self.heldout_domains is None:
+            self.heldout_domains = list(self.domains)
+        _check_domains("heldout_domains", self.heldout_domains)
         if self.block_size < 2:
             raise ValueError(f"block_size: expected >= 2, got {self.block_size}")
         if self.num_anchors < 1:
@@ -211,3 +228,11 @@ class DrafterTrainingConfig(DrafterArguments, TrainingArguments):
             raise ValueError(
                 f"length_head_variant: expected 'two_model' or 'paper', got {self.length_head_variant!r}"
             )
+
+
+def _check_domains(name: str, domains: list[str]) -> None:
+    """Raise ``ValueError`` naming ``name`` unless ``domains`` is a non-empty list of distinct known domains."""
+    if not domains or len(set(domains)) != len(domains) or not set(domains) <= set(DOMAINS):
+        raise ValueError(
+            f"{name}: expected distinct domains among {list(DOMAINS)}, at least one, got {domains}"
+        )

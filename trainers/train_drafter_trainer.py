@@ -155,7 +155,7 @@ class DrafterTrainer(Trainer):
 
     def _load_heldout(self, drafter: AdaFlashDrafter) -> None:
         layer_ids = drafter.config.target_layer_ids
-        self.heldout_records = read_corpus(self.args.heldout_corpus_dir, self.args.domains)
+        self.heldout_records = read_corpus(self.args.heldout_corpus_dir, self.args.heldout_domains)
         features_dir = self.args.heldout_features_dir
         features = [
             load_features(features_dir, r, layer_ids) if features_dir else None for r in self.heldout_records
