@@ -1,5 +1,5 @@
-"""On-policy data: trajectories from the engine and from generate, the replay buffer's trigger, staleness and
-capacity."""
+"""On-policy data: trajectories from the engine and from generate, the replay buffer's trigger, staleness, capacity
+and replay mix."""
 
 import threading
 
@@ -11,9 +11,9 @@ from adaflash_hf.online.buffer import EngineRecorder, ReplayBuffer, Trajectory, 
 from adaflash_hf.serving import AdaFlashEngine, SamplingParams
 
 
-def trajectory(version=0, domain="math"):
+def trajectory(version=0, domain="math", prompt=(5, 6, 7)):
     return Trajectory(
-        prompt=[5, 6, 7],
+        prompt=list(prompt),
         committed=[8, 9, 10, 11],
         anchors=[3, 5],
         draft_lengths=[4, 2],
@@ -64,6 +64,76 @@ def test_stop_event_ends_a_waiting_take():
     stop = threading.Event()
     stop.set()
     assert ReplayBuffer(train_threshold=2).take(0, stop=stop) is None
+
+
+def served(buffer, domain, n):
+    """Add ``n`` served trajectories of ``domain``, each with a prompt of its own; returns them."""
+    samples = [trajectory(domain=domain, prompt=(5, buffer.counts["added"] + i, 7)) for i in range(n)]
+    for sample in samples:
+        buffer.add(sample)
+    return samples
+
+
+def test_a_replay_mix_fills_its_fraction_of_each_buffer_with_recent_samples_of_the_replay_domains():
+    buffer = ReplayBuffer(train_threshold=10, replay_fraction=0.3, replay_domains=["chat", "math"])
+    assert (buffer.fresh_per_buffer, buffer.replayed_per_buffer) == (7, 3)
+    old = served(buffer, "chat", 7) + served(buffer, "math", 7)
+    assert len(buffer.take(0, timeout=0)) == len(buffer.take(0, timeout=0)) == 10
+    new = served(buffer, "code", 6)
+    assert buffer.take(0, timeout=0) is None  # a round waits for its 7 fresh samples
+    new += served(buffer, "code", 1)
+    batch = buffer.take(0, timeout=0)
+    fresh, replayed = batch[:7], batch[7:]
+    assert [id(t) for t in fresh] == [id(t) for t in new]
+    assert len(replayed) == 3 and len({id(t) for t in replayed}) == 3
+    assert all(
+        any(t is o for o in old) for t in replayed
+    )  # served samples of the replay domains, nothing else
+    assert buffer.stats()["replayed"] == 9 and buffer.stats()["taken"] == 21
+
+
+def test_replay_draws_only_from_the_last_threshold_served_samples_of_each_replay_domain():
+    buffer = ReplayBuffer(train_threshold=4, replay_fraction=0.5, replay_domains=["chat"])
+    older = served(buffer, "chat", 4)
+    recent = served(buffer, "chat", 4)
+    for _ in range(4):  # the 8 chat samples, 2 fresh per buffer
+        buffer.take(0, timeout=0)
+    served(buffer, "code", 2)
+    replayed = buffer.take(0, timeout=0)[2:]
+    assert all(any(t is r for r in recent) for t in replayed) and not any(
+        t is o for t in replayed for o in older
+    )
+
+
+def test_a_replay_mix_with_nothing_served_of_its_domains_fails_at_the_first_buffer():
+    buffer = ReplayBuffer(train_threshold=4, replay_fraction=0.5, replay_domains=["chat", "math"])
+    served(buffer, "code", 2)
+    with pytest.raises(
+        ValueError,
+        match=r"replay_fraction: expected 2 served samples of replay_domains \['chat', 'math'\] .* got 0",
+    ):
+        buffer.take(0, timeout=0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(replay_fraction=-0.1), r"replay_fraction: expected a value in \[0, 1\) .* got -0.1"),
+        (dict(replay_fraction=1.0), r"replay_fraction: expected a value in \[0, 1\) .* got 1.0"),
+        (
+            dict(replay_fraction=0.01),
+            r"replay_fraction: expected round\(.*\) in 1..31 .* got 0 from 0.01 \* 32",
+        ),
+        (
+            dict(replay_fraction=0.99),
+            r"replay_fraction: expected round\(.*\) in 1..31 .* got 32 from 0.99 \* 32",
+        ),
+        (dict(replay_fraction=0.25), r"replay_domains: expected the domains to replay .* got \[\]"),
+    ],
+)
+def test_bad_replay_settings_name_the_field_the_expected_and_the_actual_value(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ReplayBuffer(train_threshold=32, **kwargs)
 
 
 @pytest.mark.parametrize(

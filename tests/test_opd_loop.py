@@ -17,6 +17,8 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
 from transformers import PreTrainedTokenizerFast, TrainerCallback
 
+from adaflash_hf.online import loop
+from adaflash_hf.online.buffer import ReplayBuffer
 from adaflash_hf.online.config import OnlineConfig
 from adaflash_hf.online.loop import MetricsLogger, TrafficSource, run_online
 from adaflash_hf.serving import AdaFlashEngine, SamplingParams
@@ -132,6 +134,78 @@ def test_online_loop_trains_publishes_and_serving_never_waits(target_factory, dr
     # The optimizer was restored: 4 AdamW steps per round (3 samples, accumulation 2, 2 epochs), 3 rounds.
     steps = {int(s["step"]) for s in trainer.optimizer.state_dict()["state"].values()}
     assert max(steps) == 12
+
+
+class Untrained:
+    """The loop's learner for runs without online updates: it only holds version 0."""
+
+    weights_version = 0
+
+
+def _serve_without_updates(target, drafter, tmp_path, monkeypatch, traffic, **settings):
+    """``run_online`` without updates; returns every batch the buffer handed the trainer."""
+    taken = []
+
+    class Recording(ReplayBuffer):
+        def take(self, *args, **kwargs):
+            batch = super().take(*args, **kwargs)
+            taken.append(batch)
+            return batch
+
+    engine = AdaFlashEngine(target, copy.deepcopy(drafter), mode="adaflash")
+    config = OnlineConfig(
+        online_updates=False, serving_backpressure=True, resume=False, checkpoint_every=0, **settings
+    )
+    monkeypatch.setattr(loop, "ReplayBuffer", Recording)
+    run_online(
+        Untrained(), engine, traffic, config, weights_dir=tmp_path / "weights",
+        checkpoint_dir=tmp_path / "checkpoints", metrics=MetricsLogger(tmp_path / "metrics.csv"),
+        params=SamplingParams(max_new_tokens=8), disable_tqdm=True,
+    )  # fmt: skip
+    return taken
+
+
+def test_the_loop_mixes_served_samples_of_the_replay_domains_into_every_buffer(
+    target_factory, drafter_factory, tmp_path, monkeypatch
+):
+    target = target_factory("llama")
+    g = torch.Generator().manual_seed(0)
+    phases = [
+        (d, [torch.randint(4, 500, (8,), generator=g).tolist() for _ in range(4)])
+        for d in ("chat", "math", "code")
+    ]
+    served = {d: {tuple(p) for p in prompts} for d, prompts in phases}
+    taken = _serve_without_updates(
+        target, drafter_factory(target), tmp_path, monkeypatch, TrafficSource(phases), max_rounds=4, concurrency=2,
+        train_threshold=4, replay_fraction=0.25, replay_domains=["chat", "math"],
+    )  # fmt: skip
+    assert len(taken) == 4 and all(len(batch) == 4 for batch in taken)
+    assert [t.domain for t in taken[-1][:3]] == [
+        "code"
+    ] * 3  # the traffic shifted: fresh samples of the new domain
+    for batch in taken:
+        (replayed,) = batch[3:]  # round(0.25 * 4) = 1 of each buffer
+        assert replayed.domain in ("chat", "math") and tuple(replayed.prompt) in served[replayed.domain]
+
+
+@pytest.mark.parametrize(
+    ("replay_domains", "message"),
+    [
+        (["chat"], r"replay_domains: expected domains of the traffic \['code'\] .* got \['chat'\]"),
+        (["code"], r"replay_domains: expected the other domains than the new one, .* got \['code'\]"),
+    ],
+)
+def test_replay_domains_the_traffic_cannot_supply_fail_before_anything_is_served(
+    target_factory, drafter_factory, tmp_path, monkeypatch, replay_domains, message
+):
+    target = target_factory("llama")
+    traffic = TrafficSource([("code", [[5, 6, 7]])])
+    with pytest.raises(ValueError, match=message):
+        _serve_without_updates(
+            target, drafter_factory(target), tmp_path, monkeypatch, traffic, max_rounds=1, train_threshold=4,
+            replay_fraction=0.5, replay_domains=replay_domains,
+        )  # fmt: skip
+    assert traffic.served == 0
 
 
 def test_launch_script_runs_two_rounds_end_to_end_under_accelerate(target_factory, tmp_path):

@@ -12,15 +12,19 @@ Two recorders feed the buffer without touching the hot path beyond a per-round a
 
 ``ReplayBuffer.take`` hands the trainer ``train_threshold`` fresh samples (128 in the paper) once that many are in;
 samples whose version lags the trainer's by more than ``max_staleness`` are dropped and counted, and so are the
-oldest samples past ``capacity`` when serving outruns training. ``TrajectoryDataset`` is one such batch as the map-style
-dataset a trainer trains on.
+oldest samples past ``capacity`` when serving outruns training. With a replay mix (``replay_fraction`` f,
+``replay_domains``) ``round(f · train_threshold)`` samples of each buffer are instead drawn at random from the most
+recent served samples of the replay domains (the other domains than the one the traffic shifts to), which keeps the
+drafter rehearsing them; only served trajectories ever enter the buffer, so nothing else can be replayed.
+``TrajectoryDataset`` is one such batch as the map-style dataset a trainer trains on.
 """
 
 from __future__ import annotations
 
+import random
 import threading
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -102,25 +106,81 @@ class TrajectoryDataset(Dataset):
         return self.trajectories[index]
 
 
-def check_buffer_settings(train_threshold: int, max_staleness: int) -> None:
-    """Raise ``ValueError`` naming the field for a ``train_threshold`` below 1 or a negative ``max_staleness``."""
+def check_buffer_settings(
+    train_threshold: int,
+    max_staleness: int,
+    replay_fraction: float = 0.0,
+    replay_domains: Sequence[str] = (),
+) -> None:
+    """Raise ``ValueError`` naming the field for a ``train_threshold`` below 1, a negative ``max_staleness``, or a
+    replay mix that replays nothing, leaves no fresh sample or has no domain to replay."""
     if train_threshold < 1:
         raise ValueError(f"train_threshold: expected >= 1, got {train_threshold}")
     if max_staleness < 0:
         raise ValueError(f"max_staleness: expected >= 0, got {max_staleness}")
+    if not 0.0 <= replay_fraction < 1.0:
+        raise ValueError(
+            f"replay_fraction: expected a value in [0, 1) (the rest of each buffer is fresh traffic), got "
+            f"{replay_fraction}"
+        )
+    replayed = round(replay_fraction * train_threshold)
+    if replay_fraction > 0 and not 0 < replayed < train_threshold:
+        raise ValueError(
+            f"replay_fraction: expected round(replay_fraction * train_threshold) in 1..{train_threshold - 1} "
+            f"(replayed samples per buffer, the rest fresh), got {replayed} from {replay_fraction} * {train_threshold}"
+        )
+    if replay_fraction > 0 and not replay_domains:
+        raise ValueError(
+            f"replay_domains: expected the domains to replay (the traffic's other domains than the new one) with "
+            f"replay_fraction={replay_fraction}, got {list(replay_domains)}"
+        )
+
+
+def check_replay_domains(
+    replay_fraction: float, replay_domains: Sequence[str], traffic_domains: Sequence[str]
+) -> None:
+    """Raise ``ValueError`` naming ``replay_domains`` when a replay mix could never draw what it should: a replay
+    domain the traffic never serves, or every traffic domain replayed (no new domain)."""
+    if replay_fraction == 0:
+        return
+    if not set(replay_domains) <= set(traffic_domains):
+        raise ValueError(
+            f"replay_domains: expected domains of the traffic {list(traffic_domains)} (only served samples are "
+            f"replayed), got {list(replay_domains)}"
+        )
+    if set(traffic_domains) <= set(replay_domains):
+        raise ValueError(
+            f"replay_domains: expected the other domains than the new one, leaving at least one traffic domain of "
+            f"{list(traffic_domains)} unreplayed, got {list(replay_domains)}"
+        )
 
 
 class ReplayBuffer:
-    """Thread-safe FIFO of trajectories. See the module docstring for the trigger, staleness and capacity rules."""
+    """Thread-safe FIFO of trajectories. See the module docstring for the trigger, staleness, capacity and replay
+    rules."""
 
-    def __init__(self, train_threshold: int = 128, max_staleness: int = 4, capacity: int | None = None):
-        check_buffer_settings(train_threshold, max_staleness)
+    def __init__(
+        self,
+        train_threshold: int = 128,
+        max_staleness: int = 4,
+        capacity: int | None = None,
+        replay_fraction: float = 0.0,
+        replay_domains: Sequence[str] = (),
+    ):
+        check_buffer_settings(train_threshold, max_staleness, replay_fraction, replay_domains)
         capacity = 4 * train_threshold if capacity is None else capacity
         if capacity < train_threshold:
             raise ValueError(f"capacity: expected >= train_threshold={train_threshold}, got {capacity}")
         self.train_threshold = train_threshold
         self.max_staleness = max_staleness
         self.capacity = capacity
+        # A buffer is ``fresh_per_buffer`` samples of the FIFO and ``replayed_per_buffer`` drawn from ``_recent``: per
+        # replay domain its last ``train_threshold`` served samples, never dropped as stale (rehearsal is off-policy
+        # by design).
+        self.replayed_per_buffer = round(replay_fraction * train_threshold)
+        self.fresh_per_buffer = train_threshold - self.replayed_per_buffer
+        self._recent = {domain: deque(maxlen=train_threshold) for domain in replay_domains}
+        self._rng = random.Random(0)
         self._items: deque[Trajectory] = deque()
         self._ready = threading.Condition()
         self.counts: Counter[str] = Counter()
@@ -134,6 +194,8 @@ class ReplayBuffer:
         with self._ready:
             self._items.append(trajectory)
             self.counts["added"] += 1
+            if trajectory.domain in self._recent:
+                self._recent[trajectory.domain].append(trajectory)
             while len(self._items) > self.capacity:
                 self._items.popleft()
                 self.counts["dropped_overflow"] += 1
@@ -149,7 +211,8 @@ class ReplayBuffer:
     def take(
         self, current_version: int, timeout: float | None = None, stop: threading.Event | None = None
     ) -> list[Trajectory] | None:
-        """Block until ``train_threshold`` fresh samples are in, and return (remove) the oldest of them.
+        """Block until ``fresh_per_buffer`` fresh samples are in, and return (remove) the oldest of them, followed
+        by the buffer's replayed samples (``_replayed``).
 
         Returns None on ``timeout`` or when ``stop`` is set first. ``current_version`` is the trainer's version.
         """
@@ -157,15 +220,30 @@ class ReplayBuffer:
         with self._ready:
             while True:
                 self._drop_stale(current_version)
-                if len(self._items) >= self.train_threshold:
-                    batch = [self._items.popleft() for _ in range(self.train_threshold)]
+                if len(self._items) >= self.fresh_per_buffer:
+                    batch = [self._items.popleft() for _ in range(self.fresh_per_buffer)]
                     self.counts["taken"] += len(batch)
-                    return batch
+                    return batch + self._replayed()
                 if (stop is not None and stop.is_set()) or (timeout is not None and waited >= timeout):
                     return None
                 # Short waits so a stop request is seen promptly even without a notify.
                 self._ready.wait(0.1)
                 waited += 0.1
+
+    def _replayed(self) -> list[Trajectory]:
+        """``replayed_per_buffer`` samples drawn without replacement from the recent served samples of the replay
+        domains (this buffer's own included: before the traffic reaches the new domain they are all there is)."""
+        if not self.replayed_per_buffer:
+            return []
+        recent = [t for samples in self._recent.values() for t in samples]
+        if len(recent) < self.replayed_per_buffer:
+            raise ValueError(
+                f"replay_fraction: expected {self.replayed_per_buffer} served samples of replay_domains "
+                f"{list(self._recent)} to replay in this buffer, got {len(recent)}: serve those domains in an earlier "
+                f"phase of the traffic than the new domain, or lower replay_fraction"
+            )
+        self.counts["replayed"] += self.replayed_per_buffer
+        return self._rng.sample(recent, self.replayed_per_buffer)
 
     def stats(self) -> dict[str, int]:
         with self._ready:

@@ -1,5 +1,6 @@
 """OnlineConfig: every setting of the online loop (``adaflash_hf.online.loop.run_online``): rounds, traffic in flight,
-the replay buffer, checkpoints and the no-update baseline. ``trainers/opd.py`` parses it beside the trainer's config."""
+the replay buffer and its replay mix, checkpoints and the no-update baseline. ``trainers/opd.py`` parses it beside the
+trainer's config."""
 
 from dataclasses import dataclass, field
 
@@ -41,6 +42,24 @@ class OnlineConfig:
             "is trained on (comparable experiments); off = serve at full speed, the buffer drops its oldest."
         },
     )
+    replay_fraction: float = field(
+        default=0.0,
+        metadata={
+            "help": "Replay mix: the fraction of each training buffer (round(f * train_threshold) samples) drawn at "
+            "random from the most recent served samples of replay_domains (the last train_threshold of each), the "
+            "rest fresh traffic; a round starts once its fresh part is in. Only served traffic is replayed, never an "
+            "evaluation prompt. 0 = no replay."
+        },
+    )
+    replay_domains: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "The traffic domains a replay mix draws from: the other domains than the new one (e.g. [chat, "
+            "math] while the traffic shifts to code), served in earlier phases of the traffic schedule."
+        },
+    )
 
     def __post_init__(self):
-        check_buffer_settings(self.train_threshold, self.max_staleness)
+        check_buffer_settings(
+            self.train_threshold, self.max_staleness, self.replay_fraction, self.replay_domains
+        )

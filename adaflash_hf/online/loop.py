@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 from transformers.utils import logging
 
 from adaflash_hf.atomic import atomic_write
-from adaflash_hf.online.buffer import EngineRecorder, ReplayBuffer, Trajectory
+from adaflash_hf.online.buffer import EngineRecorder, ReplayBuffer, Trajectory, check_replay_domains
 from adaflash_hf.online.config import OnlineConfig
 from adaflash_hf.online.weights import (
     HotReloader,
@@ -206,7 +206,7 @@ class ServingWorker(threading.Thread):
 
     def _admitting(self) -> bool:
         """New traffic is admitted unless ``backpressure`` is on and a full buffer waits for the trainer."""
-        return not (self.backpressure and len(self.buffer) >= self.buffer.train_threshold)
+        return not (self.backpressure and len(self.buffer) >= self.buffer.fresh_per_buffer)
 
     def run(self) -> None:
         engine = self.engine
@@ -312,8 +312,16 @@ def run_online(
     metrics, but nothing is trained or published. ``serving_backpressure=True`` stops admitting new traffic while a
     full buffer waits for the trainer (requests in flight finish), so every served request is trained on and runs are
     comparable prompt for prompt; the default keeps serving at full speed and lets the buffer drop its oldest samples.
+    A replay mix (``config.replay_fraction``) draws part of every buffer from recent served samples of
+    ``config.replay_domains``, which must be traffic domains, not all of them (checked before anything is served).
     """
-    buffer = ReplayBuffer(config.train_threshold, config.max_staleness)
+    check_replay_domains(config.replay_fraction, config.replay_domains, [d for d, _ in traffic.phases])
+    buffer = ReplayBuffer(
+        config.train_threshold,
+        config.max_staleness,
+        replay_fraction=config.replay_fraction,
+        replay_domains=config.replay_domains,
+    )
     reloader = HotReloader(engine.drafter, weights_dir)
     start = _resume(trainer, checkpoint_dir, weights_dir) if config.resume else 0
     worker = ServingWorker(
