@@ -487,3 +487,23 @@ def test_the_batch_gate_judges_against_measured_plain_steps_once_it_has_them(fre
     for _ in range(3):
         engine._judge_drafter_step(True, 6, running, [], 0, seconds=0.4, target=0.1)
     assert engine.batch_gate.skip_left == 0 and engine.batch_gate.average_surplus > 0
+
+
+def test_a_running_count_without_plain_steps_is_judged_by_the_nearest_measured_count(
+    fresh_target, drafter_factory
+):
+    # Plain steps measured at 4 running requests take 0.3 s (0.3 s inside the target: no overhead), the profile says
+    # 0.1 s and prices 3 and 4 requests alike. At 3 requests a drafted step committing 5 tokens in 0.4 s loses to the
+    # profile (12 tokens in that time) and wins against the measured count's step scaled to 3 requests (4 tokens).
+    engine = _gated_engine(fresh_target, drafter_factory)
+    for _ in range(3):
+        engine._judge_drafter_step(False, 4, [object()] * 4, [], 0, seconds=0.3, target=0.3)
+    assert engine._measured_plain_step(3) == pytest.approx(0.3) and engine._measured_plain_step(4) == 0.3
+    for _ in range(3):
+        engine._judge_drafter_step(True, 5, [object()] * 3, [], 0, seconds=0.4, target=0.1)
+    assert engine.batch_gate.skip_left == 0 and engine.batch_gate.average_surplus > 0
+    engine.plain_steps.clear()
+    assert engine._measured_plain_step(3) is None
+    for _ in range(3):
+        engine._judge_drafter_step(True, 5, [object()] * 3, [], 0, seconds=0.4, target=0.1)
+    assert engine.batch_gate.skip_left > 0  # the profile's word: losing

@@ -729,8 +729,9 @@ class AdaFlashEngine:
         """The safety net under the per-request choice: everything the plan does not price (the drafter's fixed cost
         when few requests draft, the confidences, the bookkeeping) shows in the step's wall time. A step where the
         drafter ran is worth its committed tokens minus what plain decoding would have committed in the same
-        seconds (a plain step: the median of the last plain decode steps at this many running requests, measured
-        whole; without three of them, the cost model's step at no drafts plus the measured overhead of plain steps);
+        seconds (a plain step: measured whole, at this many running requests or the nearest count measured,
+        ``_measured_plain_step``; before any, the cost model's step at no drafts plus the measured overhead of plain
+        steps);
         while that average stays negative the whole batch skips the drafter (``SkipGate``'s backoff, with probes).
         ``verified``: the step's verified drafts; a step without the drafter that verified lookup continuations is no
         plain step."""
@@ -740,16 +741,31 @@ class AdaFlashEngine:
             if not admitted and not verified:
                 self.plain_steps.setdefault(running, deque(maxlen=16)).append(seconds)
             return
-        measured = self.plain_steps.get(running, ()) if not admitted else ()
-        if len(measured) >= 3:
-            plain_seconds = statistics.median(measured)
-        else:
+        plain_seconds = None if admitted else self._measured_plain_step(running)
+        if plain_seconds is None:
             curve = self.cost.step_curve(running, prefill_tokens)
             if curve is None:
                 return
             overhead = statistics.median(self.plain_overhead) if self.plain_overhead else 0.0
             plain_seconds = curve(len(decoding)) + overhead
         self.batch_gate.record(committed - len(decoding) * seconds / plain_seconds, 0.0)
+
+    def _measured_plain_step(self, running: int) -> float | None:
+        """Seconds of a plain decode step with ``running`` requests, from measured ones: the median of the last at
+        this count, else of the nearest count measured (at least three steps), scaled by the step fit's ratio
+        between the two counts (the fit only relates them: requests finishing one by one would otherwise send every
+        new count back to the fit's word alone). None before three plain steps at any count."""
+        counts = [n for n, steps in self.plain_steps.items() if len(steps) >= 3]
+        if not counts:
+            return None
+        nearest = min(counts, key=lambda n: (abs(n - running), n))
+        seconds = statistics.median(self.plain_steps[nearest])
+        if nearest == running:
+            return seconds
+        here, there = self.cost.step_curve(running), self.cost.step_curve(nearest)
+        if here is None or there is None:
+            return None
+        return seconds * here(running) / there(nearest)
 
     def _calibrate_once(self) -> None:
         if self.settings.calibrate and not self.cost.calibrated:
