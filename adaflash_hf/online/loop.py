@@ -291,6 +291,17 @@ def _resume(trainer: OnlineLearner, checkpoint_dir, weights_dir) -> int:
     return int(loop_state.get("round", 0))
 
 
+def _replay_buffer(config: OnlineConfig, traffic: TrafficSource) -> ReplayBuffer:
+    """The loop's buffer; its replay domains are checked against the traffic's first, before anything is served."""
+    check_replay_domains(config.replay_fraction, config.replay_domains, [d for d, _ in traffic.phases])
+    return ReplayBuffer(
+        config.train_threshold,
+        config.max_staleness,
+        replay_fraction=config.replay_fraction,
+        replay_domains=config.replay_domains,
+    )
+
+
 def run_online(
     trainer: OnlineLearner,
     engine: AdaFlashEngine,
@@ -315,13 +326,7 @@ def run_online(
     A replay mix (``config.replay_fraction``) draws part of every buffer from recent served samples of
     ``config.replay_domains``, which must be traffic domains, not all of them (checked before anything is served).
     """
-    check_replay_domains(config.replay_fraction, config.replay_domains, [d for d, _ in traffic.phases])
-    buffer = ReplayBuffer(
-        config.train_threshold,
-        config.max_staleness,
-        replay_fraction=config.replay_fraction,
-        replay_domains=config.replay_domains,
-    )
+    buffer = _replay_buffer(config, traffic)
     reloader = HotReloader(engine.drafter, weights_dir)
     start = _resume(trainer, checkpoint_dir, weights_dir) if config.resume else 0
     worker = ServingWorker(
