@@ -13,6 +13,7 @@ from tokenizers.pre_tokenizers import Split
 from transformers import PreTrainedTokenizerFast
 
 from adaflash_hf.bench import opd
+from adaflash_hf.online.buffer import ReplayBuffer, Trajectory
 from adaflash_hf.online.loop import TrafficSource
 from adaflash_hf.serving import AdaFlashEngine
 
@@ -56,6 +57,112 @@ def test_eval_prompts_refuse_to_overlap_a_small_traffic_domain():
         ValueError, match=r"eval_prompts_per_domain: expected at most 3 for traffic domain code"
     ):
         opd.eval_prompts(tiny_tokenizer(), config, per_domain=8)
+
+
+def test_an_evaluation_prompt_with_the_token_ids_of_a_served_one_is_refused():
+    # Cut to their last token, distinct texts share their ids: the evaluation would measure served prompts.
+    config = {"seed": 0, "max_prompt_tokens": 1, "prompts_per_domain": 300, "domains": ["chat"]}
+    with pytest.raises(
+        ValueError,
+        match=r"evaluation prompts: expected none that the traffic serves, got evaluation prompt chat\[\d+\] with "
+        r"the token ids of served prompt chat\[\d+\]",
+    ):
+        opd.eval_prompts(char_tokenizer(), config, per_domain=16)
+
+
+def test_an_evaluation_prompt_with_the_text_of_a_served_one_is_refused():
+    served = {"chat": [("hello", [1]), ("def f(): pass", [2])]}
+    with pytest.raises(
+        ValueError, match=r"got evaluation prompt code\[1\] with the text of served prompt chat\[1\]: 'def f"
+    ):
+        opd.check_unserved({"code": ["x", "def f(): pass"]}, {"code": [[3], [4]]}, served)
+    opd.check_unserved({"code": ["x"]}, {"code": [[3]]}, served)  # disjoint: accepted
+
+
+def test_a_replay_mix_never_replays_an_evaluation_prompt():
+    tokenizer = char_tokenizer()
+    config = {
+        "seed": 0,
+        "max_prompt_tokens": 4096,
+        "prompts_per_domain": 16,
+        "domains": ["chat", "math", "code"],
+    }
+    evaluation = {tuple(p) for ps in opd.eval_prompts(tokenizer, config, per_domain=8).values() for p in ps}
+    traffic = TrafficSource.from_domains(tokenizer, config["domains"], 16, seed=0, max_prompt_tokens=4096)
+    buffer = ReplayBuffer(train_threshold=8, replay_fraction=0.5, replay_domains=["chat", "math"])
+    replayed = []
+    for domain, prompt in (next(traffic) for _ in range(48)):
+        buffer.add(Trajectory(prompt, [1, 2], [len(prompt) - 1], [1], [0], drafter_version=0, domain=domain))
+        batch = buffer.take(0, timeout=0)
+        replayed += batch[4:] if batch else []
+    served = {tuple(p) for domain, ps in traffic.phases if domain != "code" for p in ps}
+    assert len(replayed) == 4 * 12  # 12 buffers of 4 fresh and 4 replayed samples
+    assert {tuple(t.prompt) for t in replayed} <= served and not {
+        tuple(t.prompt) for t in replayed
+    } & evaluation
+
+
+def test_the_bench_reads_the_traffic_settings_as_the_script_does_defaults_included(tmp_path):
+    config = yaml.safe_load((opd.ROOT / "examples" / "configs" / "opd_tiny.yaml").read_text())
+    del config["seed"]
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    settings = opd.run_settings(tmp_path / "config.yaml", [])
+    assert settings["seed"] == 42  # TrainingArguments' default, which the traffic's shuffle then uses
+    assert settings["domains"] == ["math", "code"] and settings["max_prompt_tokens"] == 24
+
+
+@pytest.mark.parametrize(
+    "name", sorted(p.name for p in (opd.ROOT / "examples" / "configs").glob("opd_*.yaml"))
+)
+def test_shipped_opd_configs_parse_with_their_replay_settings(name):
+    settings = opd.run_settings(opd.ROOT / "examples" / "configs" / name, [])
+    assert settings["replay_fraction"] == 0.0 and settings["replay_domains"] == []
+
+
+def _bench_config(tmp_path, **updates):
+    config = yaml.safe_load((opd.ROOT / "examples" / "configs" / "opd_tiny.yaml").read_text())
+    config.update(target_model=str(tmp_path / "target"), drafter_init=str(tmp_path / "drafter"), **updates)
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    return ["--config", str(tmp_path / "config.yaml"), "--output-dir", str(tmp_path / "out")]
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (
+            ["--replay-fraction", "1.5", "--replay-domains", "math"],
+            r"replay_fraction: expected a value in \[0, 1\)",
+        ),
+        (["--replay-fraction", "0.5"], r"replay_domains: expected the domains to replay .* got \[\]"),
+        (["--replay-domains", "chat"], r"replay_domains: expected domains of the traffic \['math', 'code'\]"),
+        (
+            ["--replay-domains", "math", "code"],
+            r"replay_domains: expected the other domains than the new one",
+        ),
+    ],
+)
+def test_bad_replay_settings_of_the_replay_variant_fail_before_any_run(tmp_path, monkeypatch, flags, message):
+    launched = []
+    monkeypatch.setattr(opd.subprocess, "run", lambda *a, **k: launched.append(a))
+    monkeypatch.setattr("adaflash_hf.assets.load_target", lambda *a, **k: pytest.fail("loaded the target"))
+    with pytest.raises(ValueError, match=message):
+        opd.main([*_bench_config(tmp_path), "--variants", "adaflash", "replay", *flags])
+    assert launched == []
+
+
+def test_the_bench_refuses_an_evaluation_set_that_overlaps_the_traffic_before_any_run(
+    target_factory, drafter_factory, tmp_path, monkeypatch
+):
+    target = target_factory("llama")
+    target.save_pretrained(tmp_path / "target")
+    char_tokenizer().save_pretrained(tmp_path / "target")
+    drafter_factory(target, mask_token_id=3).save_pretrained(tmp_path / "drafter")
+    launched = []
+    monkeypatch.setattr(opd.subprocess, "run", lambda *a, **k: launched.append(a))
+    argv = _bench_config(tmp_path, domains=["chat"], prompts_per_domain=300, max_prompt_tokens=1)
+    with pytest.raises(ValueError, match=r"evaluation prompts: expected none that the traffic serves"):
+        opd.main([*argv, "--eval-prompts-per-domain", "16", "--variants", "none", "adaflash"])
+    assert launched == []
 
 
 def oracle_engine(target, drafter, mode):
@@ -160,7 +267,9 @@ def test_launch_args_may_not_change_the_traffic(capsys):
 def test_experiment_end_to_end_on_a_tiny_target(target_factory, drafter_factory, tmp_path, monkeypatch):
     target = target_factory("llama")
     target.save_pretrained(tmp_path / "target")
-    tiny_tokenizer().save_pretrained(tmp_path / "target")
+    char_tokenizer().save_pretrained(
+        tmp_path / "target"
+    )  # distinct prompts keep distinct ids (they are checked)
     drafter_factory(target, mask_token_id=3).save_pretrained(tmp_path / "drafter")
     root = opd.ROOT
     config = yaml.safe_load((root / "examples" / "configs" / "opd_tiny.yaml").read_text())
@@ -168,6 +277,7 @@ def test_experiment_end_to_end_on_a_tiny_target(target_factory, drafter_factory,
         target_model=str(tmp_path / "target"),
         drafter_init=str(tmp_path / "drafter"),
         domains=["math"],
+        max_prompt_tokens=96,  # the math templates share their last few characters
         max_rounds=2,
         serving_backpressure=True,
     )

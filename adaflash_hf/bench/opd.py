@@ -2,20 +2,25 @@
 
     adaflash bench opd [--config examples/configs/opd_experiment.yaml] [--variants none ce rkl adaflash]
                        [--eval-prompts-per-domain 16] [--output-dir runs/bench_opd] [--skip-training]
+    adaflash bench opd --config ... --variants adaflash replay --replay-fraction 0.25 --replay-domains chat math
 
 1. **Online runs.** Per variant, ``accelerate launch --cpu --num_processes 1 trainers/opd.py --config CONFIG
    --output_dir OUT/VARIANT FLAGS`` with the variant's flags (``VARIANTS``): no online updates (the offline DFlash-style
    drafter as shipped), CE only (α=1, OSD-style hard distillation), reverse KL unclipped (α=0, δ=1e6) and AdaFlash
-   (α=0.8, δ=0.01, the config's defaults). All serve the same traffic (the config's domains, greedy, with
-   backpressure, so buffer r holds the same requests in every run). A variant whose ``metrics.csv`` already has
-   ``max_rounds`` rows is not rerun (delete its folder to rerun it).
+   (α=0.8, δ=0.01, the config's defaults); on request (``--variants ... replay``) AdaFlash with a replay mix
+   (``--replay-fraction`` of each buffer from recent served samples of ``--replay-domains``). All serve the same
+   traffic (the config's domains, greedy, with backpressure, so buffer r holds the same requests in every run; a replay
+   mix takes fewer fresh ones per buffer). Every run's settings are parsed as ``trainers/opd.py`` parses them before
+   anything runs, so a bad setting fails at once. A variant whose ``metrics.csv`` already has ``max_rounds`` rows is
+   not rerun (delete its folder to rerun it).
 2. **Evaluation.** The starting drafter (round 0) and each variant's checkpoint after every round serve a fixed
    evaluation set in the engine's adaflash mode, greedy: ``--eval-prompts-per-domain`` held-out prompts of every domain
    in ``DOMAINS``, taken from the *end* of the same held-out shuffle whose *start* feeds the traffic, so no evaluation
-   prompt is ever trained on (checked). Every round's whole draft (all ``block_size - 1`` proposals) is recorded, so
-   besides τ (committed tokens per verify with the length head's truncation) the evaluation reports what the full
-   draft would have achieved: per-position acceptance (the share of rounds whose first j proposals all equal the
-   target's greedy tokens) and τ_full = 1 + the mean accepted length of the full draft. Under greedy decoding every
+   prompt is ever trained on: an evaluation prompt with the text or the token ids of a served one is refused
+   (``check_unserved``) before any run starts. Every round's whole draft (all ``block_size - 1`` proposals) is
+   recorded, so besides τ (committed tokens per verify with the length head's truncation) the evaluation reports what
+   the full draft would have achieved: per-position acceptance (the share of rounds whose first j proposals all equal
+   the target's greedy tokens) and τ_full = 1 + the mean accepted length of the full draft. Under greedy decoding every
    evaluation's outputs must equal the round-0 outputs token for token (lossless serving); a mismatch is an error.
    Results are cached per (variant, round) in ``OUT/eval`` and reused when the settings match.
 3. **Outputs** in ``OUT``: ``results.json``, ``table.md``, ``tau_vs_rounds.png`` (evaluation τ per domain and the live
@@ -41,7 +46,6 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-import yaml
 from transformers.utils import logging
 
 from adaflash_hf.serving import AdaFlashEngine, AdmissionConfig, SamplingParams
@@ -57,7 +61,9 @@ VARIANTS = {
     "ce": ("CE only, α=1 (OSD-style)", ["--alpha", "1.0"]),
     "rkl": ("reverse KL unclipped, α=0", ["--alpha", "0.0", "--delta", "1e6"]),
     "adaflash": ("AdaFlash: 0.8·CE + 0.2·clipped RKL (δ=0.01)", []),
+    "replay": ("AdaFlash with a replay mix (--replay-fraction, --replay-domains)", []),
 }
+DEFAULT_VARIANTS = ("none", "ce", "rkl", "adaflash")
 # Settings the evaluation reads from the config; overriding them per launch could serve an evaluation prompt.
 CONFIG_ONLY = (
     "--domains",
@@ -67,25 +73,47 @@ CONFIG_ONLY = (
     "--output_dir",
     "--config",
 )
-COLORS = {"none": "tab:gray", "ce": "tab:blue", "rkl": "tab:orange", "adaflash": "tab:green"}
+COLORS = {
+    "none": "tab:gray",
+    "ce": "tab:blue",
+    "rkl": "tab:orange",
+    "adaflash": "tab:green",
+    "replay": "tab:purple",
+}
 
 
 # ---------------------------------------------------------------------------------------------- prompts
 def eval_prompts(
     tokenizer, config: dict, per_domain: int, domains: tuple[str, ...] = DOMAINS
 ) -> dict[str, list[list[int]]]:
-    """``per_domain`` held-out prompts per domain from the end of the shuffle whose start is the traffic.
+    """``per_domain`` held-out prompts per domain from the end of the shuffle whose start is the traffic, as token ids
+    (cut as the traffic cuts its prompts); refused if one has the text or the ids of a served prompt
+    (``check_unserved``). ``config``: the traffic settings (``domains``, ``prompts_per_domain``, ``seed``,
+    ``max_prompt_tokens``)."""
+    from adaflash_hf.data import prompt_ids
+
+    texts = eval_texts(config, per_domain, domains)
+    cut = int(config["max_prompt_tokens"])
+    prompts = {
+        domain: [prompt_ids(tokenizer, text, cut, too_long="keep_last")[0].tolist() for text in chosen]
+        for domain, chosen in texts.items()
+    }
+    check_unserved(texts, prompts, served_prompts(tokenizer, config))
+    return prompts
+
+
+def eval_texts(config: dict, per_domain: int, domains: tuple[str, ...] = DOMAINS) -> dict[str, list[str]]:
+    """The texts of ``eval_prompts``.
 
     The traffic (``TrafficSource.from_domains``) serves the first ``prompts_per_domain`` rows of
     ``load_domain(domain, "heldout", seed=seed)``'s shuffle; these are the last ``per_domain`` distinct texts, skipping
     any text also served (the held-out sets hold a few duplicate texts). Raises if a traffic domain is too small for
     the two to be disjoint.
     """
-    from adaflash_hf.data import load_domain, prompt_ids
+    from adaflash_hf.data import load_domain
 
-    seed, cut = int(config.get("seed", 0)), int(config["max_prompt_tokens"])
-    served = int(config["prompts_per_domain"])
-    prompts = {}
+    seed, served = int(config["seed"]), int(config["prompts_per_domain"])
+    texts = {}
     for domain in domains:
         split = load_domain(domain, "heldout")
         if per_domain < 1 or per_domain > len(split):
@@ -112,10 +140,47 @@ def eval_prompts(
                 f"eval_prompts_per_domain: expected at most {len(chosen)} for {domain} (distinct texts not served), "
                 f"got {per_domain}"
             )
-        prompts[domain] = [
-            prompt_ids(tokenizer, text, cut, too_long="keep_last")[0].tolist() for text in chosen
-        ]
-    return prompts
+        texts[domain] = chosen
+    return texts
+
+
+def served_prompts(tokenizer, config: dict) -> dict[str, list[tuple[str, list[int]]]]:
+    """Per domain, ``(text, token ids)`` of every prompt the traffic of ``config`` serves: the rows and the
+    ``TrafficSource.from_domains`` call of ``trainers/opd.py``."""
+    from adaflash_hf.data import load_domain
+    from adaflash_hf.online.loop import TrafficSource
+
+    seed, per_domain = int(config["seed"]), int(config["prompts_per_domain"])
+    traffic = TrafficSource.from_domains(
+        tokenizer,
+        config["domains"],
+        per_domain,
+        seed=seed,
+        max_prompt_tokens=int(config["max_prompt_tokens"]),
+    )
+    return {
+        domain: list(zip(load_domain(domain, "heldout", n=per_domain, seed=seed)["prompt"], prompts))
+        for domain, prompts in traffic.phases
+    }
+
+
+def check_unserved(
+    texts: dict[str, list[str]],
+    prompts: dict[str, list[list[int]]],
+    served: dict[str, list[tuple[str, list[int]]]],
+) -> None:
+    """Raise ``ValueError`` naming both prompts when an evaluation prompt (``texts`` and their ``prompts`` per domain)
+    has the text or the token ids of a ``served`` one."""
+    by_text = {text: (d, i) for d, rows in served.items() for i, (text, _) in enumerate(rows)}
+    by_ids = {tuple(ids): (d, i) for d, rows in served.items() for i, (_, ids) in enumerate(rows)}
+    for domain, chosen in texts.items():
+        for j, (text, ids) in enumerate(zip(chosen, prompts[domain])):
+            for same, hit in (("text", by_text.get(text)), ("token ids", by_ids.get(tuple(ids)))):
+                if hit is not None:
+                    raise ValueError(
+                        f"evaluation prompts: expected none that the traffic serves, got evaluation prompt "
+                        f"{domain}[{j}] with the {same} of served prompt {hit[0]}[{hit[1]}]: {text[:80]!r}"
+                    )
 
 
 # ---------------------------------------------------------------------------------------------- evaluation
@@ -192,10 +257,35 @@ def _digest(outputs: dict[str, list[list[int]]]) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- runs
-def run_variant(
-    config_path: Path, config: dict, variant: str, output_dir: Path, extra_args: list[str] | None = None
-) -> Path:
-    """Launch one online run unless its metrics already cover ``max_rounds``; returns its folder."""
+def variant_flags(variant: str, args: argparse.Namespace) -> list[str]:
+    """The ``trainers/opd.py`` flags of ``variant`` (the replay variant's from ``--replay-fraction`` and
+    ``--replay-domains``, else the config's replay domains)."""
+    if variant != "replay":
+        return list(VARIANTS[variant][1])
+    domains = ["--replay_domains", *args.replay_domains] if args.replay_domains else []
+    return ["--replay_fraction", str(args.replay_fraction), *domains]
+
+
+def run_settings(config_path: Path, flags: list[str]) -> dict:
+    """Every setting of an online run of ``config_path`` with ``flags``, defaults included, parsed and checked as
+    ``trainers/opd.py`` parses them (its replay domains against its traffic too), before anything runs."""
+    from adaflash_hf.online.buffer import check_replay_domains
+    from adaflash_hf.trainers.opd import make_parser
+
+    script, online, training, model = make_parser().parse_args_and_config(
+        ["--config", str(config_path), *flags]
+    )
+    check_replay_domains(online.replay_fraction, online.replay_domains, script.domains)
+    return {
+        name: getattr(part, name)
+        for part in (model, training, online, script)
+        for name in part.__dataclass_fields__
+    }
+
+
+def run_variant(config_path: Path, config: dict, variant: str, output_dir: Path, flags: list[str]) -> Path:
+    """Launch one online run with ``flags`` (the launch arguments, then the variant's) unless its metrics already
+    cover ``max_rounds``; returns its folder."""
     run_dir = output_dir / variant
     done = len(read_metrics(run_dir)) >= int(config["max_rounds"])
     if done:
@@ -214,8 +304,7 @@ def run_variant(
             str(run_dir),
             "--resume",
             "false",
-            *(extra_args or []),
-            *VARIANTS[variant][1],
+            *flags,
         ],
     )
     command[3:3] = ["--cpu", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
@@ -390,9 +479,23 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--variants",
         nargs="+",
-        default=list(VARIANTS),
+        default=list(DEFAULT_VARIANTS),
         choices=list(VARIANTS),
-        help="; ".join(f"{k}: {v[0]}" for k, v in VARIANTS.items()),
+        help="; ".join(f"{k}: {v[0]}" for k, v in VARIANTS.items())
+        + f" (default: {' '.join(DEFAULT_VARIANTS)})",
+    )
+    parser.add_argument(
+        "--replay-fraction",
+        type=float,
+        default=0.25,
+        help="the replay variant's fraction of each buffer drawn from recent served samples of the replay domains "
+        "(default 0.25; trainers/opd.py --replay_fraction)",
+    )
+    parser.add_argument(
+        "--replay-domains",
+        nargs="+",
+        help="the replay variant's replay domains: traffic domains other than the new one, served before it "
+        "(default: the config's replay_domains)",
     )
     parser.add_argument(
         "--eval-prompts-per-domain", type=int, default=16, help="evaluation prompts per domain (default 16)"
@@ -413,13 +516,12 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _evaluate_all(args, config, run_dirs, target, tokenizer) -> dict:
+def _evaluate_all(args, config, prompts, run_dirs, target) -> dict:
     from safetensors.torch import load_file
 
     from adaflash_hf import AdaFlashDrafter
     from adaflash_hf.online.weights import load_state, sha256_file
 
-    prompts = eval_prompts(tokenizer, config, args.eval_prompts_per_domain)
     max_new = args.eval_max_new_tokens or int(config["max_new_tokens"])
     concurrency = int(config["concurrency"])
     settings = {
@@ -479,18 +581,8 @@ def _evaluate_all(args, config, run_dirs, target, tokenizer) -> dict:
     return evaluation
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = make_parser().parse_args(argv)
-    std_logging.basicConfig(level=std_logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    logging.set_verbosity_info()
-    config = yaml.safe_load(args.config.read_text())
-    launch_args = shlex.split(args.launch_args)
-    fixed = sorted({a.split("=")[0] for a in launch_args} & set(CONFIG_ONLY))
-    if fixed:
-        raise SystemExit(
-            f"--launch-args: expected no traffic settings ({', '.join(CONFIG_ONLY)}: the evaluation reads them from "
-            f"--config, to keep its prompts unserved), got {', '.join(fixed)}"
-        )
+def _runs(args, settings: dict[str, dict], flags: dict[str, list[str]]) -> dict[str, Path]:
+    """Each variant's run folder: launched (or reused) by ``run_variant``, or, with ``--skip-training``, as found."""
     run_dirs = {}
     for variant in args.variants:
         if args.skip_training:
@@ -500,19 +592,39 @@ def main(argv: list[str] | None = None) -> int:
                     f"--skip-training: {run_dirs[variant]}/metrics.csv has no rounds to evaluate"
                 )
         else:
-            run_dirs[variant] = run_variant(args.config, config, variant, args.output_dir, launch_args)
+            run_dirs[variant] = run_variant(
+                args.config, settings[variant], variant, args.output_dir, flags[variant]
+            )
+    return run_dirs
 
-    os.environ["OMP_NUM_THREADS"] = str(args.threads)
-    torch.set_num_threads(args.threads)
+
+def main(argv: list[str] | None = None) -> int:
+    args = make_parser().parse_args(argv)
+    std_logging.basicConfig(level=std_logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.set_verbosity_info()
+    launch_args = shlex.split(args.launch_args)
+    fixed = sorted({a.split("=")[0] for a in launch_args} & set(CONFIG_ONLY))
+    if fixed:
+        raise SystemExit(
+            f"--launch-args: expected no traffic settings ({', '.join(CONFIG_ONLY)}: the evaluation reads them from "
+            f"--config, to keep its prompts unserved), got {', '.join(fixed)}"
+        )
+    flags = {variant: [*launch_args, *variant_flags(variant, args)] for variant in args.variants}
+    settings = {variant: run_settings(args.config, flags[variant]) for variant in args.variants}
+    config = settings[args.variants[0]]  # the traffic and serving settings, the same in every run
     from adaflash_hf.assets import load_target
 
     target, tokenizer = load_target(config["target_model"])
-    evaluation = _evaluate_all(args, config, run_dirs, target, tokenizer)
+    prompts = eval_prompts(tokenizer, config, args.eval_prompts_per_domain)  # refused here, before any run
+    run_dirs = _runs(args, settings, flags)
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    torch.set_num_threads(args.threads)
+    evaluation = _evaluate_all(args, config, prompts, run_dirs, target)
     results = {
         "settings": {
             "config": str(args.config),
             "variants": list(args.variants),
-            "variant_flags": {v: VARIANTS[v][1] for v in args.variants},
+            "variant_flags": {v: variant_flags(v, args) for v in args.variants},
             "launch_args": args.launch_args,
             "domains": list(DOMAINS),
             "train_threshold": int(config["train_threshold"]),
