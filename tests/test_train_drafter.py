@@ -303,6 +303,8 @@ def tiny_script_inputs(target, folder: Path) -> None:
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="t0")), pad_token="t0"
     )
+    # A chat template, as every target the corpus serves has: the held-out twin drop tokenizes held-out prompts.
+    tokenizer.chat_template = "{% for m in messages %}t2 {{ m['content'] }} t3 {% endfor %}"
     tokenizer.save_pretrained(folder / "target")
     (folder / "corpus").mkdir()
     with gzip.open(folder / "corpus" / "math.jsonl.gz", "wt") as handle:
