@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, fields, replace
 
 from adaflash_hf.lookup import DRAFT_SOURCES
 
-LENGTH_MODES = ("adaptive", "fixed", "goodput")
+LENGTH_MODES = ("auto", "adaptive", "fixed", "goodput")
 # The rows of a block whose confidence the goodput choice reads first (each costs an lm_head row over the draft
 # vocabulary); the rest only when the chain of acceptances reaches past them with at least this probability.
 CONFIDENCE_ROWS = 4
@@ -55,13 +55,18 @@ class DraftingSettings:
     """Every drafting knob, validated when built. ``generate`` reads them as ``adaflash_<name>`` generation-config
     fields (``from_generation_config``); the engine takes the object (or its fields as keyword arguments).
 
+    ``length_mode="auto"`` (the default) is ``"goodput"`` for greedy decoding and ``"adaptive"`` under sampling
+    (``length_mode_for``): goodput follows this machine's timings, which changes nothing a greedy request outputs but
+    would make a seeded sampling request's text depend on the timings (each round structure consumes the request's
+    random numbers differently); the paper's rule keeps a seed's output reproducible.
+
     ``gamma`` / ``min_len`` None take the drafter config's values (``resolve``). ``proposal`` is ``generate``'s choice
     under sampling (the engine always proposes the argmax). ``lookup_history_tokens`` is the engine's shared lookup
     history of finished outputs (hybrid only). ``calibrate`` runs the cost model's one-second calibration at first use
     (goodput only); ``max_skip`` caps the rounds a request skips the drafter before it probes again (goodput only).
     """
 
-    length_mode: str = "adaptive"
+    length_mode: str = "auto"
     gamma: float | None = None
     min_len: int | None = None
     proposal: str = "argmax"
@@ -98,6 +103,12 @@ class DraftingSettings:
             raise _bad(f"{prefix}calibrate", "True or False", self.calibrate)
         if not (_is_int(self.max_skip) and self.max_skip >= 1):
             raise _bad(f"{prefix}max_skip", "an int >= 1", self.max_skip)
+
+    def length_mode_for(self, sampling: bool) -> str:
+        """The length mode a request decodes with: ``"auto"`` resolved by whether it samples."""
+        if self.length_mode != "auto":
+            return self.length_mode
+        return "adaptive" if sampling else "goodput"
 
     @classmethod
     def knobs(cls) -> tuple[str, ...]:

@@ -13,7 +13,8 @@ field) and are read into one ``adaflash_hf.drafting.DraftingSettings`` (the engi
 assistant are an error too (a forgotten ``assistant_model=``). ``speculation_type="dflash"`` hands the drafter to
 transformers' native fixed-length DFlash path (no AdaFlash knobs, no ``last_stats``).
 
-- ``adaflash_length_mode``: ``"adaptive"`` (default: the length head truncates the draft), ``"fixed"`` (always
+- ``adaflash_length_mode``: ``"auto"`` (default: goodput under greedy, adaptive under sampling, so that a seed's
+  output stays reproducible), ``"adaptive"`` (the length head truncates the draft), ``"fixed"`` (always
   ``block_size - 1`` drafts, i.e. DFlash) or ``"goodput"`` (the k, from 0 up, with the most expected committed tokens
   per second on this machine: ``adaflash_hf.drafting``; ``adaflash_calibrate`` / ``adaflash_max_skip`` tune it);
 - ``adaflash_gamma`` / ``adaflash_min_len``: override the config's γ and minimum draft length;
@@ -43,6 +44,7 @@ import inspect
 import math
 import time
 import weakref
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -112,6 +114,7 @@ def check_transformers_support() -> None:
 def drafting_settings(generation_config, drafter: AdaFlashDrafter) -> DraftingSettings:
     """The call's ``DraftingSettings`` from its ``adaflash_*`` fields, γ and min_len resolved against the drafter."""
     settings = DraftingSettings.from_generation_config(generation_config).resolve(drafter.config)
+    settings = replace(settings, length_mode=settings.length_mode_for(bool(generation_config.do_sample)))
     if settings.lookup_history_tokens is not None:
         raise ValueError(
             "generation_config.adaflash_lookup_history_tokens: expected None with generate (a shared history of "

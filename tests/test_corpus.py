@@ -238,7 +238,9 @@ def test_training_sequences_whose_prompt_is_a_heldout_prompt_are_dropped(monkeyp
 
     tokenizer = tiny_tokenizer(500)
     heldout, train = rows(("chat",))[:2], rows(("chat",))[2:]
-    monkeypatch.setattr(train_drafter, "load_domain", lambda domain, split: heldout if split == "heldout" else [])
+    monkeypatch.setattr(
+        train_drafter, "load_domain", lambda domain, split: heldout if split == "heldout" else []
+    )
 
     def record(row, response=(7, 8)):
         prompt = prompt_ids(tokenizer, row)[0].tolist()

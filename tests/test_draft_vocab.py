@@ -152,7 +152,9 @@ def test_engine_proposes_only_subset_tokens_and_stays_lossless(qwen3_target, dra
 
 # --------------------------------------------------------------------------------------------------- greedy lossless
 @pytest.mark.parametrize(
-    "config", [{"adaflash_gamma": 2.0}, {"adaflash_length_mode": "fixed"}], ids=["adaptive", "fixed"]
+    "config",
+    [{"adaflash_length_mode": "adaptive", "adaflash_gamma": 2.0}, {"adaflash_length_mode": "fixed"}],
+    ids=["adaptive", "fixed"],
 )
 def test_greedy_with_a_subset_equals_plain_greedy(config, target_factory, oracle_factory):
     target = target_factory("qwen3")

@@ -8,8 +8,9 @@ from adaflash_hf import RoundRecord
 
 
 def forced_length(k: int) -> dict:
-    """Generation-config knobs that force k̂ = k: γ so small that γ·â·(block-1) < 1, and min_len = k."""
-    return {"adaflash_gamma": 1e-9, "adaflash_min_len": k}
+    """Generation-config knobs that force k̂ = k: the adaptive rule, γ so small that γ·â·(block-1) < 1, and
+    min_len = k."""
+    return {"adaflash_length_mode": "adaptive", "adaflash_gamma": 1e-9, "adaflash_min_len": k}
 
 
 def greedy(target, ids, n, **kwargs):
@@ -130,10 +131,11 @@ def test_second_call_is_independent_of_the_first(target_factory, drafter_factory
     target = target_factory("qwen3")
     drafter = drafter_factory(target)
     other_prompt = torch.tensor([[400, 401, 402, 403, 7]])
-    first = greedy(target, PROMPT, 30, assistant_model=drafter)
+    # The adaptive rule: goodput's rounds follow the machine's timings, so its verify lengths differ run to run.
+    first = greedy(target, PROMPT, 30, assistant_model=drafter, config={"adaflash_length_mode": "adaptive"})
     first_stats = drafter.last_stats.to_dict()
-    greedy(target, other_prompt, 25, assistant_model=drafter)
-    again = greedy(target, PROMPT, 30, assistant_model=drafter)
+    greedy(target, other_prompt, 25, assistant_model=drafter, config={"adaflash_length_mode": "adaptive"})
+    again = greedy(target, PROMPT, 30, assistant_model=drafter, config={"adaflash_length_mode": "adaptive"})
     assert torch.equal(first, again)
     assert drafter.last_stats.to_dict()["verify_lengths"] == first_stats["verify_lengths"]
 
@@ -160,7 +162,7 @@ def test_round_recorder_receives_one_record_per_round(target_factory, oracle_fac
     oracle = oracle_factory(target, reference, seed=4)
     records: list[RoundRecord] = []
     oracle.round_recorder = records.append
-    greedy(target, PROMPT, 40, assistant_model=oracle)
+    greedy(target, PROMPT, 40, assistant_model=oracle, config={"adaflash_length_mode": "adaptive"})
     stats = oracle.last_stats
     assert len(records) == stats.drafting_rounds
     assert [r.draft_length for r in records] == stats.verify_lengths
@@ -203,7 +205,10 @@ def test_nan_drafter_stays_lossless_warns_once_and_counts_in_stats(target_factor
     with torch.no_grad():
         drafter.fc.weight[0, 0] = float("nan")
     reference = greedy(target, PROMPT, 20)
-    assert torch.equal(greedy(target, PROMPT, 20, assistant_model=drafter), reference)
+    assert torch.equal(
+        greedy(target, PROMPT, 20, assistant_model=drafter, config={"adaflash_length_mode": "adaptive"}),
+        reference,
+    )
     stats = drafter.last_stats
     assert stats.nonfinite_blocks == stats.drafting_rounds > 1
     assert set(stats.verify_lengths) == {0}

@@ -282,7 +282,7 @@ def test_the_acceptance_model_learns_the_heads_signal():
     [
         (
             {"length_mode": "fast"},
-            r"^length_mode: expected one of \('adaptive', 'fixed', 'goodput'\), got 'fast'",
+            r"^length_mode: expected one of \('auto', 'adaptive', 'fixed', 'goodput'\), got 'fast'",
         ),
         ({"gamma": True}, r"^gamma: expected a number > 0, got True"),
         ({"min_len": True}, r"^min_len: expected an int >= 0, got True"),
@@ -317,7 +317,9 @@ def test_bad_goodput_settings_fail_before_any_forward(target_factory, drafter_fa
         model.register_forward_pre_hook(lambda *_: calls.append(1))
     with pytest.raises(ValueError, match=r"^generation_config\.adaflash_calibrate: expected True or False"):
         target.generate(torch.tensor([[1, 2, 3]]), assistant_model=drafter, adaflash_calibrate="no")
-    with pytest.raises(ValueError, match=r"^length_mode: expected 'fixed' or unset with mode='dflash'"):
+    with pytest.raises(
+        ValueError, match=r"^length_mode: expected 'fixed', 'auto' or unset with mode='dflash'"
+    ):
         AdaFlashEngine(target, drafter, mode="dflash", length_mode="goodput")
     with pytest.raises(ValueError, match=r"^drafting: expected a DraftingSettings or its fields .*got both"):
         AdaFlashEngine(target, drafter, drafting=DraftingSettings(), gamma=1.0)
@@ -507,3 +509,43 @@ def test_a_running_count_without_plain_steps_is_judged_by_the_nearest_measured_c
     for _ in range(3):
         engine._judge_drafter_step(True, 5, [object()] * 3, [], 0, seconds=0.4, target=0.1)
     assert engine.batch_gate.skip_left > 0  # the profile's word: losing
+
+
+def test_the_default_auto_mode_is_goodput_under_greedy_and_adaptive_under_sampling(
+    fresh_target, drafter_factory
+):
+    # On a profile where no draft pays, goodput verifies nothing; the adaptive rule drafts whatever the profile says.
+    target = fresh_target
+    drafter = drafter_factory(target)
+    use_cost_model(target, "generate", CostModel.profile({1: 1.0, 2: 3.0}, drafter_seconds=0.5))
+    prompt = torch.randint(0, 500, (1, 7), generator=torch.Generator().manual_seed(2))
+    assert DraftingSettings().length_mode == "auto"
+    assert torch.equal(greedy(target, prompt, 24, assistant_model=drafter), greedy(target, prompt, 24))
+    assert drafter.last_stats.drafting_rounds > 0 and sum(drafter.last_stats.verify_lengths) == 0
+    sampled = {}
+    for knobs in ({}, {"adaflash_length_mode": "adaptive"}):
+        torch.manual_seed(5)
+        out = target.generate(prompt, max_new_tokens=24, do_sample=True, assistant_model=drafter, **knobs)
+        sampled[bool(knobs)] = out, drafter.last_stats.verify_lengths
+    assert torch.equal(sampled[False][0], sampled[True][0]) and sampled[False][1] == sampled[True][1]
+    assert sum(sampled[False][1]) > 0
+
+
+def test_the_engine_in_auto_mode_drafts_by_goodput_only_in_steps_where_no_request_samples(
+    fresh_target, drafter_factory
+):
+    target = fresh_target
+    use_cost_model(target, "engine", CostModel.profile({1: 1.0, 2: 3.0, 8: 9.0}, drafter_seconds=0.5))
+    engine = AdaFlashEngine(target, drafter_factory(target))
+    assert engine.settings.length_mode == "auto"
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, 500, (n,), generator=g) for n in (6, 9)]
+    expected = engine.generate(prompts, SamplingParams(max_new_tokens=12))
+    assert sum(s.draft_tokens for s in engine.stats) == 0  # greedy only: goodput, and no draft pays here
+    before = len(engine.stats)
+    greedy_id = engine.add_request(prompts[0], SamplingParams(max_new_tokens=12))
+    engine.add_request(prompts[1], SamplingParams(max_new_tokens=12, temperature=1.0, seed=3))
+    for _ in engine.stream():
+        pass
+    assert sum(s.draft_tokens for s in engine.stats[before:]) > 0  # a sampling request: the adaptive rule
+    assert engine.requests[greedy_id].output == expected[0]

@@ -186,7 +186,10 @@ def coin_chooser(monkeypatch, module, seed=0):
 
 
 def greedy(target, ids, n, drafter=None, **config):
-    config = GenerationConfig(max_new_tokens=n, do_sample=False, **config)
+    # Hybrid's own rule (choose_lookup against the head's â) is the adaptive path's; goodput has its tests elsewhere.
+    config = GenerationConfig(
+        max_new_tokens=n, do_sample=False, **{"adaflash_length_mode": "adaptive", **config}
+    )
     return target.generate(ids, assistant_model=drafter, generation_config=config)
 
 
@@ -442,7 +445,13 @@ def test_engine_history_lets_a_repeated_request_copy_an_earlier_output(
     monkeypatch.setattr(
         adaflash_hf.serving.engine, "choose_lookup", lambda proposal, *_: proposal is not None
     )
-    engine = AdaFlashEngine(target, drafter_factory(target), draft_source="hybrid", lookup_history_tokens=100)
+    engine = AdaFlashEngine(
+        target,
+        drafter_factory(target),
+        draft_source="hybrid",
+        lookup_history_tokens=100,
+        length_mode="adaptive",
+    )
     assert engine.generate([prompt], SamplingParams(max_new_tokens=8)) == [expected]
     first_lookups = sum(s.lookup_verifies for s in engine.stats)
     assert first_lookups == 0  # its own sequence never repeats
@@ -463,7 +472,7 @@ def test_engine_request_without_lookup_matches_behaves_exactly_like_diffusion_on
     prompt = torch.tensor(NO_REPEAT_PROMPT)
     runs = {}
     for source in ("diffusion", "hybrid"):
-        engine = AdaFlashEngine(target, drafter, draft_source=source)
+        engine = AdaFlashEngine(target, drafter, draft_source=source, length_mode="adaptive")
         records = []
         engine.round_recorder = lambda request, record: records.append(record)  # noqa: B023
         output = engine.generate([prompt], SamplingParams(max_new_tokens=8))[0]

@@ -12,6 +12,8 @@ budget; ONE packed target forward over Σ(k̂_i + 1) verify tokens plus the prom
 (``cache``); ONE acceptance launch (``verify_accept``) for greedy and sampling requests together; per-request
 commit and rollback. The three modes share every other line, so they are each other's baselines.
 
+``length_mode="auto"`` (the default) drafts by goodput in the steps where every decoding request is greedy and by
+the adaptive rule while any samples (a seeded sampling request's output then depends on its seed alone).
 ``length_mode="goodput"`` (with ``mode="adaflash"``; ``adaflash_hf.drafting``): the drafter runs only for the
 requests whose ``SkipGate`` is open, and one plan over every request's options (its block, its lookup continuation)
 picks each k_i from 0 up to maximise the step's expected committed tokens per second, from the engine's cost model
@@ -218,8 +220,10 @@ def _drafting_settings(mode: str, drafting: DraftingSettings | None, **knobs) ->
             f"got {settings.draft_source!r}"
         )
     if mode == "dflash":
-        if settings.length_mode == "goodput":
-            raise ValueError("length_mode: expected 'fixed' or unset with mode='dflash', got 'goodput'")
+        if given.get("length_mode") in ("goodput", "adaptive"):
+            raise ValueError(
+                f"length_mode: expected 'fixed', 'auto' or unset with mode='dflash', got {given['length_mode']!r}"
+            )
         settings = DraftingSettings(**{**_knob_values(settings), "length_mode": "fixed"})
     return settings
 
@@ -295,7 +299,8 @@ class AdaFlashEngine:
         self.admission = AdmissionController(
             _with_kv_budget(admission, target, self.drafter), self.block_size
         )
-        self.goodput = self.drafter is not None and self.settings.length_mode == "goodput"
+        # "auto": the goodput machinery, used in the steps where no decoding request samples (``_goodput_step``).
+        self.goodput = self.drafter is not None and self.settings.length_mode in ("goodput", "auto")
         if self.goodput:
             self.cost = cost_model_for(target, "engine")
             self.acceptance = acceptance_model_for(drafter)
@@ -466,7 +471,8 @@ class AdaFlashEngine:
         prefill_tokens = sum(len(r.prompt) for r in admitted)
 
         gamma = (self.settings.gamma or 1.0) * self.admission.gamma_scale()
-        if self.goodput:
+        goodput = self._goodput_step(decoding)
+        if goodput:
             self._calibrate_once()
             drafted = self._draft_goodput(decoding, prefill_tokens, len(admitted))
         else:
@@ -481,13 +487,13 @@ class AdaFlashEngine:
         target_started = time.perf_counter()
         accepted, next_tokens, features = self._verify(admitted, decoding, drafts)
         target_seconds = time.perf_counter() - target_started
-        if self.goodput:
+        if goodput:
             self._learn(decoding, len(admitted), prefill_tokens, drafts, sources, accepted, target_seconds)
 
         outputs, committed = self._commit(
             admitted, decoding, drafts, accepted, next_tokens, features, full_drafts, sources
         )
-        if self.goodput and decoding:
+        if goodput and decoding:
             seconds = time.perf_counter() - started
             self._judge_drafter_step(
                 any(ran), committed, decoding, admitted, prefill_tokens, seconds, target_seconds, sum(lengths)
@@ -520,6 +526,14 @@ class AdaFlashEngine:
             )
         )
         return aborted + outputs
+
+    def _goodput_step(self, decoding: list[Request]) -> bool:
+        """Whether this step drafts by goodput: always with ``length_mode="goodput"``; with ``"auto"`` only while no
+        decoding request samples (the adaptive rule keeps a seeded sampling request's output independent of the
+        machine's timings and of the batch; a greedy request's output is the same either way)."""
+        if not self.goodput or self.settings.length_mode == "goodput":
+            return self.goodput
+        return all(r.params.temperature == 0 for r in decoding)
 
     def _draft(self, decoding: list[Request], gamma: float):
         """Per-request draft lengths; the block states of one batched drafter forward (None without one); each
