@@ -120,6 +120,9 @@ def main(
         mode=script_args.serving_mode,
         admission=AdmissionConfig(),
         gamma=script_args.gamma,
+        # The paper's rule: every request verifies its drafts each step, which is the feedback OPD learns from
+        # (goodput, the greedy default, would stop drafting where the young drafter does not pay yet).
+        length_mode="adaptive" if script_args.serving_mode == "adaflash" else None,
     )
     traffic = TrafficSource.from_domains(
         tokenizer,
