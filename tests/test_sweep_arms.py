@@ -8,6 +8,7 @@ import datasets
 import pytest
 import torch
 
+from adaflash_hf import AdaFlashDrafter
 from adaflash_hf.trainers import DrafterTrainer, DrafterTrainingConfig
 from adaflash_hf.trainers.corpus import build_corpus, read_corpus
 from adaflash_hf.trainers.dflash_recipe import recipe_loss, sample_anchors, soft_target_kl
@@ -275,7 +276,9 @@ def test_the_sweep_arms_differ_in_their_arm_only_and_see_equal_blocks(monkeypatc
     arms = {arm: _sweep_config(arm, monkeypatch) for arm in ARMS}
     base = arms["baseline"]
     assert base.soft_target_weight == 0.0 and not base.init_from_target
-    assert base.drafter_init == "examples/drafters/smollm2-135m-adaflash"
+    assert base.drafter_init == "examples/results/sweep/stage2_start"  # pinned: shipping a new drafter moves no arm
+    stage2 = AdaFlashDrafter.from_pretrained(ROOT / base.drafter_init)
+    assert stage2.config.block_size == 16 and len(stage2.config.draft_token_ids) == 8192
     assert arms["soft_targets"].soft_target_weight > 0
     assert arms["init_from_target"].init_from_target and arms["init_from_target"].drafter_init is None
     assert arms["higher_lr"].learning_rate > base.learning_rate
