@@ -49,20 +49,32 @@ REQUIRED_FILES = ("config.json", *REMOTE_CODE_FILES, "README.md")
 # bench JSON keys shown first, in this order, with these headers; other scalar keys follow as they come
 _KNOWN_COLUMNS = {
     "method": "method",
+    "mode": "mode",
     "dataset": "dataset",
+    "domain": "domain",
     "concurrency": "concurrency",
     "tau": "τ",
     "acceptance_length": "τ",
     "speedup": "speed-up",
+    "speedup_vs_plain": "speed-up",
     "tokens_per_s": "tok/s",
     "tok_per_s": "tok/s",
+    "mean_verify_length": "mean verify length",
+    "lossless": "lossless",
 }
+# `adaflash bench generate` / `bench serve` write {"settings": {...}, "summary": [rows]}: their rows carry many
+# diagnostics, so a card shows these columns of them, and the settings' scalars but local paths as its setup line.
+_SUMMARY_COLUMNS = (
+    *("method", "mode", "domain", "concurrency", "tau", "speedup", "speedup_vs_plain"),
+    *("tokens_per_s", "mean_verify_length", "lossless"),
+)
+_LOCAL_SETTINGS = ("drafter", "output_dir")
 
 
 # ------------------------------------------------------------------------------------------------ bench results
 def load_bench_results(bench: str | os.PathLike | dict | list) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Rows and setup scalars from a bench JSON: a list of rows, ``{"results"|"rows": [...], **setup}``, or
-    ``{name: {metric: value}}``."""
+    """Rows and setup scalars from a bench JSON: a list of rows, ``{"results"|"rows": [...], **setup}``, an adaflash
+    bench JSON ``{"settings": {...}, "summary": [...]}``, or ``{name: {metric: value}}``."""
     if isinstance(bench, (str, os.PathLike)):
         path = Path(bench)
         if not path.is_file():
@@ -73,17 +85,30 @@ def load_bench_results(bench: str | os.PathLike | dict | list) -> tuple[list[dic
             raise ValueError(f"bench_json: expected valid JSON in {path}, got {error}") from error
     setup: dict[str, Any] = {}
     if isinstance(bench, dict):
-        rows_key = next((key for key in ("results", "rows") if isinstance(bench.get(key), list)), None)
+        rows_key = next(
+            (key for key in ("results", "rows", "summary") if isinstance(bench.get(key), list)), None
+        )
         if rows_key is not None:
             rows = bench[rows_key]
             setup = {
                 k: v for k, v in bench.items() if k != rows_key and isinstance(v, (str, int, float, bool))
             }
+            if rows_key == "summary":  # an adaflash bench JSON
+                rows = [
+                    {k: row[k] for k in _SUMMARY_COLUMNS if k in row} if isinstance(row, dict) else row
+                    for row in rows
+                ]
+                settings = bench.get("settings") if isinstance(bench.get("settings"), dict) else {}
+                setup = {
+                    k: v
+                    for k, v in settings.items()
+                    if k not in _LOCAL_SETTINGS and isinstance(v, (str, int, float, bool))
+                }
         elif bench and all(isinstance(v, dict) for v in bench.values()):
             rows = [{"method": name, **metrics} for name, metrics in bench.items()]
         else:
             raise ValueError(
-                "bench_json: expected a list of result rows, {'results': [...]} or {name: {metric: value}}, "
+                "bench_json: expected a list of result rows, {'results': [...]}, {'summary': [...]} or {name: {metric: value}}, "
                 f"got a dict with keys {sorted(bench)}"
             )
     elif isinstance(bench, list):

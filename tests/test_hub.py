@@ -313,3 +313,26 @@ def test_remote_code_loads_where_adaflash_hf_is_not_importable(hub_cache):
         hf_home,
     )
     assert "OK AdaFlashDrafter" in out
+
+
+def test_the_bench_jsons_we_write_render_as_a_card(drafter):
+    """`adaflash publish --bench-json` takes what `adaflash bench generate` and `bench serve` write."""
+    results = Path(__file__).resolve().parents[1] / "examples" / "results"
+    for name, first in (
+        ("bench_generate.json", "| method | domain | τ |"),
+        ("bench_serve.json", "| mode | concurrency | τ | speed-up |"),
+    ):
+        rows, setup = load_bench_results(results / name)
+        shown = {
+            "method",
+            "mode",
+            "domain",
+            "concurrency",
+            "tau",
+            "speedup",
+            "speedup_vs_plain",
+            "tokens_per_s",
+        }
+        assert rows and all(set(row) <= shown | {"mean_verify_length", "lossless"} for row in rows), name
+        assert "drafter" not in setup and "records" not in setup, name
+        assert first in render_model_card(drafter.config, "org/x", bench_json=results / name).text, name

@@ -1,0 +1,101 @@
+"""Ship a trained drafter checkpoint as the example drafter: weights in bf16, remote code, and the model card rendered
+from a measured `adaflash bench generate` JSON (issue 22, "ship at every stop").
+
+    python examples/ship_drafter.py runs/sweep/baseline --bench-json examples/results/bench_generate.json \
+        --training-command "accelerate launch trainers/train_drafter.py --config examples/configs/sweep_baseline.yaml" \
+        --notes runs/ship_notes.md
+
+Only the weights and config travel (no optimizer state). The card goes to the drafter folder's README.md and to its
+reviewed copy under model_cards/. ``--notes`` appends a hand-written section (training budget, limits) to the card.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from adaflash_hf import AdaFlashDrafter
+from adaflash_hf.hub import render_model_card, stage_drafter
+
+ROOT = Path(__file__).resolve().parents[1]
+NAME = "smollm2-135m-adaflash"
+
+
+def ship(
+    checkpoint: str | Path,
+    out: str | Path,
+    *,
+    repo_id: str,
+    base_model: str | None,
+    bench_json: str | Path | None = None,
+    training_command: str | None = None,
+    datasets: list[str] | None = None,
+    notes: str | None = None,
+    card_copy: str | Path | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+) -> Path:
+    """Write ``checkpoint`` to ``out`` (replaced whole, only once everything is staged and checked)."""
+    checkpoint, out = Path(checkpoint), Path(out)
+    if not (checkpoint / "config.json").is_file():
+        raise FileNotFoundError(f"checkpoint: expected a drafter folder with config.json, got {checkpoint}")
+    drafter = AdaFlashDrafter.from_pretrained(checkpoint).to(dtype)
+    card = render_model_card(
+        drafter.config,
+        repo_id,
+        base_model=base_model,
+        bench_json=bench_json,
+        training_command=training_command,
+        datasets=datasets,
+        num_parameters=sum(p.numel() for p in drafter.parameters()),
+        dtype=str(dtype).removeprefix("torch."),
+    )
+    if notes:
+        card.text = card.text.rstrip("\n") + "\n\n" + notes.strip("\n") + "\n"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        stage_drafter(drafter, staging, card)
+        if out.exists():
+            shutil.rmtree(out)
+        staging.rename(out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    if card_copy is not None:
+        Path(card_copy).write_text((out / "README.md").read_text(encoding="utf-8"), encoding="utf-8")
+    return out
+
+
+def main(argv: list[str] | None = None) -> Path:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("checkpoint", help="trained drafter folder (config.json + model.safetensors)")
+    parser.add_argument("--out", default=str(ROOT / "examples" / "drafters" / NAME))
+    parser.add_argument("--repo-id", default=f"adaflash-hf/{NAME}")
+    parser.add_argument("--base-model", default="HuggingFaceTB/SmolLM2-135M-Instruct")
+    parser.add_argument("--bench-json", help="adaflash bench generate JSON for the card's results table")
+    parser.add_argument("--training-command", help="shown in the card's Training section")
+    parser.add_argument(
+        "--dataset", action="append", default=None, help="training dataset repo id (repeatable)"
+    )
+    parser.add_argument("--notes", help="markdown file appended to the card")
+    parser.add_argument("--card-copy", default=str(ROOT / "model_cards" / f"{NAME}.md"))
+    args = parser.parse_args(argv)
+    notes = Path(args.notes).read_text(encoding="utf-8") if args.notes else None
+    return ship(
+        args.checkpoint,
+        args.out,
+        repo_id=args.repo_id,
+        base_model=args.base_model,
+        bench_json=args.bench_json,
+        training_command=args.training_command,
+        datasets=args.dataset or ["anon8231489123/ShareGPT_Vicuna_unfiltered"],
+        notes=notes,
+        card_copy=args.card_copy or None,
+    )
+
+
+if __name__ == "__main__":
+    print(main())

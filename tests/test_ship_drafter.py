@@ -1,0 +1,88 @@
+"""examples/ship_drafter.py: a trained checkpoint becomes the example drafter (bf16 weights equal to the checkpoint's
+rounded to bf16, remote code, a card rendered from a bench JSON plus the notes), and a bad checkpoint leaves the
+shipped folder as it was."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from huggingface_hub import ModelCard
+
+from adaflash_hf import AdaFlashDrafter
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH = {  # the shape `adaflash bench generate` writes
+    "settings": {
+        "cpu": "no amx_bf16, avx512_bf16",
+        "threads": 2,
+        "drafter": "/home/me/runs/x",
+        "domains": ["chat"],
+    },
+    "summary": [
+        {"domain": "chat", "method": "plain", "tau": 1.0, "speedup": 1.0, "rounds": 510, "lossless": True},
+        {
+            "domain": "chat",
+            "method": "adaflash_goodput",
+            "tau": 1.61,
+            "speedup": 1.23,
+            "rounds": 300,
+            "lossless": True,
+        },
+    ],
+    "records": [{"prompt": "not in the card"}],
+}
+
+
+def _ship_module():
+    spec = importlib.util.spec_from_file_location("ship_drafter", REPO / "examples" / "ship_drafter.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_ship_writes_bf16_weights_remote_code_and_the_measured_card(
+    tmp_path, target_factory, drafter_factory
+):
+    drafter = drafter_factory(target_factory("llama"))
+    drafter.save_pretrained(tmp_path / "checkpoint-7")
+    (tmp_path / "bench.json").write_text(json.dumps(BENCH))
+    (tmp_path / "notes.md").write_text("## Training budget and limits\n\n152k blocks on 2 CPU cores.\n")
+    out, copy = tmp_path / "drafters" / "tiny", tmp_path / "card.md"
+    (out / "stale").mkdir(parents=True)  # a previous ship is replaced whole
+    _ship_module().main(
+        [
+            str(tmp_path / "checkpoint-7"),
+            "--out", str(out),
+            "--bench-json", str(tmp_path / "bench.json"),
+            "--training-command", "accelerate launch trainers/train_drafter.py --config sweep_baseline.yaml",
+            "--notes", str(tmp_path / "notes.md"),
+            "--card-copy", str(copy),
+        ]
+    )  # fmt: skip
+    assert not (out / "stale").exists() and (out / "modeling_adaflash.py").is_file()
+    shipped = AdaFlashDrafter.from_pretrained(out)
+    assert next(shipped.parameters()).dtype == torch.bfloat16
+    expected = drafter.state_dict()
+    for name, tensor in shipped.state_dict().items():
+        torch.testing.assert_close(tensor, expected[name].to(torch.bfloat16), rtol=0, atol=0, msg=name)
+    card = ModelCard((out / "README.md").read_text())
+    assert card.data.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert "| method | domain | τ | speed-up | lossless |" in card.text and "bfloat16" in card.text
+    assert "| adaflash_goodput | chat | 1.61 | 1.23 | True |" in card.text and "rounds" not in card.text
+    assert "cpu: no amx_bf16, avx512_bf16, threads: 2" in card.text and "/home/me" not in card.text
+    assert "sweep_baseline.yaml" in card.text and card.text.rstrip().endswith("152k blocks on 2 CPU cores.")
+    assert copy.read_text() == (out / "README.md").read_text()
+
+
+def test_a_folder_without_config_is_refused_and_the_shipped_drafter_stays(
+    tmp_path, target_factory, drafter_factory
+):
+    out = tmp_path / "drafters" / "tiny"
+    drafter_factory(target_factory("llama")).save_pretrained(out)
+    before = (out / "model.safetensors").read_bytes()
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"checkpoint: expected a drafter folder with config.json"):
+        _ship_module().main([str(tmp_path / "empty"), "--out", str(out), "--card-copy", ""])
+    assert (out / "model.safetensors").read_bytes() == before
