@@ -7,11 +7,13 @@ from a measured `adaflash bench generate` JSON (issue 22, "ship at every stop").
 
 Only the weights and config travel (no optimizer state). The card goes to the drafter folder's README.md and to its
 reviewed copy under model_cards/. ``--notes`` appends a hand-written section (training budget, limits) to the card.
+``--curve RUN/learning_curve.json --curve-offset N`` continues the shipped learning curve with the run's points.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import tempfile
 from pathlib import Path
@@ -69,6 +71,37 @@ def ship(
     return out
 
 
+def extended_curve(curve_json: str | Path, run_json: str | Path, offset: int, stage: str) -> dict:
+    """The shipped learning curve with a resumed run's held-out points appended, their blocks counted from ``offset``
+    (the blocks the run's start checkpoint had seen), each tagged with ``stage``. A stage appended again replaces its
+    earlier points. Checked here, written by ``write_curve``, so that a bad offset fails before anything is shipped."""
+    run = json.loads(Path(run_json).read_text())
+    data = json.loads(Path(curve_json).read_text())
+    kept = [p for p in data["points"] if p.get("stage") != stage]
+    first = offset + min(p["blocks_seen"] for p in run["points"])
+    if kept and kept[-1]["blocks_seen"] >= first:
+        raise ValueError(
+            f"curve_offset: expected the run to start after the curve's last point ({kept[-1]['blocks_seen']} "
+            f"blocks), got {offset}"
+        )
+    data["points"] = kept + [
+        {**p, "blocks_seen": offset + p["blocks_seen"], "stage": stage} for p in run["points"]
+    ]
+    data.setdefault("meta", {}).setdefault("stages", {})[stage] = {
+        "offset_blocks": offset,
+        "source": str(run_json),
+    }
+    return data
+
+
+def write_curve(curve_json: str | Path, data: dict) -> None:
+    from adaflash_hf.trainers.learning_curve import plot_learning_curve
+
+    curve_json = Path(curve_json)
+    curve_json.write_text(json.dumps(data, indent=1))
+    plot_learning_curve(curve_json, curve_json.with_suffix(".png"))
+
+
 def main(argv: list[str] | None = None) -> Path:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", help="trained drafter folder (config.json + model.safetensors)")
@@ -82,9 +115,19 @@ def main(argv: list[str] | None = None) -> Path:
     )
     parser.add_argument("--notes", help="markdown file appended to the card")
     parser.add_argument("--card-copy", default=str(ROOT / "model_cards" / f"{NAME}.md"))
+    parser.add_argument("--curve", help="the run's learning_curve.json, appended to --shipped-curve")
+    parser.add_argument("--curve-offset", type=int, help="blocks the run's start checkpoint had seen")
+    parser.add_argument(
+        "--curve-stage", help="the appended points' stage (default: the checkpoint folder's name)"
+    )
+    parser.add_argument("--shipped-curve", default=str(ROOT / "examples" / "results" / "learning_curve.json"))
     args = parser.parse_args(argv)
+    if args.curve and args.curve_offset is None:
+        parser.error("--curve-offset: expected the blocks the run's start had seen, got nothing")
     notes = Path(args.notes).read_text(encoding="utf-8") if args.notes else None
-    return ship(
+    stage = args.curve_stage or Path(args.checkpoint).name
+    curve = extended_curve(args.shipped_curve, args.curve, args.curve_offset, stage) if args.curve else None
+    out = ship(
         args.checkpoint,
         args.out,
         repo_id=args.repo_id,
@@ -95,6 +138,9 @@ def main(argv: list[str] | None = None) -> Path:
         notes=notes,
         card_copy=args.card_copy or None,
     )
+    if curve is not None:
+        write_curve(args.shipped_curve, curve)
+    return out
 
 
 if __name__ == "__main__":

@@ -86,3 +86,36 @@ def test_a_folder_without_config_is_refused_and_the_shipped_drafter_stays(
     with pytest.raises(FileNotFoundError, match=r"checkpoint: expected a drafter folder with config.json"):
         _ship_module().main([str(tmp_path / "empty"), "--out", str(out), "--card-copy", ""])
     assert (out / "model.safetensors").read_bytes() == before
+
+
+def _curve(points, **meta):
+    return {
+        "meta": meta,
+        "points": [
+            {"blocks_seen": b, "step": s, "metrics": {"all": {"first_position": a}}} for b, s, a in points
+        ],
+    }
+
+
+def test_the_run_curve_continues_the_shipped_one_and_a_bad_offset_ships_nothing(
+    tmp_path, target_factory, drafter_factory
+):
+    ship = _ship_module()
+    shipped, run = tmp_path / "learning_curve.json", tmp_path / "run.json"
+    shipped.write_text(json.dumps(_curve([(256, 1, 0.04), (382_606, 1778, 0.32)], title="t")))
+    run.write_text(json.dumps(_curve([(237, 1, 0.30), (152_300, 700, 0.38)])))
+    drafter_factory(target_factory("llama")).save_pretrained(tmp_path / "baseline")
+    out = tmp_path / "drafters" / "tiny"
+    common = ["--out", str(out), "--card-copy", "", "--curve", str(run), "--shipped-curve", str(shipped)]
+    with pytest.raises(
+        ValueError, match=r"curve_offset: expected the run to start after .*382606 blocks\), got 1000"
+    ):
+        ship.main([str(tmp_path / "baseline"), *common, "--curve-offset", "1000"])
+    assert not out.exists()  # refused before anything was shipped
+    for _ in range(2):  # shipping the same run twice replaces its points, it does not add them again
+        ship.main([str(tmp_path / "baseline"), *common, "--curve-offset", "387403"])
+    data = json.loads(shipped.read_text())
+    assert [p["blocks_seen"] for p in data["points"]] == [256, 382_606, 387_640, 539_703]
+    assert [p.get("stage") for p in data["points"]] == [None, None, "baseline", "baseline"]
+    assert data["meta"]["title"] == "t" and data["meta"]["stages"]["baseline"]["offset_blocks"] == 387_403
+    assert shipped.with_suffix(".png").stat().st_size > 0
