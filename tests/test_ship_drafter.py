@@ -92,7 +92,12 @@ def _curve(points, **meta):
     return {
         "meta": meta,
         "points": [
-            {"blocks_seen": b, "step": s, "metrics": {"all": {"first_position": a}}} for b, s, a in points
+            {
+                "blocks_seen": b,
+                "step": s,
+                "metrics": {"chat": {"first_position": a}, "all": {"first_position": a}},
+            }
+            for b, s, a in points
         ],
     }
 
