@@ -1,6 +1,7 @@
 """The sample-efficiency sweep's arms (issue 22): a drafter started from the target's last layers, the soft-target KL
 to the target's recorded top-k, and the sweep configs that run them at equal blocks."""
 
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -276,7 +277,9 @@ def test_the_sweep_arms_differ_in_their_arm_only_and_see_equal_blocks(monkeypatc
     arms = {arm: _sweep_config(arm, monkeypatch) for arm in ARMS}
     base = arms["baseline"]
     assert base.soft_target_weight == 0.0 and not base.init_from_target
-    assert base.drafter_init == "examples/results/sweep/stage2_start"  # pinned: shipping a new drafter moves no arm
+    assert (
+        base.drafter_init == "examples/results/sweep/stage2_start"
+    )  # pinned: shipping a new drafter moves no arm
     stage2 = AdaFlashDrafter.from_pretrained(ROOT / base.drafter_init)
     assert stage2.config.block_size == 16 and len(stage2.config.draft_token_ids) == 8192
     assert arms["soft_targets"].soft_target_weight > 0
@@ -311,3 +314,36 @@ def test_the_sweep_runner_knows_every_arm_and_refuses_an_unknown_one():
     assert all((ROOT / "examples" / "configs" / f"sweep_{arm}.yaml").is_file() for arm in default_arms)
     done = subprocess.run([str(script), "no_such_arm"], capture_output=True, text=True)
     assert done.returncode == 2 and "examples/configs/sweep_no_such_arm.yaml" in done.stderr
+
+
+def test_the_long_run_resumes_its_newest_checkpoint_and_keeps_the_shipped_curve(tmp_path, monkeypatch):
+    import subprocess
+
+    script = ROOT / "examples" / "run_long.sh"
+    out = tmp_path / "run-with-dashes"
+    for step in (40, 400, 1200):  # numeric order, not lexical: 1200 is the newest
+        (out / f"checkpoint-{step}").mkdir(parents=True)
+    config = tmp_path / "long.yaml"
+    config.write_text(f"output_dir: {out}   # a comment\nmax_steps: 10\n")
+
+    def run(*args):
+        env = {**os.environ, "DRY_RUN": "1"}
+        return subprocess.run([str(script), *args], capture_output=True, text=True, env=env)
+
+    done = run(str(config))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[-2:] == ["--resume_from_checkpoint", str(out / "checkpoint-1200")]
+    (config.parent / "fresh.yaml").write_text(f"output_dir: {tmp_path / 'new'}\n")
+    assert "--resume_from_checkpoint" not in run(str(config.parent / "fresh.yaml")).stdout
+    missing = run(str(tmp_path / "nothing.yaml"))
+    assert missing.returncode == 2 and "expected a config file" in missing.stderr
+
+    from adaflash_hf.trainers.train_drafter import make_parser
+
+    monkeypatch.chdir(ROOT)
+    (long,) = make_parser().parse_args_and_config(["--config", "examples/configs/train_smollm2_stage3.yaml"])
+    assert (
+        long.eval_strategy == "steps" and long.eval_steps == long.save_steps
+    )  # a curve point per checkpoint
+    assert long.learning_curve_dir != "examples/results"  # its own curve: shipping appends it with an offset
+    assert long.max_steps * long.per_device_train_batch_size * 215 / 2 > 1_000_000

@@ -1,0 +1,95 @@
+"""Two drafters side by side in `generate`, interleaved per prompt and repeat (issue 24 item 3: a calibrated length
+head against the trained one). Greedy, every output checked against the first drafter's (both are lossless, so they
+must agree token for token); prints and writes per-domain median time ratios and τ.
+
+    python examples/compare_heads.py examples/drafters/smollm2-135m-adaflash runs/calib_s8/drafter \
+        --length-mode adaptive --out examples/results/calibrate_head_generate.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from transformers import GenerationConfig
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("first", help="reference drafter folder")
+    parser.add_argument("second", help="drafter folder compared with it")
+    parser.add_argument("--length-mode", default="adaptive", choices=("adaptive", "goodput", "fixed", "auto"))
+    parser.add_argument("--domains", nargs="+", default=["chat", "code", "math"])
+    parser.add_argument("--prompts-per-domain", type=int, default=2)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", help="JSON to write")
+    args = parser.parse_args(argv)
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    torch.set_num_threads(args.threads)
+
+    from adaflash_hf import AdaFlashDrafter
+    from adaflash_hf.assets import load_target
+    from adaflash_hf.data import load_domain, prompt_ids
+
+    target, tokenizer = load_target()
+    dtype = next(target.parameters()).dtype
+    drafters = [AdaFlashDrafter.from_pretrained(p).to(dtype).eval() for p in (args.first, args.second)]
+    config = GenerationConfig(
+        max_new_tokens=args.max_new_tokens,
+        do_sample=False,
+        pad_token_id=tokenizer.eos_token_id,
+        adaflash_length_mode=args.length_mode,
+    )
+    rows = []
+    for domain in args.domains:
+        for row in load_domain(domain, "heldout", args.prompts_per_domain):
+            ids = prompt_ids(tokenizer, row)
+            times, taus, outputs = [[], []], [None, None], [None, None]
+            for _ in range(args.repeats):
+                for i, drafter in enumerate(drafters):
+                    started = time.perf_counter()
+                    with torch.inference_mode():
+                        out = target.generate(ids, assistant_model=drafter, generation_config=config)
+                    times[i].append(time.perf_counter() - started)
+                    taus[i], outputs[i] = drafter.last_stats.tau, out
+            if not torch.equal(outputs[0], outputs[1]):
+                raise AssertionError(f"{domain}/{row['id']}: the two drafters' greedy outputs differ")
+            rows.append(
+                {
+                    "domain": domain,
+                    "prompt": row["id"],
+                    "seconds": [statistics.median(t) for t in times],
+                    "tau": taus,
+                    "ratio": statistics.median(times[1]) / statistics.median(times[0]),
+                }
+            )
+    summary = {
+        domain: {
+            "time_ratio_second_over_first": statistics.geometric_mean(
+                r["ratio"] for r in rows if r["domain"] == domain
+            ),
+            "tau": [statistics.mean(r["tau"][i] for r in rows if r["domain"] == domain) for i in (0, 1)],
+        }
+        for domain in args.domains
+    }
+    result = {"settings": {**vars(args), "cpu": _cpu()}, "summary": summary, "rows": rows}
+    print(json.dumps(summary, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    return result
+
+
+def _cpu() -> str:
+    flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
+    return ", ".join(f"{'' if f in flags else 'no '}{f}" for f in ("amx_bf16", "avx512_bf16"))
+
+
+if __name__ == "__main__":
+    main()
