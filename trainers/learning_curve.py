@@ -181,7 +181,22 @@ def plot_learning_curve(json_path: str | Path, png_path: str | Path) -> None:
                 "o-",
                 label=domain,
             )
+    stages = data.get("meta", {}).get(
+        "stages", {}
+    )  # resumed runs appended to this curve (examples/ship_drafter.py)
     for axis, (_, title) in zip(axes, panels):
+        for stage, info in stages.items():
+            axis.axvline(info["offset_blocks"], color="grey", linestyle=":", linewidth=1)
+            axis.annotate(
+                stage,
+                (info["offset_blocks"], 0.98),
+                xycoords=("data", "axes fraction"),
+                rotation=90,
+                fontsize=7,
+                color="grey",
+                ha="right",
+                va="top",
+            )
         axis.set_xscale("log")
         axis.set_xlabel("training blocks seen")
         axis.set_title(title)
