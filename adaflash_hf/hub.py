@@ -124,7 +124,7 @@ def load_bench_results(bench: str | os.PathLike | dict | list) -> tuple[list[dic
 
 def _format_value(value: Any) -> str:
     if isinstance(value, float):
-        return f"{value:.3g}" if abs(value) < 1 else f"{value:.2f}"
+        return f"{value:.3g}" if 0 < abs(value) < 0.01 else f"{value:.2f}"  # one precision in a column
     return "" if value is None else str(value).replace("|", "\\|")
 
 

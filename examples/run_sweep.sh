@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The sample-efficiency sweep of issue 22: every arm one after the other, each resumed from its newest checkpoint, a
+# The sample-efficiency sweep of issue 22: every arm one after the other, each resumed from its newest complete checkpoint, a
 # finished arm (its final model saved in output_dir) skipped. Run it in the background once the corpus is complete:
 #   nohup nice -n 19 examples/run_sweep.sh > runs/sweep/sweep.log 2>&1 &
 # Arms default to the three that resume from the shipped drafter, then the from-scratch pair; pass names to choose.
@@ -16,10 +16,8 @@ for arm in "${arms[@]}"; do
         echo "arm $arm: finished ($out/model.safetensors), skipped"
         continue
     fi
-    resume=()
-    newest=$(ls -d "$out"/checkpoint-* 2>/dev/null | sort -t- -k2 -n | tail -1 || true)
-    [ -n "$newest" ] && resume=(--resume_from_checkpoint "$newest")
-    echo "arm $arm: $(date -u +%FT%TZ) start ${resume[*]:-from its config}"
-    .venv/bin/accelerate launch trainers/train_drafter.py --config "$config" "${resume[@]}" >> "runs/sweep/${arm}.log" 2>&1
+    echo "arm $arm: $(date -u +%FT%TZ) start (from its newest complete checkpoint, if any)"
+    .venv/bin/accelerate launch trainers/train_drafter.py --config "$config" --resume_from_checkpoint last \
+        >> "runs/sweep/${arm}.log" 2>&1
     echo "arm $arm: $(date -u +%FT%TZ) done"
 done

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -71,27 +72,49 @@ def ship(
     return out
 
 
-def extended_curve(curve_json: str | Path, run_json: str | Path, offset: int, stage: str) -> dict:
+def extended_curve(
+    curve_json: str | Path, run_json: str | Path, offset: int, stage: str, up_to_step: int | None = None
+) -> dict:
     """The shipped learning curve with a resumed run's held-out points appended, their blocks counted from ``offset``
-    (the blocks the run's start checkpoint had seen), each tagged with ``stage``. A stage appended again replaces its
-    earlier points. Checked here, written by ``write_curve``, so that a bad offset fails before anything is shipped."""
-    run = json.loads(Path(run_json).read_text())
+    (the blocks the run's start checkpoint had seen), each tagged with ``stage``; only points up to ``up_to_step``
+    (the shipped checkpoint's step) when given. A stage appended again replaces its earlier points. Checked here,
+    written by ``write_curve``, so that a bad offset fails before anything is shipped."""
+    run = [
+        p
+        for p in json.loads(Path(run_json).read_text())["points"]
+        if up_to_step is None or p.get("step") is None or p["step"] <= up_to_step
+    ]
+    if not run:
+        raise ValueError(f"curve: expected held-out points up to step {up_to_step} in {run_json}, got none")
     data = json.loads(Path(curve_json).read_text())
     kept = [p for p in data["points"] if p.get("stage") != stage]
-    first = offset + min(p["blocks_seen"] for p in run["points"])
+    first = offset + min(p["blocks_seen"] for p in run)
     if kept and kept[-1]["blocks_seen"] >= first:
         raise ValueError(
             f"curve_offset: expected the run to start after the curve's last point ({kept[-1]['blocks_seen']} "
             f"blocks), got {offset}"
         )
-    data["points"] = kept + [
-        {**p, "blocks_seen": offset + p["blocks_seen"], "stage": stage} for p in run["points"]
-    ]
+    data["points"] = kept + [{**p, "blocks_seen": offset + p["blocks_seen"], "stage": stage} for p in run]
     data.setdefault("meta", {}).setdefault("stages", {})[stage] = {
         "offset_blocks": offset,
         "source": str(run_json),
     }
     return data
+
+
+def checkpoint_stage_and_step(checkpoint: str | Path) -> tuple[str, int | None]:
+    """A run's name and the shipped step: ``runs/x/checkpoint-2400`` is stage ``x`` at step 2400 (so shipping a later
+    checkpoint of the same run replaces its points); a final output folder ``runs/x`` is stage ``x``, every point."""
+    checkpoint = Path(checkpoint)
+    state = checkpoint / "trainer_state.json"
+    if re.fullmatch(r"checkpoint-\d+", checkpoint.name):
+        step = (
+            json.loads(state.read_text())["global_step"]
+            if state.is_file()
+            else int(checkpoint.name.split("-")[1])
+        )
+        return checkpoint.parent.name, step
+    return checkpoint.name, None
 
 
 def write_curve(curve_json: str | Path, data: dict) -> None:
@@ -117,16 +140,18 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--card-copy", default=str(ROOT / "model_cards" / f"{NAME}.md"))
     parser.add_argument("--curve", help="the run's learning_curve.json, appended to --shipped-curve")
     parser.add_argument("--curve-offset", type=int, help="blocks the run's start checkpoint had seen")
-    parser.add_argument(
-        "--curve-stage", help="the appended points' stage (default: the checkpoint folder's name)"
-    )
+    parser.add_argument("--curve-stage", help="the appended points' stage (default: the run folder's name)")
     parser.add_argument("--shipped-curve", default=str(ROOT / "examples" / "results" / "learning_curve.json"))
     args = parser.parse_args(argv)
     if args.curve and args.curve_offset is None:
         parser.error("--curve-offset: expected the blocks the run's start had seen, got nothing")
     notes = Path(args.notes).read_text(encoding="utf-8") if args.notes else None
-    stage = args.curve_stage or Path(args.checkpoint).name
-    curve = extended_curve(args.shipped_curve, args.curve, args.curve_offset, stage) if args.curve else None
+    stage, step = checkpoint_stage_and_step(args.checkpoint)
+    curve = None
+    if args.curve:
+        curve = extended_curve(
+            args.shipped_curve, args.curve, args.curve_offset, args.curve_stage or stage, step
+        )
     out = ship(
         args.checkpoint,
         args.out,

@@ -174,6 +174,7 @@ def test_main_writes_json_table_and_plots(offline_main):
     assert status == 0
     results = json.loads((out / "results.json").read_text())
     assert results["ok"] and results["settings"]["max_new_tokens"] == bench.QUICK["max_new_tokens"]
+    assert results["settings"]["decoding"] == "greedy" and results["settings"]["target_dtype"] == "float32"
     table_rows = [
         line
         for line in (out / "table.md").read_text().splitlines()

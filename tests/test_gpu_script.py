@@ -53,12 +53,12 @@ def run_script(tmp_path, budget):
 def test_the_gpu_script_stops_at_its_time_budget_and_the_same_command_resumes(tiny_setup):
     tmp_path = tiny_setup
     first = run_script(tmp_path, budget="1e-9")  # spent after the first step
-    assert "resuming" not in first.stdout
+    assert "resume_from_checkpoint last: no complete checkpoint, a fresh start" in first.stderr
     assert sorted(p.name for p in (tmp_path / "out").glob("checkpoint-*")) == ["checkpoint-1"]
     assert json.loads(first.stdout.strip().splitlines()[-1])["global_step"] == 1
 
     second = run_script(tmp_path, budget="600")
-    assert f"resuming from {tmp_path / 'out' / 'checkpoint-1'}" in second.stdout
+    assert f"resume_from_checkpoint last: {tmp_path / 'out' / 'checkpoint-1'}" in second.stderr
     reached = json.loads((tmp_path / "out" / "reached.json").read_text())
     assert reached["global_step"] == 3 and reached["blocks_seen"] > 0
     state = json.loads((tmp_path / "out" / "checkpoint-3" / "trainer_state.json").read_text())

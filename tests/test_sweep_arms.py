@@ -316,27 +316,44 @@ def test_the_sweep_runner_knows_every_arm_and_refuses_an_unknown_one():
     assert done.returncode == 2 and "examples/configs/sweep_no_such_arm.yaml" in done.stderr
 
 
-def test_the_long_run_resumes_its_newest_checkpoint_and_keeps_the_shipped_curve(tmp_path, monkeypatch):
+def test_resume_last_takes_the_newest_complete_checkpoint(tmp_path):
+    from adaflash_hf.trainers.train_drafter import last_complete_checkpoint
+
+    assert last_complete_checkpoint(tmp_path / "missing") is None
+    for step in (40, 400, 1200, 1600):  # numeric order, not lexical; 1600 was killed while saving
+        (tmp_path / f"checkpoint-{step}").mkdir()
+        if step != 1600:
+            (tmp_path / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
+    (tmp_path / "checkpoint-9999.tmp").mkdir()
+    assert last_complete_checkpoint(tmp_path) == str(tmp_path / "checkpoint-1200")
+    assert last_complete_checkpoint(tmp_path / "checkpoint-40") is None
+
+
+def test_the_long_run_resumes_with_last_skips_a_finished_run_and_keeps_the_shipped_curve(
+    tmp_path, monkeypatch
+):
     import subprocess
 
     script = ROOT / "examples" / "run_long.sh"
-    out = tmp_path / "run-with-dashes"
-    for step in (40, 400, 1200):  # numeric order, not lexical: 1200 is the newest
-        (out / f"checkpoint-{step}").mkdir(parents=True)
-    config = tmp_path / "long.yaml"
-    config.write_text(f"output_dir: {out}   # a comment\nmax_steps: 10\n")
 
     def run(*args):
         env = {**os.environ, "DRY_RUN": "1"}
         return subprocess.run([str(script), *args], capture_output=True, text=True, env=env)
 
+    config = tmp_path / "long.yaml"
+    config.write_text(f'output_dir: "{tmp_path / "run"}"   # quoted, with a comment\nmax_steps: 10\n')
     done = run(str(config))
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split()[-2:] == ["--resume_from_checkpoint", str(out / "checkpoint-1200")]
-    (config.parent / "fresh.yaml").write_text(f"output_dir: {tmp_path / 'new'}\n")
-    assert "--resume_from_checkpoint" not in run(str(config.parent / "fresh.yaml")).stdout
+    assert done.stdout.split()[-4:] == ["--config", str(config), "--resume_from_checkpoint", "last"]
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "model.safetensors").write_bytes(b"")
+    finished = run(str(config))
+    assert finished.returncode == 0 and "not rerun" in finished.stdout and "accelerate" not in finished.stdout
     missing = run(str(tmp_path / "nothing.yaml"))
     assert missing.returncode == 2 and "expected a config file" in missing.stderr
+    (tmp_path / "bare.yaml").write_text("max_steps: 10\n")
+    assert "expected an output_dir line" in run(str(tmp_path / "bare.yaml")).stderr
+    assert "--resume_from_checkpoint last" in (ROOT / "examples" / "run_sweep.sh").read_text()
 
     from adaflash_hf.trainers.train_drafter import make_parser
 
@@ -347,3 +364,8 @@ def test_the_long_run_resumes_its_newest_checkpoint_and_keeps_the_shipped_curve(
     )  # a curve point per checkpoint
     assert long.learning_curve_dir != "examples/results"  # its own curve: shipping appends it with an offset
     assert long.max_steps * long.per_device_train_batch_size * 215 / 2 > 1_000_000
+    assert (
+        long.drafter_init == "examples/results/stage3/start"
+    )  # pinned: shipping a stage-3 checkpoint moves no start
+    start = AdaFlashDrafter.from_pretrained(ROOT / long.drafter_init)
+    assert len(start.config.draft_token_ids) == 8192

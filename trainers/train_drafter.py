@@ -8,11 +8,16 @@
 Steps: load the target (offline SmolLM2 by default, or any Hub id / folder), read the training sequences of the corpus
 that ``adaflash corpus`` wrote (``corpus_dir``, the one corpus builder: the target's own greedy responses, resumable),
 build or load the drafter, then train with ``DrafterTrainer``; checkpoints every ``save_steps``,
-``--max_train_seconds`` for a time budget and ``--resume_from_checkpoint`` as any Trainer. The final drafter is saved
-to ``output_dir`` (safetensors + remote code).
+``--max_train_seconds`` for a time budget and ``--resume_from_checkpoint`` as any Trainer, or
+``--resume_from_checkpoint last``: the newest complete checkpoint in ``output_dir``, or a fresh start when there is none
+(what a run spread over working periods passes every time). The final drafter is saved to ``output_dir`` (safetensors
++ remote code).
 """
 
 from __future__ import annotations
+
+import re
+from pathlib import Path
 
 import datasets
 from transformers.utils import logging
@@ -27,6 +32,18 @@ from adaflash_hf.trainers.train_drafter_config import DrafterTrainingConfig
 from adaflash_hf.trainers.train_drafter_trainer import DrafterTrainer
 
 logger = logging.get_logger(__name__)
+
+
+def last_complete_checkpoint(output_dir: str | Path) -> str | None:
+    """The highest-numbered ``checkpoint-N`` under ``output_dir`` that holds ``trainer_state.json`` (the Trainer writes
+    it last, so a run killed while saving leaves a folder without it, which is passed over); None when there is none."""
+    folder = Path(output_dir)
+    steps = {
+        int(match.group(1)): path
+        for path in (folder.iterdir() if folder.is_dir() else ())
+        if (match := re.fullmatch(r"checkpoint-(\d+)", path.name)) and (path / "trainer_state.json").is_file()
+    }
+    return str(steps[max(steps)]) if steps else None
 
 
 def main(args: DrafterTrainingConfig) -> AdaFlashDrafter:
@@ -70,7 +87,12 @@ def main(args: DrafterTrainingConfig) -> AdaFlashDrafter:
         train_dataset=train_dataset,
         eval_prompts=eval_prompts,
     )
-    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+    resume = args.resume_from_checkpoint
+    if resume == "last":
+        resume = last_complete_checkpoint(args.output_dir)
+        # A warning, so that a run resumed across working periods says in its log where it started.
+        logger.warning(f"resume_from_checkpoint last: {resume or 'no complete checkpoint, a fresh start'}")
+    trainer.train(resume_from_checkpoint=resume)
     if args.eval_prompts_per_domain > 0 or (args.heldout_corpus_dir and not args.curve_points_per_decade):
         trainer.evaluate()
     if trainer.is_world_process_zero():

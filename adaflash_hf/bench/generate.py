@@ -288,6 +288,7 @@ def _check_run(target, drafter, methods, repeats: int, max_new_tokens: int) -> N
 def _settings(drafter, prompts, methods, max_new_tokens: int, repeats: int, gamma, min_len) -> dict:
     """The results' ``settings``: what was run, and on which threads and library versions."""
     return {
+        "decoding": "greedy",
         "methods": list(methods),
         "domains": list(prompts),
         "prompts_per_domain": {domain: len(pairs) for domain, pairs in prompts.items()},
@@ -733,6 +734,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     results["settings"].update(
         target=args.target,
+        target_dtype=str(next(target.parameters()).dtype).removeprefix("torch."),
         drafter=None if drafter is None else str(args.drafter),
         command=" ".join(["adaflash bench generate", *(sys.argv[1:] if argv is None else argv)]),
     )

@@ -24,14 +24,8 @@ args=(--config "$CONFIG" --output_dir "$OUTPUT_DIR" --max_train_seconds "$TIME_B
 if [[ -n "$DRAFTER_INIT" ]]; then
   args+=(--drafter_init "$DRAFTER_INIT")
 fi
-latest=""
-if [[ -d "$OUTPUT_DIR" ]]; then
-  latest=$(find "$OUTPUT_DIR" -maxdepth 1 -name 'checkpoint-*' -type d | sort -V | tail -n 1)
-fi
-if [[ -n "$latest" ]]; then
-  echo "resuming from $latest"
-  args+=(--resume_from_checkpoint "$latest")
-fi
+# The newest complete checkpoint in OUTPUT_DIR, or a fresh start when it has none (trainers/train_drafter.py).
+args+=(--resume_from_checkpoint last)
 if [[ "$DEVICE" == cpu ]]; then
   args+=(--use_cpu true --bf16 false)
 else
