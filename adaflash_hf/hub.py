@@ -219,6 +219,17 @@ def render_model_card(
     )
 
 
+def drafter_card(drafter: AdaFlashDrafter, repo_id: str, **kwargs) -> ModelCard:
+    """``render_model_card`` for a drafter object: its config, parameter count and stored dtype filled in."""
+    return render_model_card(
+        drafter.config,
+        repo_id,
+        num_parameters=sum(p.numel() for p in drafter.parameters()),
+        dtype=str(next(drafter.parameters()).dtype).removeprefix("torch."),
+        **kwargs,
+    )
+
+
 # -------------------------------------------------------------------------------------------------- staging
 def stage_drafter(drafter: AdaFlashDrafter, folder: str | os.PathLike, card: ModelCard) -> list[Path]:
     """Write the repo's files into ``folder`` and check them; returns the files, sorted."""
@@ -292,8 +303,8 @@ def push_drafter(
         logger.warning(
             "base_model: not given, so the card does not link the drafter to its target on the Hub"
         )
-    card = render_model_card(
-        drafter.config,
+    card = drafter_card(
+        drafter,
         repo_id,
         base_model=base_model,
         bench_json=bench_json,
@@ -301,8 +312,6 @@ def push_drafter(
         datasets=datasets,
         license=license,
         tags=tags,
-        num_parameters=sum(p.numel() for p in drafter.parameters()),
-        dtype=str(next(drafter.parameters()).dtype).removeprefix("torch."),
     )
     with tempfile.TemporaryDirectory(prefix="adaflash-publish-") as tmp:
         files = stage_drafter(drafter, tmp, card)

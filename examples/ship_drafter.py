@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from adaflash_hf import AdaFlashDrafter
-from adaflash_hf.hub import render_model_card, stage_drafter
+from adaflash_hf.hub import drafter_card, stage_drafter
 
 ROOT = Path(__file__).resolve().parents[1]
 NAME = "smollm2-135m-adaflash"
@@ -46,15 +46,13 @@ def ship(
     if not (checkpoint / "config.json").is_file():
         raise FileNotFoundError(f"checkpoint: expected a drafter folder with config.json, got {checkpoint}")
     drafter = AdaFlashDrafter.from_pretrained(checkpoint).to(dtype)
-    card = render_model_card(
-        drafter.config,
+    card = drafter_card(
+        drafter,
         repo_id,
         base_model=base_model,
         bench_json=bench_json,
         training_command=training_command,
         datasets=datasets,
-        num_parameters=sum(p.numel() for p in drafter.parameters()),
-        dtype=str(dtype).removeprefix("torch."),
     )
     if notes:
         card.text = card.text.rstrip("\n") + "\n\n" + notes.strip("\n") + "\n"
