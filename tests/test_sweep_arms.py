@@ -354,6 +354,15 @@ def test_the_long_run_resumes_with_last_skips_a_finished_run_and_keeps_the_shipp
     (tmp_path / "bare.yaml").write_text("max_steps: 10\n")
     assert "expected an output_dir line" in run(str(tmp_path / "bare.yaml")).stderr
     assert "--resume_from_checkpoint last" in (ROOT / "examples" / "run_sweep.sh").read_text()
+    # A committed resume point (<learning_curve_dir>/resume) is restored into output_dir before the launch.
+    (tmp_path / "curve" / "resume").mkdir(parents=True)
+    (tmp_path / "pointed.yaml").write_text(
+        f"output_dir: {tmp_path / 'run2'}\nlearning_curve_dir: '{tmp_path / 'curve'}'\n"
+    )
+    lines = run(str(tmp_path / "pointed.yaml")).stdout.splitlines()
+    assert lines[0].split()[-3:] == ["restore", str(tmp_path / "curve" / "resume"), str(tmp_path / "run2")]
+    assert lines[1].split()[-1] == "last"
+    assert "restore" not in done.stdout  # no learning_curve_dir, no resume point
 
     from adaflash_hf.trainers.train_drafter import make_parser
 

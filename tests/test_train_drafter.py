@@ -271,6 +271,95 @@ def test_a_resumed_run_continues_the_step_count_the_lr_schedule_and_the_learning
     )
 
 
+def test_a_run_resumed_from_a_committed_resume_point_carries_on_the_step_weights_schedule_and_curve(
+    target_factory, drafter_factory, trainer_args, tmp_path
+):
+    """A resume point (weights in bf16 and trainer_state.json, no optimizer or scheduler state: what a working
+    period commits) restored into a fresh output_dir: the run starts from its weights at its step, the LR follows the
+    uninterrupted run's schedule after the ramp, and blocks seen and the curve carry on."""
+    from safetensors.torch import load_file
+
+    from adaflash_hf.trainers.resume_point import restore_resume_point, save_resume_point
+    from adaflash_hf.trainers.train_drafter_trainer import carry_on_schedule, has_optimizer_state
+    from tests.test_learning_curve import corpus
+
+    target = target_factory("llama")
+    corpus(target, tmp_path, drafter_factory(target).config.target_layer_ids, name="heldout", per_domain=2)
+    common = dict(
+        max_steps=8,
+        logging_steps=1,
+        save_steps=4,
+        warmup_ratio=0.25,
+        eval_strategy="steps",
+        eval_steps=2,
+        domains=["chat", "math"],
+        heldout_corpus_dir=str(tmp_path / "heldout"),
+        heldout_features_dir=str(tmp_path / "heldout-features"),
+        resume_rewarmup_steps=1,
+    )
+
+    def trainer(name, **kwargs):
+        args = trainer_args(output_dir=str(tmp_path / name), **common)
+        return DrafterTrainer(
+            model=drafter_factory(target), args=args, target=target, train_dataset=_sequences(), **kwargs
+        )
+
+    straight = trainer("straight")
+    straight.train()
+    trainer("first", callbacks=[StopAt(4)]).train()
+    assert has_optimizer_state(str(tmp_path / "first" / "checkpoint-4"))
+    point = save_resume_point(tmp_path / "first" / "checkpoint-4", tmp_path / "committed")
+    assert point.name == "checkpoint-4" and not has_optimizer_state(str(point))
+    assert {v.dtype for k, v in load_file(point / "model.safetensors").items() if v.is_floating_point()} == {
+        torch.bfloat16
+    }
+    assert restore_resume_point(tmp_path / "committed", tmp_path / "second") == tmp_path / "second" / "checkpoint-4"
+    assert restore_resume_point(tmp_path / "committed", tmp_path / "second") is None  # already there: not again
+    resumed = trainer("second")
+    resumed.train(resume_from_checkpoint=str(tmp_path / "second" / "checkpoint-4"))
+
+    assert resumed.state.global_step == 8
+    rates = [
+        {e["step"]: e["learning_rate"] for e in t.state.log_history if "learning_rate" in e}
+        for t in (straight, resumed)
+    ]
+    assert list(rates[1]) == list(range(1, 9))  # steps 1-4: the log kept in the resume point's trainer state
+    assert [rates[1][s] for s in (1, 2, 3, 4)] == pytest.approx([rates[0][s] for s in (1, 2, 3, 4)], rel=1e-12)
+    assert rates[1][5] == pytest.approx(rates[0][5] / 2, rel=1e-9)  # the ramp: half the schedule's value
+    assert [rates[1][s] for s in (6, 7, 8)] == pytest.approx([rates[0][s] for s in (6, 7, 8)], rel=1e-9)
+    points = json.loads((tmp_path / "second" / "learning_curve.json").read_text())["points"]
+    straight_points = json.loads((tmp_path / "straight" / "learning_curve.json").read_text())["points"]
+    assert [p["step"] for p in points] == [6, 8]
+    assert [p["blocks_seen"] for p in points] == [p["blocks_seen"] for p in straight_points[2:]] == [144, 192]
+
+    # The start was the resume point's weights (bf16-rounded), not the drafter the trainer was built with.
+    started = trainer("check")
+    started._load_from_checkpoint(str(point))
+    saved = load_file(point / "model.safetensors")
+    for name, value in started.model.state_dict().items():
+        if name in saved and value.is_floating_point():
+            torch.testing.assert_close(value, saved[name].to(value.dtype), atol=0, rtol=0)
+
+    with pytest.raises(TypeError, match="lr_scheduler: expected a LambdaLR"):
+        carry_on_schedule(object(), 4, 1)
+
+
+def test_a_resume_point_needs_a_step_and_blocks_seen(tmp_path, target_factory, drafter_factory):
+    from adaflash_hf.trainers.resume_point import resume_point_state, save_resume_point
+
+    drafter_factory(target_factory("llama")).save_pretrained(tmp_path / "drafter")
+    with pytest.raises(FileNotFoundError, match="trainer_state.json"):
+        save_resume_point(tmp_path / "drafter", tmp_path / "point")
+    with pytest.raises(ValueError, match="max_steps: expected an integer >= 1600, got 1000"):
+        resume_point_state(1600, 345252, 1000, 10, 400, 2)
+    with pytest.raises(ValueError, match="log_history: expected an entry with blocks_seen"):
+        save_resume_point(tmp_path / "drafter", tmp_path / "point", state={"global_step": 3, "log_history": []})
+    assert not (tmp_path / "point").exists()
+    state = resume_point_state(3, 48, 8, 1, 4, 2)
+    written = save_resume_point(tmp_path / "drafter", tmp_path / "point", state=state)
+    assert json.loads((written / "trainer_state.json").read_text())["log_history"] == [{"step": 3, "blocks_seen": 48}]
+
+
 def test_recorded_corpus_features_equal_the_on_the_fly_ones_and_nothing_is_cached(
     target_factory, drafter_factory, tmp_path
 ):

@@ -150,6 +150,15 @@ class DrafterTrainingConfig(DrafterArguments, TrainingArguments):
             "max_steps. None: stop at max_steps only."
         },
     )
+    resume_rewarmup_steps: int = field(
+        default=50,
+        metadata={
+            "help": "Resuming from a weights-only checkpoint (model.safetensors and trainer_state.json, no optimizer "
+            "or scheduler state: a resume point committed between working periods, trainers/resume_point.py): the "
+            "LR schedule is carried on at the checkpoint's step, ramped linearly from 0 over this many steps while "
+            "AdamW's fresh moments settle. 0: no ramp."
+        },
+    )
     length_head_loss_weight: float = field(default=1.0, metadata={"help": "Weight of the length head's MSE."})
     length_head_learning_rate: float = field(
         default=2e-4, metadata={"help": "Learning rate of the length head."}
@@ -222,6 +231,8 @@ class DrafterTrainingConfig(DrafterArguments, TrainingArguments):
                 f"init_from_target: expected False when drafter_init is set (a loaded drafter keeps its weights), "
                 f"got True with drafter_init={self.drafter_init!r}"
             )
+        if self.resume_rewarmup_steps < 0:
+            raise ValueError(f"resume_rewarmup_steps: expected >= 0, got {self.resume_rewarmup_steps}")
         if self.max_train_seconds is not None and self.max_train_seconds <= 0:
             raise ValueError(f"max_train_seconds: expected None or > 0, got {self.max_train_seconds}")
         if self.length_head_variant not in ("two_model", "paper"):

@@ -10,11 +10,13 @@ groups), ``_clip_grad_norm`` (each group clipped on its own, so the head never s
 
 from __future__ import annotations
 
+import os
 import time
+import warnings
 from collections import defaultdict
 
 import torch
-from transformers import GenerationConfig, Trainer, TrainerCallback
+from transformers import GenerationConfig, Trainer, TrainerCallback, TrainerState
 from transformers.utils import logging
 
 from adaflash_hf.modeling import AdaFlashDrafter
@@ -76,6 +78,38 @@ class TimeBudget(TrainerCallback):
             control.should_training_stop = control.should_log = control.should_save = True
             control.should_evaluate = control.should_evaluate or self.evaluate
         return control
+
+
+def has_optimizer_state(checkpoint: str) -> bool:
+    """Whether a checkpoint folder holds the optimizer and scheduler states a full Trainer resume restores."""
+    return any(os.path.isfile(os.path.join(checkpoint, name)) for name in ("optimizer.pt", "optimizer.bin")) and (
+        os.path.isfile(os.path.join(checkpoint, "scheduler.pt"))
+    )
+
+
+def carry_on_schedule(scheduler, step: int, rewarmup_steps: int) -> None:
+    """Put a freshly created ``LambdaLR`` (or an accelerate wrapper of one) at ``step`` of its schedule, the learning
+    rate ramped linearly from ``1 / (rewarmup_steps + 1)`` of the schedule's value to all of it over ``rewarmup_steps``
+    steps (fresh AdamW moments make the first updates sign-like, ``lr`` in every weight). A later checkpoint saves the
+    schedule's step; a resume from it rebuilds the plain schedule, the ramp being long over by then."""
+    scheduler = getattr(scheduler, "scheduler", scheduler)
+    if not hasattr(scheduler, "lr_lambdas"):
+        raise TypeError(
+            f"lr_scheduler: expected a LambdaLR (the Trainer's get_scheduler) to carry on at step {step}, "
+            f"got {type(scheduler).__name__}"
+        )
+
+    def ramped(schedule):
+        def lr_lambda(current: int) -> float:
+            return schedule(current) * min(1.0, (current - step + 1) / (rewarmup_steps + 1))
+
+        return lr_lambda
+
+    scheduler.lr_lambdas = [ramped(schedule) for schedule in scheduler.lr_lambdas]
+    scheduler.last_epoch = step - 1
+    with warnings.catch_warnings():  # "lr_scheduler.step() before optimizer.step()": intended here
+        warnings.simplefilter("ignore", UserWarning)
+        scheduler.step()
 
 
 class DrafterTrainer(Trainer):
@@ -179,6 +213,20 @@ class DrafterTrainer(Trainer):
             groups = split_drafter_and_head(self.accelerator.unwrap_model(self.model))
             self.optimizer = two_group_adamw(groups, self.args)
         return self.optimizer
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None or has_optimizer_state(checkpoint):
+            return
+        # A weights-only checkpoint (a resume point committed between working periods): the model and the step count
+        # came from it; AdamW starts with fresh moments and the schedule carries on at the checkpoint's step.
+        step = TrainerState.load_from_json(os.path.join(checkpoint, "trainer_state.json")).global_step
+        logger.warning(
+            f"resume_from_checkpoint {checkpoint}: weights and step {step} only (no optimizer.pt / scheduler.pt); "
+            f"fresh AdamW moments, the LR schedule carried on at step {step} with a "
+            f"{self.args.resume_rewarmup_steps}-step ramp"
+        )
+        carry_on_schedule(self.lr_scheduler, step, self.args.resume_rewarmup_steps)
 
     def _clip_grad_norm(self, model):
         groups = split_drafter_and_head(self.accelerator.unwrap_model(model))
