@@ -313,8 +313,13 @@ def test_a_run_resumed_from_a_committed_resume_point_carries_on_the_step_weights
     assert {v.dtype for k, v in load_file(point / "model.safetensors").items() if v.is_floating_point()} == {
         torch.bfloat16
     }
-    assert restore_resume_point(tmp_path / "committed", tmp_path / "second") == tmp_path / "second" / "checkpoint-4"
-    assert restore_resume_point(tmp_path / "committed", tmp_path / "second") is None  # already there: not again
+    assert (
+        restore_resume_point(tmp_path / "committed", tmp_path / "second")
+        == tmp_path / "second" / "checkpoint-4"
+    )
+    assert (
+        restore_resume_point(tmp_path / "committed", tmp_path / "second") is None
+    )  # already there: not again
     resumed = trainer("second")
     resumed.train(resume_from_checkpoint=str(tmp_path / "second" / "checkpoint-4"))
 
@@ -324,7 +329,9 @@ def test_a_run_resumed_from_a_committed_resume_point_carries_on_the_step_weights
         for t in (straight, resumed)
     ]
     assert list(rates[1]) == list(range(1, 9))  # steps 1-4: the log kept in the resume point's trainer state
-    assert [rates[1][s] for s in (1, 2, 3, 4)] == pytest.approx([rates[0][s] for s in (1, 2, 3, 4)], rel=1e-12)
+    assert [rates[1][s] for s in (1, 2, 3, 4)] == pytest.approx(
+        [rates[0][s] for s in (1, 2, 3, 4)], rel=1e-12
+    )
     assert rates[1][5] == pytest.approx(rates[0][5] / 2, rel=1e-9)  # the ramp: half the schedule's value
     assert [rates[1][s] for s in (6, 7, 8)] == pytest.approx([rates[0][s] for s in (6, 7, 8)], rel=1e-9)
     points = json.loads((tmp_path / "second" / "learning_curve.json").read_text())["points"]
@@ -353,11 +360,15 @@ def test_a_resume_point_needs_a_step_and_blocks_seen(tmp_path, target_factory, d
     with pytest.raises(ValueError, match="max_steps: expected an integer >= 1600, got 1000"):
         resume_point_state(1600, 345252, 1000, 10, 400, 2)
     with pytest.raises(ValueError, match="log_history: expected an entry with blocks_seen"):
-        save_resume_point(tmp_path / "drafter", tmp_path / "point", state={"global_step": 3, "log_history": []})
+        save_resume_point(
+            tmp_path / "drafter", tmp_path / "point", state={"global_step": 3, "log_history": []}
+        )
     assert not (tmp_path / "point").exists()
     state = resume_point_state(3, 48, 8, 1, 4, 2)
     written = save_resume_point(tmp_path / "drafter", tmp_path / "point", state=state)
-    assert json.loads((written / "trainer_state.json").read_text())["log_history"] == [{"step": 3, "blocks_seen": 48}]
+    assert json.loads((written / "trainer_state.json").read_text())["log_history"] == [
+        {"step": 3, "blocks_seen": 48}
+    ]
 
 
 def test_recorded_corpus_features_equal_the_on_the_fly_ones_and_nothing_is_cached(

@@ -95,7 +95,9 @@ def save_resume_point(
     if not isinstance(step, int) or step < 1:
         raise ValueError(f"trainer state global_step: expected an integer >= 1, got {step!r}")
     if not any("blocks_seen" in entry for entry in state.get("log_history", ())):
-        raise ValueError("trainer state log_history: expected an entry with blocks_seen (the learning curve's x)")
+        raise ValueError(
+            "trainer state log_history: expected an entry with blocks_seen (the learning curve's x)"
+        )
     drafter = AdaFlashDrafter.from_pretrained(source).to(dtype)
     dest.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
@@ -120,7 +122,7 @@ def restore_resume_point(resume_point: str | Path, output_dir: str | Path) -> Pa
         raise ValueError(
             f"resume_point: expected one complete checkpoint-N folder in {resume_point}, got {len(points)}"
         )
-    (step, source), = points.items()
+    ((step, source),) = points.items()
     output_dir = Path(output_dir)
     ahead = [s for s in _complete_checkpoints(output_dir) if s >= step]
     if ahead:
@@ -152,7 +154,10 @@ def main(argv: list[str] | None = None) -> Path | None:
     args = parser.parse_args(argv)
     if args.command == "restore":
         copied = restore_resume_point(args.resume_point, args.output_dir)
-        print(copied or f"{args.output_dir}: has a checkpoint at or after the resume point's step; nothing copied")
+        print(
+            copied
+            or f"{args.output_dir}: has a checkpoint at or after the resume point's step; nothing copied"
+        )
         return copied
     given = [args.step, args.blocks_seen, args.max_steps]
     state = None
@@ -160,7 +165,12 @@ def main(argv: list[str] | None = None) -> Path | None:
         if any(value is None for value in given):
             parser.error("--step, --blocks-seen, --max-steps: expected all three or none")
         state = resume_point_state(
-            args.step, args.blocks_seen, args.max_steps, args.logging_steps, args.save_steps, args.train_batch_size
+            args.step,
+            args.blocks_seen,
+            args.max_steps,
+            args.logging_steps,
+            args.save_steps,
+            args.train_batch_size,
         )
     written = save_resume_point(args.source, args.dest, state=state, dtype=getattr(torch, args.dtype))
     print(written)

@@ -82,9 +82,9 @@ class TimeBudget(TrainerCallback):
 
 def has_optimizer_state(checkpoint: str) -> bool:
     """Whether a checkpoint folder holds the optimizer and scheduler states a full Trainer resume restores."""
-    return any(os.path.isfile(os.path.join(checkpoint, name)) for name in ("optimizer.pt", "optimizer.bin")) and (
-        os.path.isfile(os.path.join(checkpoint, "scheduler.pt"))
-    )
+    return any(
+        os.path.isfile(os.path.join(checkpoint, name)) for name in ("optimizer.pt", "optimizer.bin")
+    ) and (os.path.isfile(os.path.join(checkpoint, "scheduler.pt")))
 
 
 def carry_on_schedule(scheduler, step: int, rewarmup_steps: int) -> None:
