@@ -351,7 +351,7 @@ def test_a_run_resumed_from_a_committed_resume_point_carries_on_the_step_weights
         carry_on_schedule(object(), 4, 1)
 
 
-def test_a_resume_point_needs_a_step_and_blocks_seen(tmp_path, target_factory, drafter_factory):
+def test_a_resume_point_needs_a_step_and_blocks_seen(tmp_path, target_factory, drafter_factory, trainer_args):
     from adaflash_hf.trainers.resume_point import resume_point_state, save_resume_point
 
     drafter_factory(target_factory("llama")).save_pretrained(tmp_path / "drafter")
@@ -366,6 +366,16 @@ def test_a_resume_point_needs_a_step_and_blocks_seen(tmp_path, target_factory, d
     assert not (tmp_path / "point").exists()
     state = resume_point_state(3, 48, 8, 1, 4, 2)
     written = save_resume_point(tmp_path / "drafter", tmp_path / "point", state=state)
+    # A run carries on from the hand-written state through its next checkpoint saves (steps 4 and 8).
+    target = target_factory("llama")
+    args = trainer_args(output_dir=str(tmp_path / "run"), max_steps=8, logging_steps=1, save_steps=4)
+    trainer = DrafterTrainer(
+        model=drafter_factory(target), args=args, target=target, train_dataset=_sequences()
+    )
+    trainer.train(resume_from_checkpoint=str(written))
+    assert trainer.state.global_step == 8
+    assert (tmp_path / "run" / "checkpoint-8" / "trainer_state.json").is_file()
+    assert [e["blocks_seen"] for e in trainer.state.log_history if "blocks_seen" in e][:2] == [48, 72]
     assert json.loads((written / "trainer_state.json").read_text())["log_history"] == [
         {"step": 3, "blocks_seen": 48}
     ]

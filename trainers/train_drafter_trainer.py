@@ -17,6 +17,7 @@ from collections import defaultdict
 
 import torch
 from transformers import GenerationConfig, Trainer, TrainerCallback, TrainerState
+from transformers.trainer_callback import ExportableState
 from transformers.utils import logging
 
 from adaflash_hf.modeling import AdaFlashDrafter
@@ -216,7 +217,14 @@ class DrafterTrainer(Trainer):
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         super()._load_optimizer_and_scheduler(checkpoint)
-        if checkpoint is None or has_optimizer_state(checkpoint):
+        if checkpoint is None:
+            return
+        # A trainer state written by hand (trainers/resume_point.py) has no stateful_callbacks: without an entry per
+        # exportable callback the Trainer's next checkpoint save fails, after the whole interval's work.
+        for callback in [*self.callback_handler.callbacks, self.control]:
+            if isinstance(callback, ExportableState):
+                self.state.stateful_callbacks.setdefault(type(callback).__name__, callback.state())
+        if has_optimizer_state(checkpoint):
             return
         # A weights-only checkpoint (a resume point committed between working periods): the model and the step count
         # came from it; AdamW starts with fresh moments and the schedule carries on at the checkpoint's step.
