@@ -368,7 +368,9 @@ def test_a_resume_point_needs_a_step_and_blocks_seen(tmp_path, target_factory, d
     written = save_resume_point(tmp_path / "drafter", tmp_path / "point", state=state)
     # A run carries on from the hand-written state through its next checkpoint saves (steps 4 and 8).
     target = target_factory("llama")
-    args = trainer_args(output_dir=str(tmp_path / "run"), max_steps=8, logging_steps=1, save_steps=4)
+    args = trainer_args(
+        output_dir=str(tmp_path / "run"), max_steps=8, logging_steps=1, save_steps=4, eval_steps=4
+    )
     trainer = DrafterTrainer(
         model=drafter_factory(target), args=args, target=target, train_dataset=_sequences()
     )
@@ -376,6 +378,7 @@ def test_a_resume_point_needs_a_step_and_blocks_seen(tmp_path, target_factory, d
     assert trainer.state.global_step == 8
     assert (tmp_path / "run" / "checkpoint-8" / "trainer_state.json").is_file()
     assert [e["blocks_seen"] for e in trainer.state.log_history if "blocks_seen" in e][:2] == [48, 72]
+    assert trainer.state.eval_steps == 4  # the run's, not the Trainer's default of 500
     assert json.loads((written / "trainer_state.json").read_text())["log_history"] == [
         {"step": 3, "blocks_seen": 48}
     ]

@@ -45,15 +45,25 @@ def _complete_checkpoints(folder: Path) -> dict[int, Path]:
 
 
 def resume_point_state(
-    step: int, blocks_seen: int, max_steps: int, logging_steps: int, save_steps: int, train_batch_size: int
+    step: int,
+    blocks_seen: int,
+    max_steps: int,
+    logging_steps: int,
+    save_steps: int,
+    train_batch_size: int,
+    eval_steps: int | None = None,
 ) -> dict:
-    """A minimal ``trainer_state.json`` placing a drafter at ``step`` of a run (for a folder that has none)."""
+    """A minimal ``trainer_state.json`` placing a drafter at ``step`` of a run (for a folder that has none). The
+    Trainer takes ``logging_steps`` / ``eval_steps`` / ``save_steps`` from a resumed state, so they must be the run's:
+    ``eval_steps`` defaults to ``save_steps`` (a curve point at every checkpoint)."""
+    eval_steps = save_steps if eval_steps is None else eval_steps
     for name, value, low in (
         ("step", step, 1),
         ("blocks_seen", blocks_seen, 0),
         ("max_steps", max_steps, step),
         ("logging_steps", logging_steps, 1),
         ("save_steps", save_steps, 1),
+        ("eval_steps", eval_steps, 1),
         ("train_batch_size", train_batch_size, 1),
     ):
         if not isinstance(value, int) or value < low:
@@ -64,6 +74,7 @@ def resume_point_state(
         "num_train_epochs": 1,
         "logging_steps": logging_steps,
         "save_steps": save_steps,
+        "eval_steps": eval_steps,
         "train_batch_size": train_batch_size,
         "log_history": [{"step": step, "blocks_seen": blocks_seen}],
     }
@@ -146,6 +157,7 @@ def main(argv: list[str] | None = None) -> Path | None:
     save.add_argument("--max-steps", type=int, help="the run's max_steps")
     save.add_argument("--logging-steps", type=int, default=10)
     save.add_argument("--save-steps", type=int, default=400)
+    save.add_argument("--eval-steps", type=int, help="the run's eval_steps (default: --save-steps)")
     save.add_argument("--train-batch-size", type=int, default=2)
     save.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     restore = commands.add_parser("restore", help="copy a resume point into a run's output_dir")
