@@ -364,7 +364,7 @@ def test_a_resume_point_needs_a_step_and_blocks_seen(tmp_path, target_factory, d
             tmp_path / "drafter", tmp_path / "point", state={"global_step": 3, "log_history": []}
         )
     assert not (tmp_path / "point").exists()
-    state = resume_point_state(3, 48, 8, 1, 4, 2)
+    state = resume_point_state(3, 48, 8, 1, 4, 2, eval_steps=500)
     written = save_resume_point(tmp_path / "drafter", tmp_path / "point", state=state)
     # A run carries on from the hand-written state through its next checkpoint saves (steps 4 and 8).
     target = target_factory("llama")
@@ -378,7 +378,7 @@ def test_a_resume_point_needs_a_step_and_blocks_seen(tmp_path, target_factory, d
     assert trainer.state.global_step == 8
     assert (tmp_path / "run" / "checkpoint-8" / "trainer_state.json").is_file()
     assert [e["blocks_seen"] for e in trainer.state.log_history if "blocks_seen" in e][:2] == [48, 72]
-    assert trainer.state.eval_steps == 4  # the run's, not the Trainer's default of 500
+    assert trainer.state.eval_steps == 4  # the config's, not the resumed state's 500
     assert json.loads((written / "trainer_state.json").read_text())["log_history"] == [
         {"step": 3, "blocks_seen": 48}
     ]

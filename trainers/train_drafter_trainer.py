@@ -219,6 +219,19 @@ class DrafterTrainer(Trainer):
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is None:
             return
+        # The Trainer takes logging / eval / save intervals from the checkpoint's state; a run resumed across working
+        # periods follows its config instead (a changed save_steps applies, a hand-written state cannot set them).
+        kept = {kind: getattr(self.state, f"{kind}_steps") for kind in ("logging", "eval", "save")}
+        self.state.compute_steps(self.args, self.state.max_steps)
+        changed = {
+            k: (v, getattr(self.state, f"{k}_steps"))
+            for k, v in kept.items()
+            if v != getattr(self.state, f"{k}_steps")
+        }
+        if changed:
+            logger.warning(
+                f"resume_from_checkpoint {checkpoint}: intervals from the config, not the checkpoint: {changed}"
+            )
         # A trainer state written by hand (trainers/resume_point.py) has no stateful_callbacks: without an entry per
         # exportable callback the Trainer's next checkpoint save fails, after the whole interval's work.
         for callback in [*self.callback_handler.callbacks, self.control]:
