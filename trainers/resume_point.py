@@ -36,7 +36,8 @@ def _step_of(folder: Path) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def _complete_checkpoints(folder: Path) -> dict[int, Path]:
+def complete_checkpoints(folder: Path) -> dict[int, Path]:
+    """``{N: folder/checkpoint-N}`` for the checkpoints that hold trainer_state.json (written last by the Trainer)."""
     return {
         step: path
         for path in (folder.iterdir() if folder.is_dir() else ())
@@ -128,14 +129,14 @@ def save_resume_point(
 def restore_resume_point(resume_point: str | Path, output_dir: str | Path) -> Path | None:
     """Copy the resume point's ``checkpoint-N`` into ``output_dir`` unless that folder already has a complete
     checkpoint at step N or later (a run of this working period is ahead of it). Returns the copied folder, or None."""
-    points = _complete_checkpoints(Path(resume_point))
+    points = complete_checkpoints(Path(resume_point))
     if len(points) != 1:
         raise ValueError(
             f"resume_point: expected one complete checkpoint-N folder in {resume_point}, got {len(points)}"
         )
     ((step, source),) = points.items()
     output_dir = Path(output_dir)
-    ahead = [s for s in _complete_checkpoints(output_dir) if s >= step]
+    ahead = [s for s in complete_checkpoints(output_dir) if s >= step]
     if ahead:
         return None
     target = output_dir / source.name

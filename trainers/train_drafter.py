@@ -16,7 +16,6 @@ build or load the drafter, then train with ``DrafterTrainer``; checkpoints every
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import datasets
@@ -28,6 +27,7 @@ from adaflash_hf.data import load_domain, prompt_ids
 from adaflash_hf.modeling import AdaFlashDrafter
 from adaflash_hf.trainers.corpus import drop_prompt_twins, read_corpus
 from adaflash_hf.trainers.drafter_setup import add_config_option, build_drafter
+from adaflash_hf.trainers.resume_point import complete_checkpoints
 from adaflash_hf.trainers.train_drafter_config import DrafterTrainingConfig
 from adaflash_hf.trainers.train_drafter_trainer import DrafterTrainer
 
@@ -37,12 +37,7 @@ logger = logging.get_logger(__name__)
 def last_complete_checkpoint(output_dir: str | Path) -> str | None:
     """The highest-numbered ``checkpoint-N`` under ``output_dir`` that holds ``trainer_state.json`` (the Trainer writes
     it last, so a run killed while saving leaves a folder without it, which is passed over); None when there is none."""
-    folder = Path(output_dir)
-    steps = {
-        int(match.group(1)): path
-        for path in (folder.iterdir() if folder.is_dir() else ())
-        if (match := re.fullmatch(r"checkpoint-(\d+)", path.name)) and (path / "trainer_state.json").is_file()
-    }
+    steps = complete_checkpoints(Path(output_dir))
     return str(steps[max(steps)]) if steps else None
 
 
