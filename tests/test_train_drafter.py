@@ -310,6 +310,7 @@ def test_a_run_resumed_from_a_committed_resume_point_carries_on_the_step_weights
     assert has_optimizer_state(str(tmp_path / "first" / "checkpoint-4"))
     point = save_resume_point(tmp_path / "first" / "checkpoint-4", tmp_path / "committed")
     assert point.name == "checkpoint-4" and not has_optimizer_state(str(point))
+    assert not list(point.glob("*.py"))  # no copy of the modeling code
     assert {v.dtype for k, v in load_file(point / "model.safetensors").items() if v.is_floating_point()} == {
         torch.bfloat16
     }

@@ -116,6 +116,10 @@ def save_resume_point(
     try:
         folder = staging / f"checkpoint-{step}"
         drafter.save_pretrained(folder)
+        # The remote-code modules save_pretrained copies in are for Hub users (the shipped drafter has them); a resume
+        # point is read by this package's own classes, so it keeps no stale copy of modeling/.
+        for module in folder.glob("*.py"):
+            module.unlink()
         (folder / STATE).write_text(json.dumps(state, indent=2) + "\n", encoding="utf-8")
         staging.chmod(0o755)  # mkdtemp's 0700 would otherwise become the committed folder's mode
         if dest.exists():
