@@ -12,6 +12,13 @@ Domains:
 - ``"math"``: arithmetic word problems generated here from fixed seeds (4000 train / 200 held out, disjoint) from
   twelve templates with several phrasings each, answered step by step with equations ``a op b = c`` and a final
   ``The answer is N.``
+- ``"translate"``, a traffic-only domain (``SHIFT_DOMAINS``: the corpus and the drafter trainers take only ``DOMAINS``,
+  so it is in none of the training data; online distillation's new domain): "translate this into French / Spanish /
+  German" requests, in three phrasings, of a passage of 1-2 plain English sentences (60-240 chars) from the first
+  ShareGPT answer of a chat conversation. The answers are ChatGPT's text, which no corpus holds (the corpus keeps the
+  prompts and the target's own answers), and a passage with a sentence that some ShareGPT prompt quotes is dropped.
+  Split as its conversation (so the held-out passages come from conversations nothing was trained on); the target
+  answers in another language than any training text, a new kind of traffic for the drafter.
 
 Every domain has the same columns: ``id``, ``domain``, ``prompt`` (the user message), ``messages`` (the user turn
 as chat messages) and ``response`` (the reference answer, "" when the source has none), so sets concatenate.
@@ -38,7 +45,13 @@ from adaflash_hf.assets import chat_prompt_ids, require_package
 
 logger = logging.get_logger(__name__)
 
-DOMAINS = ("chat", "code", "math")
+DOMAINS = (
+    "chat",
+    "code",
+    "math",
+)  # the training domains: the corpus and the drafter trainers take only these
+SHIFT_DOMAINS = ("translate",)  # traffic only, in none of the training data
+ALL_DOMAINS = DOMAINS + SHIFT_DOMAINS
 SPLITS = ("train", "heldout")
 MAX_PROMPT_CHARS = 2000
 MATH_SIZES = {"train": 4000, "heldout": 200}
@@ -55,13 +68,13 @@ _FEATURES = datasets.Features(
 
 
 def load_domain(domain: str, split: str = "train", n: int | None = None, seed: int = 0) -> datasets.Dataset:
-    """The fixed ``split`` ("train" or "heldout") of ``domain`` ("chat", "code" or "math").
+    """The fixed ``split`` ("train" or "heldout") of ``domain`` ("chat", "code", "math" or "translate").
 
     ``n=None`` returns the whole split in its canonical order (``seed`` unused); otherwise the first ``n`` rows
     of the split shuffled with ``seed``. Parsed splits are cached per process; the returned Dataset is a view.
     """
-    if domain not in DOMAINS:
-        raise ValueError(f"domain: expected one of {DOMAINS}, got {domain!r}")
+    if domain not in ALL_DOMAINS:
+        raise ValueError(f"domain: expected one of {ALL_DOMAINS}, got {domain!r}")
     if split not in SPLITS:
         raise ValueError(f"split: expected one of {SPLITS}, got {split!r}")
     dataset = _load_split(domain, split)
@@ -74,7 +87,9 @@ def load_domain(domain: str, split: str = "train", n: int | None = None, seed: i
 
 @functools.cache
 def _load_split(domain: str, split: str) -> datasets.Dataset:
-    rows = {"chat": _sharegpt_rows, "code": _code_rows, "math": _math_rows}[domain](split)
+    rows = {"chat": _sharegpt_rows, "code": _code_rows, "math": _math_rows, "translate": _translate_rows}[
+        domain
+    ](split)
     records = [
         {
             "id": row_id,
@@ -181,6 +196,76 @@ def _iter_json_array(stream: io.TextIOBase, chunk_chars: int = 1 << 20) -> Itera
             continue
         count += 1
         yield element
+
+
+# ---- translate: passages of ShareGPT answers to translate (traffic only) ---------------------------------------
+
+_LANGUAGES = ("French", "Spanish", "German")
+_TRANSLATE_TEMPLATES = (
+    "Translate into {language}:\n\n{text}",
+    "Translate the following text to {language}.\n\n{text}",
+    "How would you say this in {language}?\n\n{text}",
+)
+_SENTENCE_BREAK = re.compile(r"(?<=[.!?])\s+")
+_NOT_PROSE = re.compile(r"[`#*|<>{}\[\]_=\\/@$%^~]|https?:|\d\.\s*$")
+
+
+def _translate_rows(split: str) -> list[tuple[str, str, str]]:
+    quoted = _quoted_shingles()
+    rows = []
+    for row_id, _, response in _sharegpt_all():
+        if _sharegpt_split(row_id) != split:
+            continue
+        passage = _plain_passage(response)
+        if passage is None or not quoted.isdisjoint(_shingles(passage)):
+            continue
+        pick = int(hashlib.sha1(f"translate/{row_id}".encode()).hexdigest()[:8], 16)
+        template = _TRANSLATE_TEMPLATES[pick % len(_TRANSLATE_TEMPLATES)]
+        language = _LANGUAGES[pick // len(_TRANSLATE_TEMPLATES) % len(_LANGUAGES)]
+        rows.append((f"translate/{row_id}", template.format(language=language, text=passage), ""))
+    return rows
+
+
+_SHINGLE_WORDS = 6
+
+
+def _shingles(text: str) -> set[str]:
+    words = text.split()
+    return {" ".join(words[i : i + _SHINGLE_WORDS]) for i in range(max(1, len(words) - _SHINGLE_WORDS + 1))}
+
+
+@functools.cache
+def _quoted_shingles() -> frozenset[str]:
+    """Every run of 6 words of every ShareGPT prompt: users paste ChatGPT text, and a passage to translate must share
+    none with a prompt (a passage is 60+ characters, so 6+ words)."""
+    return frozenset(s for _, prompt, _ in _sharegpt_all() for s in _shingles(prompt))
+
+
+def _plain_passage(answer: str) -> str | None:
+    """The first plain prose sentence of ``answer`` (ASCII, capitalised, 4+ words, no markup, code or numbering),
+    joined with the next one on its line while the two stay within 240 characters; None if it has none of 60+."""
+    for line in answer.splitlines():
+        sentences = [s for s in _SENTENCE_BREAK.split(line.strip()) if s]
+        for i, sentence in enumerate(sentences):
+            if not _is_plain(sentence):
+                continue
+            passage = sentence
+            if i + 1 < len(sentences) and _is_plain(sentences[i + 1]):
+                joined = f"{sentence} {sentences[i + 1]}"
+                passage = joined if len(joined) <= 240 else passage
+            if 60 <= len(passage) <= 240:
+                return passage
+    return None
+
+
+def _is_plain(sentence: str) -> bool:
+    return (
+        sentence.isascii()
+        and sentence[:1].isupper()
+        and sentence[-1:] in ".!?"
+        and len(sentence.split()) >= 4
+        and not _NOT_PROSE.search(sentence)
+    )
 
 
 # ---- code: standard-library functions (train), HumanEval (held out) -------------------------------------------

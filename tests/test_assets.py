@@ -8,6 +8,7 @@ import importlib.util
 import io
 import re
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -109,6 +110,61 @@ def test_sharegpt_split_depends_on_the_id_only():
     # Pinned: a change of hash or modulus would silently move examples between train and held-out.
     assert [data._sharegpt_split(i) for i in ("QWJhYvA_0", "QWJhYvA_7")] == ["train", "train"]
     assert data._sharegpt_split(load_domain("chat", "heldout")[0]["id"]) == "heldout"
+
+
+def test_translate_asks_for_three_languages_in_three_phrasings_of_plain_passages():
+    heldout = load_domain("translate", "heldout")
+    assert (
+        len(heldout) > 300
+        and len(set(heldout["id"])) == len(heldout)
+        and set(heldout["domain"]) == {"translate"}
+    )
+    heads = [prompt.split("\n\n", 1)[0] for prompt in heldout["prompt"]]
+    assert {head.rstrip(".?:").rsplit(" ", 1)[-1] for head in heads} == {"French", "Spanish", "German"}
+    assert {head.split(" ", 1)[0] for head in heads} == {"Translate", "How"}
+    assert len(set(heads)) == 9  # 3 phrasings x 3 languages
+    passages = [prompt.split("\n\n", 1)[1] for prompt in heldout["prompt"]]
+    assert all(60 <= len(p) <= 240 and p.isascii() and "`" not in p and "\n" not in p for p in passages)
+
+
+def test_translate_is_traffic_only_and_in_none_of_the_training_data(tmp_path):
+    from adaflash_hf.trainers.corpus import make_parser as corpus_parser
+    from adaflash_hf.trainers.train_drafter_config import DrafterTrainingConfig
+
+    assert "translate" in data.ALL_DOMAINS and "translate" not in data.DOMAINS
+    with pytest.raises(
+        ValueError, match=r"domains: expected distinct domains among \['chat', 'code', 'math'\]"
+    ):
+        DrafterTrainingConfig(output_dir=str(tmp_path), report_to="none", domains=["chat", "translate"])
+    assert "--translate" not in corpus_parser().format_help()
+    shipped = sorted(
+        p.name for p in (Path(__file__).parents[1] / "examples" / "corpus" / "smollm2").rglob("*.gz")
+    )
+    assert shipped == [
+        "chat.jsonl.gz",
+        "chat.jsonl.gz",
+        "code.jsonl.gz",
+        "code.jsonl.gz",
+        "math.jsonl.gz",
+        "math.jsonl.gz",
+    ]
+    # The passages are ChatGPT's answers, and no ShareGPT prompt (the chat corpus's source) contains one.
+    prompts = "\x00".join(
+        [*load_domain("chat", "train")["prompt"], *load_domain("chat", "heldout")["prompt"]]
+    )
+    prompts = " ".join(prompts.split())
+    passages = [p.split("\n\n", 1)[1] for p in load_domain("translate", "heldout")["prompt"]]
+    assert not [p for p in passages if p in prompts]
+
+
+def test_translate_passages_split_as_their_conversation():
+    chat_heldout = {i.rsplit("_", 1)[0] for i in load_domain("chat", "heldout")["id"]}
+    for split in ("train", "heldout"):
+        conversations = {
+            i.removeprefix("translate/").rsplit("_", 1)[0] for i in load_domain("translate", split)["id"]
+        }
+        assert (conversations <= chat_heldout) == (split == "heldout")
+        assert bool(conversations & chat_heldout) == (split == "heldout")
 
 
 def test_json_array_stream_yields_elements_across_chunks():
