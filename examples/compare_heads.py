@@ -4,6 +4,9 @@ must agree token for token); prints and writes per-domain median time ratios and
 
     python examples/compare_heads.py examples/drafters/smollm2-135m-adaflash runs/calib_s8/drafter \
         --length-mode adaptive --out examples/results/calibrate_head_generate.json
+
+`--from-end` takes the prompts from the end of each held-out shuffle, where `adaflash bench opd` takes its evaluation
+prompts: prompts an online run never served (the online against the frozen length head of issue 24).
 """
 
 from __future__ import annotations
@@ -25,6 +28,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--length-mode", default="adaptive", choices=("adaptive", "goodput", "fixed", "auto"))
     parser.add_argument("--domains", nargs="+", default=["chat", "code", "math"])
     parser.add_argument("--prompts-per-domain", type=int, default=2)
+    parser.add_argument("--from-end", action="store_true", help="the last prompts of each held-out shuffle")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="the held-out shuffle's seed (an OPD config's seed)"
+    )
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
@@ -46,7 +53,15 @@ def main(argv: list[str] | None = None) -> dict:
         pad_token_id=tokenizer.eos_token_id,
         adaflash_length_mode=args.length_mode,
     )
-    prompts = [(d, row) for d in args.domains for row in load_domain(d, "heldout", args.prompts_per_domain)]
+    prompts = []
+    for domain in args.domains:
+        rows = load_domain(domain, "heldout", n=len(load_domain(domain, "heldout")), seed=args.seed)
+        chosen = (
+            range(len(rows) - args.prompts_per_domain, len(rows))
+            if args.from_end
+            else range(args.prompts_per_domain)
+        )
+        prompts += [(domain, rows[i]) for i in chosen]
     warmup = GenerationConfig(**{**config.to_dict(), "max_new_tokens": 16})
     for drafter in drafters:  # one-time costs (first forwards, allocations) out of the timings
         with torch.inference_mode():

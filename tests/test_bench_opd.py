@@ -12,7 +12,7 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Split
 from transformers import PreTrainedTokenizerFast
 
-from adaflash_hf.bench import opd
+from adaflash_hf.bench import opd, opd_report
 from adaflash_hf.online.buffer import ReplayBuffer, Trajectory
 from adaflash_hf.online.loop import TrafficSource
 from adaflash_hf.serving import AdaFlashEngine
@@ -79,6 +79,47 @@ def test_an_evaluation_prompt_with_the_text_of_a_served_one_is_refused():
     opd.check_unserved({"code": ["x"]}, {"code": [[3]]}, served)  # disjoint: accepted
 
 
+def test_a_new_traffic_domain_is_evaluated_too_on_prompts_its_phase_never_served():
+    tokenizer = char_tokenizer()
+    config = {
+        "seed": 0, "max_prompt_tokens": 4096, "prompts_per_domain": 300, "domains": ["math", "translate"],
+        "phase_prompts": [4, 360],
+    }  # fmt: skip
+    prompts = opd.eval_prompts(tokenizer, config, per_domain=8)
+    assert list(prompts) == ["chat", "code", "math", "translate"]
+    traffic = TrafficSource.from_domains(
+        tokenizer, ["math", "translate"], 300, max_prompt_tokens=4096, phase_prompts=[4, 360]
+    )
+    served = {tuple(p) for _, ps in traffic.phases for p in ps}
+    assert len(served) == 364 and not served & {tuple(p) for ps in prompts.values() for p in ps}
+    with pytest.raises(
+        ValueError, match=r"expected at most \d+ for traffic domain translate \(\d+ held-out prompts, 380"
+    ):
+        opd.eval_prompts(tokenizer, {**config, "phase_prompts": [4, 380]}, per_domain=8)
+
+
+def test_each_replay_fraction_is_a_run_and_the_frozen_head_arm_freezes_the_head(tmp_path):
+    args = opd.make_parser().parse_args(
+        [
+            "--variants",
+            "adaflash",
+            "head_frozen",
+            "replay",
+            "--replay-fraction",
+            "0.25",
+            "0.5",
+            "--replay-domains",
+            "math",
+        ]
+    )
+    runs = opd.run_flags(args)
+    assert list(runs) == ["adaflash", "head_frozen", "replay-0.25", "replay-0.5"]
+    assert runs["replay-0.5"] == ["--replay_fraction", "0.5", "--replay_domains", "math"]
+    config = opd.ROOT / "examples" / "configs" / "opd_tiny.yaml"
+    assert opd.run_settings(config, runs["head_frozen"])["freeze_length_head"] is True
+    assert opd.run_settings(config, runs["adaflash"])["freeze_length_head"] is False
+
+
 def test_a_replay_mix_never_replays_an_evaluation_prompt():
     tokenizer = char_tokenizer()
     config = {
@@ -116,7 +157,8 @@ def test_the_bench_reads_the_traffic_settings_as_the_script_does_defaults_includ
 )
 def test_shipped_opd_configs_parse_with_their_replay_settings(name):
     settings = opd.run_settings(opd.ROOT / "examples" / "configs" / name, [])
-    assert settings["replay_fraction"] == 0.0 and settings["replay_domains"] == []
+    assert settings["replay_fraction"] == 0.0  # a replay variant sets its own
+    assert set(settings["replay_domains"]) < set(settings["domains"]) or settings["replay_domains"] == []
 
 
 def _bench_config(tmp_path, **updates):
@@ -232,8 +274,16 @@ def test_a_wrong_reading_of_the_rounds_is_caught(oracle_eval, monkeypatch):
         opd.evaluate_drafter(engine, prompts, max_new_tokens=40)
 
 
+def _summary(tau, spread=0, flip=False):
+    """A domain's evaluation summary whose pooled τ is ``tau``: 8 prompts of 100 verifies each, their accepted counts
+    ``spread`` above and below the mean in turn (``flip``: in the other order)."""
+    sign = lambda i: 1 if (i % 2 == 0) != flip else -1  # noqa: E731
+    rows = [[round((tau - 1) * 100) + spread * sign(i), 100, 0, 0] for i in range(8)]
+    return {"tau": tau, "per_prompt": rows}
+
+
 def _evaluation(start, ada, ce):
-    rows = lambda chat, code: {"chat": {"tau": chat}, "code": {"tau": code}}  # noqa: E731
+    rows = lambda chat, code: {"chat": _summary(chat), "code": _summary(code)}  # noqa: E731
     return {
         "none": {0: rows(*start)},
         "adaflash": {0: rows(*start), **{r + 1: rows(*v) for r, v in enumerate(ada)}},
@@ -242,24 +292,46 @@ def _evaluation(start, ada, ce):
 
 
 def test_goals_met():
-    goals = opd.goals(_evaluation((1.0, 1.2), [(1.1, 1.2), (1.3, 1.15)], [(1.1, 1.2), (1.2, 1.2)]), "chat")
-    assert goals["traffic_domain_is_weakest"] and goals["gain_25pct_within_buffers"]
-    assert goals["others_within_5pct"] and goals["ahead_of_ce"]
-    assert goals["adaflash_gain"] == pytest.approx(0.3)
+    goals = opd_report.goals(
+        _evaluation((1.0, 1.2), [(1.1, 1.2), (1.3, 1.15)], [(1.1, 1.2), (1.2, 1.2)]), "chat"
+    )
+    ada = goals["adaflash"]
+    assert goals["new_domain_is_weakest"] and ada["gain_25pct"] and ada["others_within_5pct"]
+    assert ada["new_domain_gain"]["value"] == pytest.approx(0.3) and ada["best_round"] == 2
+    assert (
+        goals["adaflash_minus_ce"]["value"] == pytest.approx(0.1)
+        and goals["adaflash_minus_ce"]["beyond_noise"]
+    )
 
 
 def test_goals_not_met():
-    goals = opd.goals(_evaluation((1.0, 1.2), [(1.2, 1.0)], [(1.3, 1.2)]), "chat")
-    assert (
-        not goals["gain_25pct_within_buffers"]
-        and not goals["others_within_5pct"]
-        and not goals["ahead_of_ce"]
-    )
-    assert goals["other_domain_change"]["code"] == pytest.approx(-1 / 6)
-    goals = opd.goals(_evaluation((1.2, 1.0), [(1.6, 1.0)], [(1.3, 1.0)]), "chat")
-    assert not goals["traffic_domain_is_weakest"]
+    goals = opd_report.goals(_evaluation((1.0, 1.2), [(1.2, 1.0)], [(1.3, 1.2)]), "chat")
+    ada = goals["adaflash"]
+    assert not ada["gain_25pct"] and not ada["others_within_5pct"]
+    assert not goals["adaflash_minus_ce"]["beyond_noise"] and goals["adaflash_minus_ce"]["value"] < 0
+    assert ada["other_domain_change"]["code"]["value"] == pytest.approx(-1 / 6)
+    goals = opd_report.goals(_evaluation((1.2, 1.0), [(1.6, 1.0)], [(1.3, 1.0)]), "chat")
+    assert not goals["new_domain_is_weakest"]
     ce_only = {"ce": _evaluation((1.0, 1.2), [(1.1, 1.2)], [(1.3, 1.2)])["ce"]}
-    assert opd.goals(ce_only, "chat") == {"traffic_domain": "chat", "traffic_domain_is_weakest": True}
+    assert set(opd_report.goals(ce_only, "chat")) == {"new_domain", "new_domain_is_weakest", "ce"}
+
+
+def test_a_difference_within_the_prompt_to_prompt_noise_is_not_beyond_it():
+    # The same prompts, the two sides' per-prompt values moving in opposite directions: the paired interval is wide.
+    noisy = opd_report.difference(_summary(1.32, spread=30), _summary(1.30, spread=30, flip=True))
+    assert noisy["value"] == pytest.approx(0.02) and noisy["low"] < 0 < noisy["high"]
+    # Moving together, the same mean difference is exact: pairing removes the prompts' own spread.
+    paired = opd_report.difference(_summary(1.32, spread=30), _summary(1.30, spread=30))
+    assert paired["low"] == pytest.approx(0.02) == paired["high"]
+
+
+def test_tau_intervals_hold_the_pooled_tau_and_need_prompts_of_one_count():
+    low, high = opd_report.tau_interval(_summary(1.4, spread=20))
+    assert low < 1.4 < high
+    with pytest.raises(
+        ValueError, match=r"paired: expected non-empty per-prompt lists of one length, got lengths"
+    ):
+        opd_report.bootstrap(opd_report.pooled_tau, [[1, 2, 0, 0]], [[1, 2, 0, 0]] * 2)
 
 
 def test_launch_args_may_not_change_the_traffic(capsys):
@@ -305,7 +377,7 @@ def test_experiment_end_to_end_on_a_tiny_target(target_factory, drafter_factory,
         -1
     ]  # backpressure: nothing dropped, every served request is trained on
     assert last["buffer/added"] == last["buffer/taken"] + last["buffer/size"] and last["buffer/taken"] == 8
-    assert results["goals"]["traffic_domain"] == "math"
+    assert results["goals"]["new_domain"] == "math"
     assert "--max_anchors_per_sample 8" in (out / "adaflash.log").read_text()  # the launcher's command line
     for name in ("table.md", "tau_vs_rounds.png", "acceptance_per_position.png"):
         assert (out / name).stat().st_size > 0

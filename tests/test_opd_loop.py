@@ -57,6 +57,26 @@ def test_held_out_prompts_come_chat_templated_per_domain():
     assert all(len(p) == 2 and all(0 < len(x) <= 16 for x in p) for _, p in traffic.phases)
 
 
+def test_phase_prompts_give_each_phase_its_own_count_of_the_same_shuffle():
+    tokenizer = tiny_tokenizer()
+    traffic = TrafficSource.from_domains(
+        tokenizer, ["math", "translate"], 5, max_prompt_tokens=64, phase_prompts=[2, 3]
+    )
+    assert [(d, len(p)) for d, p in traffic.phases] == [("math", 2), ("translate", 3)]
+    whole = TrafficSource.from_domains(tokenizer, ["translate"], 5, max_prompt_tokens=64)
+    assert whole.phases[0][1][:3] == traffic.phases[1][1]  # the first rows of the one held-out shuffle
+
+
+@pytest.mark.parametrize("counts", [[2], [2, 0], [1, 2, 3]])
+def test_phase_prompts_need_one_positive_count_per_domain(counts):
+    from adaflash_hf.trainers.opd import OPDScriptArguments
+
+    with pytest.raises(
+        ValueError, match=r"phase_prompts: expected one count >= 1 per domain of \['chat', 'translate'\]"
+    ):
+        OPDScriptArguments(domains=["chat", "translate"], phase_prompts=counts)
+
+
 class SlowTraining(TrainerCallback):
     """Slows every optimizer step and counts the engine steps served while a train() call runs."""
 

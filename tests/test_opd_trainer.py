@@ -336,3 +336,22 @@ def test_head_only_updates_the_length_head_and_nothing_else(setup, tmp_path):
     assert any(
         not torch.equal(p.detach(), before[n]) for n, p in drafter.named_parameters() if n in head_names
     )
+
+
+def test_freeze_length_head_updates_the_drafter_and_leaves_the_head_as_loaded(setup, tmp_path):
+    target, drafter, trajectories = setup
+    head_names = set(drafter.length_head_parameter_names())
+    before = {n: p.detach().clone() for n, p in drafter.named_parameters()}
+    trainer = make_trainer(target, drafter, tmp_path, trajectories, freeze_length_head=True)
+    groups = {g["name"]: g for g in trainer.create_optimizer().param_groups}
+    assert groups["length_head"]["params"] == [] and groups["drafter"]["params"]
+    trainer.train()
+    assert all(torch.equal(p.detach(), before[n]) for n, p in drafter.named_parameters() if n in head_names)
+    assert any(
+        not torch.equal(p.detach(), before[n]) for n, p in drafter.named_parameters() if n not in head_names
+    )
+
+
+def test_freezing_the_head_with_head_only_is_refused_as_training_nothing(tmp_path):
+    with pytest.raises(ValueError, match=r"freeze_length_head: expected False with head_only=True"):
+        OPDConfig(output_dir=str(tmp_path), use_cpu=True, head_only=True, freeze_length_head=True)

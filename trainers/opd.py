@@ -47,6 +47,13 @@ class OPDScriptArguments(DrafterArguments):
         metadata={"help": "Traffic schedule: held-out prompts of each domain in turn, then again."},
     )
     prompts_per_domain: int = field(default=64, metadata={"help": "Held-out prompts per domain phase."})
+    phase_prompts: list[int] | None = field(
+        default=None,
+        metadata={
+            "help": "Held-out prompts of each phase, one count per entry of `domains` (None: prompts_per_domain "
+            "each). E.g. a short phase of the known domains before a new one: a replay mix rehearses their samples."
+        },
+    )
     max_prompt_tokens: int = field(default=512, metadata={"help": "Longer prompts keep their last tokens."})
     max_new_tokens: int = field(default=256, metadata={"help": "Tokens generated per request."})
     serving_temperature: float = field(default=0.0, metadata={"help": "Serving temperature (0 = greedy)."})
@@ -54,6 +61,14 @@ class OPDScriptArguments(DrafterArguments):
     gamma: float | None = field(
         default=None, metadata={"help": "Length-head γ (None: the drafter config's)."}
     )
+
+    def __post_init__(self):
+        if self.phase_prompts is not None and (
+            len(self.phase_prompts) != len(self.domains) or min(self.phase_prompts, default=0) < 1
+        ):
+            raise ValueError(
+                f"phase_prompts: expected one count >= 1 per domain of {self.domains}, got {self.phase_prompts}"
+            )
 
 
 def lora_config(model_args: ModelConfig, drafter):
@@ -130,6 +145,7 @@ def main(
         script_args.prompts_per_domain,
         seed=training_args.seed,
         max_prompt_tokens=script_args.max_prompt_tokens,
+        phase_prompts=script_args.phase_prompts,
     )
     params = SamplingParams(
         max_new_tokens=script_args.max_new_tokens, temperature=script_args.serving_temperature

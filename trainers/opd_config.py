@@ -56,6 +56,13 @@ class OPDConfig(DistillationConfig):
             "calibrate-head."
         },
     )
+    freeze_length_head: bool = field(
+        default=False,
+        metadata={
+            "help": "Keep the length head as loaded and update only the drafter (the opposite of head_only): the "
+            "frozen-head arm of `adaflash bench opd`, which measures what training the head online is worth."
+        },
+    )
     max_nonfinite_steps: int = field(
         default=5,
         metadata={
@@ -107,3 +114,7 @@ class OPDConfig(DistillationConfig):
             raise ValueError(f"max_anchors_per_sample: expected >= 1, got {self.max_anchors_per_sample}")
         if self.max_nonfinite_steps < 1:
             raise ValueError(f"max_nonfinite_steps: expected >= 1, got {self.max_nonfinite_steps}")
+        if self.head_only and self.freeze_length_head:
+            raise ValueError(
+                "freeze_length_head: expected False with head_only=True (that would train nothing), got True"
+            )

@@ -1,33 +1,39 @@
-"""The online-distillation experiment: τ per domain over OPD rounds for four loss variants, from one offline drafter.
+"""The online-distillation experiment: τ per domain over OPD rounds for each loss variant, from one offline drafter.
 
     adaflash bench opd [--config examples/configs/opd_experiment.yaml] [--variants none ce rkl adaflash]
                        [--eval-prompts-per-domain 16] [--output-dir runs/bench_opd] [--skip-training]
-    adaflash bench opd --config ... --variants adaflash replay --replay-fraction 0.25 --replay-domains chat math
+    adaflash bench opd --config examples/configs/opd_shift.yaml --output-dir runs/opd_shift \
+        --variants none ce rkl adaflash head_frozen replay --replay-fraction 0.25 0.5 --eval-prompts-per-domain 32
 
-1. **Online runs.** Per variant, ``accelerate launch --cpu --num_processes 1 trainers/opd.py --config CONFIG
-   --output_dir OUT/VARIANT FLAGS`` with the variant's flags (``VARIANTS``): no online updates (the offline DFlash-style
-   drafter as shipped), CE only (α=1, OSD-style hard distillation), reverse KL unclipped (α=0, δ=1e6) and AdaFlash
-   (α=0.8, δ=0.01, the config's defaults); on request (``--variants ... replay``) AdaFlash with a replay mix
-   (``--replay-fraction`` of each buffer from recent served samples of ``--replay-domains``). All serve the same
-   traffic (the config's domains, greedy, with backpressure, so buffer r holds the same requests in every run; a replay
-   mix takes fewer fresh ones per buffer). Every run's settings are parsed as ``trainers/opd.py`` parses them before
-   anything runs, so a bad setting fails at once. A variant whose ``metrics.csv`` already has ``max_rounds`` rows is
-   not rerun (delete its folder to rerun it).
-2. **Evaluation.** The starting drafter (round 0) and each variant's checkpoint after every round serve a fixed
-   evaluation set in the engine's adaflash mode, greedy: ``--eval-prompts-per-domain`` held-out prompts of every domain
-   in ``DOMAINS``, taken from the *end* of the same held-out shuffle whose *start* feeds the traffic, so no evaluation
-   prompt is ever trained on: an evaluation prompt with the text or the token ids of a served one is refused
-   (``check_unserved``) before any run starts. Every round's whole draft (all ``block_size - 1`` proposals) is
-   recorded, so besides τ (committed tokens per verify with the length head's truncation) the evaluation reports what
-   the full draft would have achieved: per-position acceptance (the share of rounds whose first j proposals all equal
-   the target's greedy tokens) and τ_full = 1 + the mean accepted length of the full draft. Under greedy decoding every
-   evaluation's outputs must equal the round-0 outputs token for token (lossless serving); a mismatch is an error.
-   Results are cached per (variant, round) in ``OUT/eval`` and reused when the settings match.
-3. **Outputs** in ``OUT``: ``results.json``, ``table.md``, ``tau_vs_rounds.png`` (evaluation τ per domain and the live
-   traffic τ, per variant over rounds) and ``acceptance_per_position.png`` (round 0 against each variant's last round).
+1. **Online runs.** Per run, ``accelerate launch --cpu --num_processes 1 trainers/opd.py --config CONFIG
+   --output_dir OUT/RUN FLAGS`` with the variant's flags (``VARIANTS``): no online updates (the offline DFlash-style
+   drafter as shipped), CE only (α=1, OSD-style hard distillation), reverse KL unclipped (α=0, δ=1e6), AdaFlash
+   (α=0.8, δ=0.01, the config's defaults), AdaFlash with the length head frozen as loaded (``head_frozen``), and on
+   request (``--variants ... replay``) AdaFlash with a replay mix, one run ``replay-<f>`` per ``--replay-fraction`` f
+   of each buffer drawn from recent served samples of ``--replay-domains``. All serve the same traffic (the config's
+   domain phases, greedy, with backpressure, so buffer r holds the same requests in every run; a replay mix takes
+   fewer fresh ones per buffer). Every run's settings are parsed as ``trainers/opd.py`` parses them before anything
+   runs, so a bad setting fails at once. A run whose ``metrics.csv`` already has ``max_rounds`` rows is not rerun
+   (delete its folder to rerun it).
+2. **Evaluation.** The starting drafter (round 0) and each run's checkpoint after every round serve a fixed evaluation
+   set in the engine's adaflash mode (the adaptive rule), greedy: ``--eval-prompts-per-domain`` held-out prompts of
+   every domain in ``DOMAINS`` and of the traffic's own (``evaluation_domains``: a new domain among them), taken from
+   the *end* of the same held-out shuffle whose *start* feeds the traffic, so no evaluation prompt is ever trained on:
+   an evaluation prompt with the text or the token ids of a served one is refused (``check_unserved``) before any run
+   starts. Every round's whole draft (all ``block_size - 1`` proposals) is recorded, so besides τ (committed tokens
+   per verify with the length head's truncation) the evaluation reports what the full draft would have achieved:
+   per-position acceptance (the share of rounds whose first j proposals all equal the target's greedy tokens),
+   τ_full = 1 + the mean accepted length of the full draft, and the length head's mean |â - a*|. Under greedy
+   decoding every evaluation's outputs must equal the round-0 outputs token for token (lossless serving); a mismatch
+   is an error. Results are cached per (run, round) in ``OUT/eval`` and reused when the settings match.
+3. **Outputs** in ``OUT`` (``opd_report``): ``results.json`` (with per-prompt counts), ``table.md`` (τ with paired
+   bootstrap 95% intervals over the prompts), ``tau_vs_rounds.png``, ``acceptance_per_position.png`` (round 0 against
+   each run's last round), ``head_error_vs_rounds.png`` and, with two or more replay fractions,
+   ``replay_forgetting.png``.
 
-Goals (issue 7): on the traffic domain (the offline drafter's weakest), AdaFlash raises evaluation τ by >= 25% within
-5 buffers, lowers no other domain's τ by more than 5%, and ends ahead of the CE-only (OSD-style) loss.
+Goals (issue 24): on the new domain (the traffic's last phase, one the drafter never saw), AdaFlash raises evaluation τ
+by >= 25% within the buffers run, lowers no other domain's τ by more than 5% (with replay if needed), and ends ahead of
+CE-only and of unclipped reverse KL beyond the noise; the online length head ahead of the frozen one in speed-up.
 """
 
 from __future__ import annotations
@@ -48,6 +54,15 @@ from pathlib import Path
 import torch
 from transformers.utils import logging
 
+from adaflash_hf.bench.opd_report import (
+    goals,
+    markdown_table,
+    plot_head_error,
+    plot_per_position,
+    plot_replay,
+    plot_tau,
+)
+from adaflash_hf.modeling.length_head_adaflash import realised_acceptance
 from adaflash_hf.serving import AdaFlashEngine, AdmissionConfig, SamplingParams
 from adaflash_hf.stats import tau_of
 
@@ -55,44 +70,53 @@ logger = logging.get_logger(__name__)
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIG = ROOT / "examples" / "configs" / "opd_experiment.yaml"
-DOMAINS = ("chat", "code", "math")
+DOMAINS = ("chat", "code", "math")  # always evaluated, with the traffic's own domains (a new one among them)
 VARIANTS = {
     "none": ("no online updates (offline drafter)", ["--online_updates", "false"]),
     "ce": ("CE only, α=1 (OSD-style)", ["--alpha", "1.0"]),
     "rkl": ("reverse KL unclipped, α=0", ["--alpha", "0.0", "--delta", "1e6"]),
     "adaflash": ("AdaFlash: 0.8·CE + 0.2·clipped RKL (δ=0.01)", []),
-    "replay": ("AdaFlash with a replay mix (--replay-fraction, --replay-domains)", []),
+    "head_frozen": ("AdaFlash with the length head frozen as loaded", ["--freeze_length_head", "true"]),
+    "replay": ("AdaFlash with a replay mix, one run per --replay-fraction (replay-<f>)", []),
 }
 DEFAULT_VARIANTS = ("none", "ce", "rkl", "adaflash")
 # Settings the evaluation reads from the config; overriding them per launch could serve an evaluation prompt.
 CONFIG_ONLY = (
     "--domains",
     "--prompts_per_domain",
+    "--phase_prompts",
     "--max_prompt_tokens",
     "--seed",
     "--output_dir",
     "--config",
 )
-COLORS = {
-    "none": "tab:gray",
-    "ce": "tab:blue",
-    "rkl": "tab:orange",
-    "adaflash": "tab:green",
-    "replay": "tab:purple",
-}
 
 
 # ---------------------------------------------------------------------------------------------- prompts
+def evaluation_domains(config: dict) -> tuple[str, ...]:
+    """``DOMAINS`` and then the traffic's other domains (a new one: ``adaflash_hf.data.SHIFT_DOMAINS``)."""
+    return DOMAINS + tuple(d for d in config["domains"] if d not in DOMAINS)
+
+
+def served_counts(config: dict) -> dict[str, int]:
+    """Per traffic domain, how many prompts of its held-out shuffle the traffic serves (the first ones)."""
+    counts = config.get("phase_prompts") or [int(config["prompts_per_domain"])] * len(config["domains"])
+    served: dict[str, int] = {}
+    for domain, count in zip(config["domains"], counts):
+        served[domain] = max(served.get(domain, 0), int(count))
+    return served
+
+
 def eval_prompts(
-    tokenizer, config: dict, per_domain: int, domains: tuple[str, ...] = DOMAINS
+    tokenizer, config: dict, per_domain: int, domains: tuple[str, ...] | None = None
 ) -> dict[str, list[list[int]]]:
-    """``per_domain`` held-out prompts per domain from the end of the shuffle whose start is the traffic, as token ids
-    (cut as the traffic cuts its prompts); refused if one has the text or the ids of a served prompt
-    (``check_unserved``). ``config``: the traffic settings (``domains``, ``prompts_per_domain``, ``seed``,
-    ``max_prompt_tokens``)."""
+    """``per_domain`` held-out prompts per domain (default ``evaluation_domains``) from the end of the shuffle whose
+    start is the traffic, as token ids (cut as the traffic cuts its prompts); refused if one has the text or the ids of
+    a served prompt (``check_unserved``). ``config``: the traffic settings (``domains``, ``prompts_per_domain``,
+    ``phase_prompts``, ``seed``, ``max_prompt_tokens``)."""
     from adaflash_hf.data import prompt_ids
 
-    texts = eval_texts(config, per_domain, domains)
+    texts = eval_texts(config, per_domain, domains or evaluation_domains(config))
     cut = int(config["max_prompt_tokens"])
     prompts = {
         domain: [prompt_ids(tokenizer, text, cut, too_long="keep_last")[0].tolist() for text in chosen]
@@ -102,32 +126,33 @@ def eval_prompts(
     return prompts
 
 
-def eval_texts(config: dict, per_domain: int, domains: tuple[str, ...] = DOMAINS) -> dict[str, list[str]]:
+def eval_texts(config: dict, per_domain: int, domains: tuple[str, ...]) -> dict[str, list[str]]:
     """The texts of ``eval_prompts``.
 
-    The traffic (``TrafficSource.from_domains``) serves the first ``prompts_per_domain`` rows of
+    The traffic (``TrafficSource.from_domains``) serves the first ``served_counts(config)[domain]`` rows of
     ``load_domain(domain, "heldout", seed=seed)``'s shuffle; these are the last ``per_domain`` distinct texts, skipping
     any text also served (the held-out sets hold a few duplicate texts). Raises if a traffic domain is too small for
     the two to be disjoint.
     """
     from adaflash_hf.data import load_domain
 
-    seed, served = int(config["seed"]), int(config["prompts_per_domain"])
+    seed, counts = int(config["seed"]), served_counts(config)
     texts = {}
     for domain in domains:
+        served = counts.get(domain, 0)
         split = load_domain(domain, "heldout")
         if per_domain < 1 or per_domain > len(split):
             raise ValueError(
                 f"eval_prompts_per_domain: expected 1..{len(split)} for {domain}, got {per_domain}"
             )
-        if domain in config["domains"] and served + per_domain > len(split):
+        if served and served + per_domain > len(split):
             raise ValueError(
                 f"eval_prompts_per_domain: expected at most {len(split) - served} for traffic domain {domain} "
                 f"({len(split)} held-out prompts, {served} served), got {per_domain}"
             )
         # The traffic's own call with every row: its first rows are exactly the ones served.
         shuffled = load_domain(domain, "heldout", n=len(split), seed=seed)["prompt"]
-        served_texts = set(shuffled[:served]) if domain in config["domains"] else set()
+        served_texts = set(shuffled[:served])
         chosen: list[str] = []
         # From the end; a text that is also among the served ones (a duplicate) is skipped.
         for text in reversed(shuffled):
@@ -150,16 +175,17 @@ def served_prompts(tokenizer, config: dict) -> dict[str, list[tuple[str, list[in
     from adaflash_hf.data import load_domain
     from adaflash_hf.online.loop import TrafficSource
 
-    seed, per_domain = int(config["seed"]), int(config["prompts_per_domain"])
+    seed = int(config["seed"])
     traffic = TrafficSource.from_domains(
         tokenizer,
         config["domains"],
-        per_domain,
+        int(config["prompts_per_domain"]),
         seed=seed,
         max_prompt_tokens=int(config["max_prompt_tokens"]),
+        phase_prompts=config.get("phase_prompts"),
     )
     return {
-        domain: list(zip(load_domain(domain, "heldout", n=per_domain, seed=seed)["prompt"], prompts))
+        domain: list(zip(load_domain(domain, "heldout", n=len(prompts), seed=seed)["prompt"], prompts))
         for domain, prompts in traffic.phases
     }
 
@@ -197,9 +223,11 @@ def leading_matches(drafted: list[int], sequence: list[int], anchor: int) -> int
 def evaluate_drafter(
     engine: AdaFlashEngine, prompts: dict[str, list[list[int]]], max_new_tokens: int
 ) -> tuple[dict[str, dict], dict[str, list[list[int]]]]:
-    """Serve ``prompts`` greedily on ``engine``; per domain τ, τ_full and per-position acceptance, and the outputs.
+    """Serve ``prompts`` greedily on ``engine``; per domain τ, τ_full, per-position acceptance, the length head's mean
+    |â - a*| and per-prompt counts (``opd_report``: intervals), and the outputs.
 
-    τ_full and the per-position curve use only rounds whose whole draft lies inside the final sequence. Each round's
+    τ_full, the per-position curve and the head's error use only rounds whose whole draft lies inside the final
+    sequence (a* = the full draft's leading matches / (block_size - 1), the head's training target). Each round's
     accepted count must equal min(leading matches, verified length): the greedy verification rule, rechecked here.
     """
     block = engine.drafter.config.block_size
@@ -216,40 +244,56 @@ def evaluate_drafter(
         engine.round_recorder, engine.record_full_drafts = previous
     summary, outputs = {}, {}
     for domain, request_ids in ids.items():
-        verifies = accepted = drafted = full_rounds = full_accepted = 0
-        reached = [0] * (block - 1)
-        outputs[domain] = []
-        for request_id in request_ids:
-            request = engine.requests[request_id]
-            sequence = list(request.prompt) + list(request.output)
-            outputs[domain].append(list(request.output))
-            for record in rounds[request_id]:
-                lead = leading_matches(record.drafted_tokens, sequence, record.context_length)
-                if min(lead, record.draft_length) != record.accepted and (
-                    record.context_length + record.draft_length < len(sequence) - 1
-                ):
-                    raise RuntimeError(
-                        f"request {request_id}: accepted {record.accepted} drafts, but {lead} leading proposals "
-                        f"match the output and {record.draft_length} were verified"
-                    )
-                verifies += 1
-                accepted += record.accepted
-                drafted += record.draft_length
-                if record.context_length + block - 1 < len(sequence):
-                    full_rounds += 1
-                    full_accepted += lead
-                    for j in range(lead):
-                        reached[j] += 1
-        summary[domain] = {
-            "tau": tau_of(accepted + verifies, verifies),
-            "tau_full": 1.0 + full_accepted / full_rounds if full_rounds else 0.0,
-            "acceptance_rate": accepted / drafted if drafted else 0.0,
-            "mean_verify_length": drafted / verifies if verifies else 0.0,
-            "per_position": [r / full_rounds if full_rounds else 0.0 for r in reached],
-            "verifies": verifies,
-            "full_rounds": full_rounds,
-        }
+        requests = [engine.requests[r] for r in request_ids]
+        outputs[domain] = [list(request.output) for request in requests]
+        summary[domain] = _domain_summary([_request_counts(r, rounds[r.request_id], block) for r in requests])
     return summary, outputs
+
+
+def _request_counts(request, records, block: int) -> dict:
+    """One request's rounds, counted (see ``evaluate_drafter``)."""
+    sequence = list(request.prompt) + list(request.output)
+    counts = dict.fromkeys(
+        ("verifies", "accepted", "drafted", "full_rounds", "full_accepted", "head_error"), 0
+    )
+    counts["reached"] = [0] * (block - 1)
+    for record in records:
+        lead = leading_matches(record.drafted_tokens, sequence, record.context_length)
+        if min(lead, record.draft_length) != record.accepted and (
+            record.context_length + record.draft_length < len(sequence) - 1
+        ):
+            raise RuntimeError(
+                f"request {request.request_id}: accepted {record.accepted} drafts, but {lead} leading proposals "
+                f"match the output and {record.draft_length} were verified"
+            )
+        counts["verifies"] += 1
+        counts["accepted"] += record.accepted
+        counts["drafted"] += record.draft_length
+        if record.context_length + block - 1 < len(sequence):
+            counts["full_rounds"] += 1
+            counts["full_accepted"] += lead
+            counts["head_error"] += abs(record.predicted_acceptance - realised_acceptance(lead, block))
+            for j in range(lead):
+                counts["reached"][j] += 1
+    return counts
+
+
+def _domain_summary(counts: list[dict]) -> dict:
+    total = {k: sum(c[k] for c in counts) for k in counts[0] if k != "reached"}
+    reached = [sum(column) for column in zip(*(c["reached"] for c in counts))]
+    full, verifies = total["full_rounds"], total["verifies"]
+    return {
+        "tau": tau_of(total["accepted"] + verifies, verifies),
+        "tau_full": 1.0 + total["full_accepted"] / full if full else 0.0,
+        "acceptance_rate": total["accepted"] / total["drafted"] if total["drafted"] else 0.0,
+        "mean_verify_length": total["drafted"] / verifies if verifies else 0.0,
+        "per_position": [r / full if full else 0.0 for r in reached],
+        "head_error": total["head_error"] / full if full else 0.0,
+        "verifies": verifies,
+        "full_rounds": full,
+        # [accepted, verifies, full_rounds, full_accepted] per prompt: opd_report's bootstrap intervals
+        "per_prompt": [[c["accepted"], c["verifies"], c["full_rounds"], c["full_accepted"]] for c in counts],
+    }
 
 
 def _digest(outputs: dict[str, list[list[int]]]) -> str:
@@ -257,13 +301,18 @@ def _digest(outputs: dict[str, list[list[int]]]) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- runs
-def variant_flags(variant: str, args: argparse.Namespace) -> list[str]:
-    """The ``trainers/opd.py`` flags of ``variant`` (the replay variant's from ``--replay-fraction`` and
-    ``--replay-domains``, else the config's replay domains)."""
-    if variant != "replay":
-        return list(VARIANTS[variant][1])
-    domains = ["--replay_domains", *args.replay_domains] if args.replay_domains else []
-    return ["--replay_fraction", str(args.replay_fraction), *domains]
+def run_flags(args: argparse.Namespace) -> dict[str, list[str]]:
+    """Each run's name and ``trainers/opd.py`` flags: one per variant, and for ``replay`` one per ``--replay-fraction``
+    f, named ``replay-<f>`` (its replay domains from ``--replay-domains``, else the config's)."""
+    runs = {}
+    for variant in args.variants:
+        if variant != "replay":
+            runs[variant] = list(VARIANTS[variant][1])
+            continue
+        domains = ["--replay_domains", *args.replay_domains] if args.replay_domains else []
+        for fraction in args.replay_fraction:
+            runs[f"replay-{fraction:g}"] = ["--replay_fraction", str(fraction), *domains]
+    return runs
 
 
 def run_settings(config_path: Path, flags: list[str]) -> dict:
@@ -348,125 +397,6 @@ def checkpoints_by_round(run_dir: Path) -> dict[int, Path]:
     return found
 
 
-# ---------------------------------------------------------------------------------------------- report
-def goals(evaluation: dict, traffic_domain: str, buffers: int = 5) -> dict:
-    """The issue's three goals on the evaluation τ (see the module docstring)."""
-    start = next(iter(evaluation.values()))[0]  # round 0 is the same starting drafter in every variant
-    out = {"traffic_domain": traffic_domain}
-    out["traffic_domain_is_weakest"] = min(start, key=lambda d: start[d]["tau"]) == traffic_domain
-    if "adaflash" not in evaluation:
-        return out
-    ada = evaluation["adaflash"]
-    rounds = sorted(r for r in ada if 0 < r <= buffers)
-    if not rounds:
-        return out
-    last = rounds[-1]
-    base = start[traffic_domain]["tau"]
-    gains = {r: ada[r][traffic_domain]["tau"] / base - 1.0 for r in rounds}
-    out["adaflash_gain"] = gains[last]
-    out["adaflash_best_gain"] = max(gains.values())
-    out["gain_25pct_within_buffers"] = max(gains.values()) >= 0.25
-    others = {d: ada[last][d]["tau"] / start[d]["tau"] - 1.0 for d in start if d != traffic_domain}
-    out["other_domain_change"] = others
-    out["others_within_5pct"] = all(change >= -0.05 for change in others.values())
-    if "ce" in evaluation and last in evaluation["ce"]:
-        out["ce_final_tau"] = evaluation["ce"][last][traffic_domain]["tau"]
-        out["adaflash_final_tau"] = ada[last][traffic_domain]["tau"]
-        out["ahead_of_ce"] = out["adaflash_final_tau"] > out["ce_final_tau"]
-    return out
-
-
-def markdown_table(results: dict) -> str:
-    evaluation, domains = results["evaluation"], results["settings"]["domains"]
-    lines = [
-        "| variant | round | samples trained | "
-        + " | ".join(f"{d} τ (τ full)" for d in domains)
-        + " | live traffic τ |",
-        "|---|---:|---:|" + "---:|" * len(domains) + "---:|",
-    ]
-    threshold = results["settings"]["train_threshold"]
-    for variant in results["settings"]["variants"]:
-        live = {int(r["round"]): r.get("tau") for r in results["live"].get(variant, [])}
-        for rnd in sorted(evaluation[variant]):
-            cells = [
-                f"{evaluation[variant][rnd][d]['tau']:.3f} ({evaluation[variant][rnd][d]['tau_full']:.3f})"
-                for d in domains
-            ]
-            trained = 0 if variant == "none" else rnd * threshold
-            traffic = f"{live[rnd]:.3f}" if isinstance(live.get(rnd), float) else "-"
-            lines.append(f"| {variant} | {rnd} | {trained} | " + " | ".join(cells) + f" | {traffic} |")
-    return "\n".join(lines) + "\n"
-
-
-def plot_tau(results: dict, path: Path) -> None:
-    from matplotlib.figure import Figure
-
-    evaluation, domains = results["evaluation"], results["settings"]["domains"]
-    traffic = results["goals"]["traffic_domain"]
-    figure = Figure(figsize=(4 * (len(domains) + 1), 3.6))
-    axes = figure.subplots(1, len(domains) + 1, sharey=False)
-    for ax, domain in zip(axes, domains):
-        for variant in results["settings"]["variants"]:
-            rounds = sorted(evaluation[variant])
-            ax.plot(
-                rounds,
-                [evaluation[variant][r][domain]["tau"] for r in rounds],
-                marker="o",
-                color=COLORS.get(variant),
-                label=variant,
-            )
-        ax.set_title(f"eval τ: {domain}" + (" (traffic)" if domain == traffic else ""))
-        ax.set_xlabel("OPD round (buffers trained)")
-    axes[0].set_ylabel("τ (committed tokens per verify)")
-    live_ax = axes[-1]
-    for variant in results["settings"]["variants"]:
-        rows = results["live"].get(variant, [])
-        live_ax.plot(
-            [r["round"] for r in rows],
-            [r.get("tau") for r in rows],
-            marker=".",
-            color=COLORS.get(variant),
-            label=variant,
-        )
-    live_ax.set_title(f"live traffic τ ({traffic})")
-    live_ax.set_xlabel("OPD round")
-    live_ax.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-
-
-def plot_per_position(results: dict, path: Path) -> None:
-    from matplotlib.figure import Figure
-
-    evaluation, domains = results["evaluation"], results["settings"]["domains"]
-    figure = Figure(figsize=(4 * len(domains), 3.6))
-    axes = figure.subplots(1, len(domains), sharey=True)
-    start = next(iter(evaluation.values()))[0]
-    last_seen = 2  # the x range ends one position past the last position any curve reaches
-    for ax, domain in zip(axes, domains):
-        curves = [("before (round 0)", start[domain]["per_position"], "k", "--")]
-        for variant in results["settings"]["variants"]:
-            if variant != "none":
-                last = max(evaluation[variant])
-                curve = evaluation[variant][last][domain]["per_position"]
-                curves.append((f"{variant} after round {last}", curve, COLORS.get(variant), "-"))
-        for label, curve, color, style in curves:
-            reached = [p for p in curve if p > 0]  # a log axis cannot show 0: a curve stops where it hits 0
-            last_seen = max(last_seen, len(reached) + 1)
-            ax.plot(
-                range(1, len(reached) + 1), reached, linestyle=style, marker=".", color=color, label=label
-            )
-        ax.set_yscale("log")
-        ax.set_title(f"per-position acceptance: {domain}")
-        ax.set_xlabel("draft position j")
-    for ax in axes:
-        ax.set_xlim(0.5, last_seen + 0.5)
-    axes[0].set_ylabel("P(first j proposals accepted)")
-    axes[0].legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-
-
 # ---------------------------------------------------------------------------------------------- CLI
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -487,9 +417,10 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--replay-fraction",
         type=float,
-        default=0.25,
-        help="the replay variant's fraction of each buffer drawn from recent served samples of the replay domains "
-        "(default 0.25; trainers/opd.py --replay_fraction)",
+        nargs="+",
+        default=[0.25],
+        help="the replay variant's fractions of each buffer drawn from recent served samples of the replay domains, "
+        "one run (replay-<f>) each (default 0.25; trainers/opd.py --replay_fraction)",
     )
     parser.add_argument(
         "--replay-domains",
@@ -583,9 +514,10 @@ def _evaluate_all(args, config, prompts, run_dirs, target) -> dict:
 
 
 def _runs(args, settings: dict[str, dict], flags: dict[str, list[str]]) -> dict[str, Path]:
-    """Each variant's run folder: launched (or reused) by ``run_variant``, or, with ``--skip-training``, as found."""
+    """Each run's folder (``run_flags``): launched (or reused) by ``run_variant``, or, with ``--skip-training``, as
+    found."""
     run_dirs = {}
-    for variant in args.variants:
+    for variant in flags:
         if args.skip_training:
             run_dirs[variant] = args.output_dir / variant
             if not read_metrics(run_dirs[variant]):
@@ -610,9 +542,10 @@ def main(argv: list[str] | None = None) -> int:
             f"--launch-args: expected no traffic settings ({', '.join(CONFIG_ONLY)}: the evaluation reads them from "
             f"--config, to keep its prompts unserved), got {', '.join(fixed)}"
         )
-    flags = {variant: [*launch_args, *variant_flags(variant, args)] for variant in args.variants}
-    settings = {variant: run_settings(args.config, flags[variant]) for variant in args.variants}
-    config = settings[args.variants[0]]  # the traffic and serving settings, the same in every run
+    own = run_flags(args)
+    flags = {run: [*launch_args, *run_own] for run, run_own in own.items()}
+    settings = {run: run_settings(args.config, run_flags_) for run, run_flags_ in flags.items()}
+    config = next(iter(settings.values()))  # the traffic and serving settings, the same in every run
     from adaflash_hf.assets import load_target
 
     target, tokenizer = load_target(config["target_model"])
@@ -624,10 +557,14 @@ def main(argv: list[str] | None = None) -> int:
     results = {
         "settings": {
             "config": str(args.config),
-            "variants": list(args.variants),
-            "variant_flags": {v: variant_flags(v, args) for v in args.variants},
+            "variants": list(own),
+            "variant_flags": own,
+            "replay_fractions": {
+                run: settings[run]["replay_fraction"] for run in own if run.startswith("replay-")
+            },
             "launch_args": args.launch_args,
-            "domains": list(DOMAINS),
+            "domains": list(evaluation_domains(config)),
+            "traffic": {"domains": config["domains"], "served": served_counts(config)},
             "train_threshold": int(config["train_threshold"]),
             "max_rounds": int(config["max_rounds"]),
             "eval_prompts_per_domain": args.eval_prompts_per_domain,
@@ -637,13 +574,17 @@ def main(argv: list[str] | None = None) -> int:
         "evaluation": {v: {str(r): s for r, s in rounds.items()} for v, rounds in evaluation.items()},
         "live": {v: read_metrics(d) for v, d in run_dirs.items()},
     }
-    results["goals"] = goals(evaluation, config["domains"][0])
+    results["goals"] = goals(
+        evaluation, config["domains"][-1]
+    )  # the traffic shifts to its last phase's domain
     args.output_dir.mkdir(parents=True, exist_ok=True)
     (args.output_dir / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     results["evaluation"] = evaluation  # int rounds for the table and plots
     (args.output_dir / "table.md").write_text(markdown_table(results))
     plot_tau(results, args.output_dir / "tau_vs_rounds.png")
     plot_per_position(results, args.output_dir / "acceptance_per_position.png")
+    plot_head_error(results, args.output_dir / "head_error_vs_rounds.png")
+    plot_replay(results, args.output_dir / "replay_forgetting.png")
     print(markdown_table(results))
     print(json.dumps(results["goals"], indent=1))
     return 0

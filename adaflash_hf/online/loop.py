@@ -88,13 +88,16 @@ class TrafficSource:
         prompts_per_domain: int,
         seed: int = 0,
         max_prompt_tokens: int = 512,
+        phase_prompts: list[int] | None = None,
     ) -> TrafficSource:
-        """Held-out prompts of ``adaflash_hf.data`` domains, chat-templated, longer ones cut to the last tokens."""
+        """Held-out prompts of ``adaflash_hf.data`` domains, chat-templated, longer ones cut to the last tokens: the
+        first ``phase_prompts[i]`` (default ``prompts_per_domain``) of the held-out split shuffled with ``seed``."""
         from adaflash_hf.data import load_domain, prompt_ids
 
         phases = []
-        for domain in domains:
-            rows = load_domain(domain, "heldout", n=prompts_per_domain, seed=seed)
+        for i, domain in enumerate(domains):
+            count = phase_prompts[i] if phase_prompts is not None else prompts_per_domain
+            rows = load_domain(domain, "heldout", n=count, seed=seed)
             phases.append(
                 (
                     domain,
