@@ -48,7 +48,13 @@ def test_oracle_drafter_with_adaptive_head_matches_plain_greedy(target_factory, 
     target = target_factory("llama")
     reference = greedy(target, PROMPT, 60)
     oracle = oracle_factory(target, reference, seed=3)
-    out = greedy(target, PROMPT, 60, assistant_model=oracle, config={"adaflash_gamma": 2.0})
+    out = greedy(
+        target,
+        PROMPT,
+        60,
+        assistant_model=oracle,
+        config={"adaflash_gamma": 2.0, "adaflash_length_mode": "adaptive"},
+    )  # the adaptive rule: goodput, the greedy default, would draft by this machine's timings (and ignore γ)
     assert torch.equal(out, reference)
     assert oracle.last_stats.tau > 1.5
 

@@ -396,6 +396,7 @@ def test_engine_hybrid_batched_equals_serial_under_churn(
         admission=AdmissionConfig(max_running=5),
         draft_source="hybrid",
         lookup_history_tokens=history,
+        length_mode="adaptive",  # hybrid's own choice (the coin below), not goodput's timing-driven plan
     )
     references = {}
     oracle.arm(engine, references, weight, seed=seed)

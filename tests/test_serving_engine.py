@@ -110,7 +110,12 @@ def test_batched_equals_serial_under_churn_with_an_oracle_drafter(setup, mode, s
     params = [SamplingParams(max_new_tokens=rng.randint(1, 24)) for _ in prompts]
     expected = [greedy_reference(target, p, s.max_new_tokens) for p, s in zip(prompts, params)]
     oracle, weight = make_batched_oracle(target, drafter)
-    engine = AdaFlashEngine(target, oracle, mode=mode, admission=AdmissionConfig(max_running=5))
+    # The adaptive rule where it applies: goodput (the greedy default) drafts by this machine's timings, and so would
+    # the oracle's draws and the accepted count asserted below.
+    length_mode = "adaptive" if mode == "adaflash" else None
+    engine = AdaFlashEngine(
+        target, oracle, mode=mode, admission=AdmissionConfig(max_running=5), length_mode=length_mode
+    )
     references = {}
     oracle.arm(engine, references, weight, seed=seed)
     add = lambda rid, i: references.__setitem__(rid, prompts[i].tolist() + expected[i])  # noqa: E731
