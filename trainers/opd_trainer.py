@@ -158,9 +158,8 @@ class OPDTrainer(DistillationTrainer):
             callbacks=callbacks,
             peft_config=peft_config,
         )
-        if (
-            args.freeze_length_head
-        ):  # after PEFT's wrap, whose modules_to_save copy of the head would be trainable
+        if args.freeze_length_head:
+            # After PEFT's wrap: its modules_to_save copy of the head would otherwise stay trainable.
             for param in split_drafter_and_head(self.model)["length_head"]:
                 param.requires_grad_(False)
         pad = self._tokenizer.pad_token_id if self._tokenizer.pad_token_id is not None else 0
