@@ -355,3 +355,16 @@ def test_freeze_length_head_updates_the_drafter_and_leaves_the_head_as_loaded(se
 def test_freezing_the_head_with_head_only_is_refused_as_training_nothing(tmp_path):
     with pytest.raises(ValueError, match=r"freeze_length_head: expected False with head_only=True"):
         OPDConfig(output_dir=str(tmp_path), use_cpu=True, head_only=True, freeze_length_head=True)
+
+
+def test_freeze_length_head_also_freezes_the_head_copy_a_lora_drafter_trains(setup, tmp_path):
+    from peft import LoraConfig
+
+    target, drafter, _ = setup
+    config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], modules_to_save=[drafter.length_head_name])
+    args = OPDConfig(output_dir=str(tmp_path / "opd"), use_cpu=True, disable_tqdm=True, freeze_length_head=True)
+    trainer = OPDTrainer(drafter, target, args, processing_class=tiny_tokenizer(), peft_config=config)
+    groups = {g["name"]: g["params"] for g in trainer.create_optimizer().param_groups}
+    assert groups["length_head"] == [] and groups["drafter"]  # the LoRA adapters train, no head parameter does
+    head = [p for n, p in trainer.model.named_parameters() if drafter.length_head_name in n]
+    assert head and not any(p.requires_grad for p in head)
