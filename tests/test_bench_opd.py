@@ -265,6 +265,7 @@ def test_unverified_proposals_count_in_adaptive_mode(target_factory, drafter_fac
         # Most proposals were never verified, yet the oracle's 8th proposal is right in about half of the rounds.
         assert row["mean_verify_length"] < 8 and row["per_position"][7] > 0.2
         assert row["tau_full"] > row["tau"]
+        assert 0.0 <= row["head_error"] <= 1.0  # |â - a*| over the full rounds: the engine records â
 
 
 def test_a_wrong_reading_of_the_rounds_is_caught(oracle_eval, monkeypatch):

@@ -245,3 +245,22 @@ def test_abort_of_the_last_request_still_yields_its_final_output(setup):
     rid = engine.add_request(random_prompts(1, seed=6)[0], SamplingParams(max_new_tokens=12))
     engine.abort(rid)
     assert [(o.request_id, o.finished, o.finish_reason) for o in engine.stream()] == [(rid, True, "abort")]
+
+
+def test_round_records_carry_the_length_head_estimate_that_chose_each_draft_length(setup):
+    target, drafter = setup
+    engine = AdaFlashEngine(
+        target, drafter, mode="adaflash", length_mode="adaptive", gamma=1.0,
+        admission=AdmissionConfig(load_aware_gamma=False),
+    )  # fmt: skip
+    records = []
+    engine.round_recorder = lambda request, record: records.append(record)
+    prompt = random_prompts(1, seed=6)[0]
+    engine.generate([prompt], SamplingParams(max_new_tokens=40))
+    assert len(records) > 2
+    for record in records:
+        assert 0.0 <= record.predicted_acceptance <= 1.0
+        k_hat = int(drafter.predict_draft_length(torch.tensor([record.predicted_acceptance]), 1.0))
+        remaining = 40 - (record.context_length + 1 - len(prompt))  # the anchor is the last committed token
+        assert record.draft_length == min(k_hat, remaining - 1)
+    assert len({r.predicted_acceptance for r in records}) > 1  # each round's own â, not one value kept

@@ -43,6 +43,7 @@ import csv
 import hashlib
 import json
 import logging as std_logging
+import math
 import os
 import shlex
 import subprocess
@@ -253,9 +254,8 @@ def evaluate_drafter(
 def _request_counts(request, records, block: int) -> dict:
     """One request's rounds, counted (see ``evaluate_drafter``)."""
     sequence = list(request.prompt) + list(request.output)
-    counts = dict.fromkeys(
-        ("verifies", "accepted", "drafted", "full_rounds", "full_accepted", "head_error"), 0
-    )
+    names = ("verifies", "accepted", "drafted", "full_rounds", "full_accepted", "head_rounds", "head_error")
+    counts = dict.fromkeys(names, 0)
     counts["reached"] = [0] * (block - 1)
     for record in records:
         lead = leading_matches(record.drafted_tokens, sequence, record.context_length)
@@ -272,7 +272,9 @@ def _request_counts(request, records, block: int) -> dict:
         if record.context_length + block - 1 < len(sequence):
             counts["full_rounds"] += 1
             counts["full_accepted"] += lead
-            counts["head_error"] += abs(record.predicted_acceptance - realised_acceptance(lead, block))
+            if math.isfinite(record.predicted_acceptance):  # NaN: a lookup round, or no block verified
+                counts["head_rounds"] += 1
+                counts["head_error"] += abs(record.predicted_acceptance - realised_acceptance(lead, block))
             for j in range(lead):
                 counts["reached"][j] += 1
     return counts
@@ -288,7 +290,7 @@ def _domain_summary(counts: list[dict]) -> dict:
         "acceptance_rate": total["accepted"] / total["drafted"] if total["drafted"] else 0.0,
         "mean_verify_length": total["drafted"] / verifies if verifies else 0.0,
         "per_position": [r / full if full else 0.0 for r in reached],
-        "head_error": total["head_error"] / full if full else 0.0,
+        "head_error": total["head_error"] / total["head_rounds"] if total["head_rounds"] else float("nan"),
         "verifies": verifies,
         "full_rounds": full,
         # [accepted, verifies, full_rounds, full_accepted] per prompt: opd_report's bootstrap intervals
@@ -460,6 +462,7 @@ def _evaluate_all(args, config, prompts, run_dirs, target) -> dict:
         "max_new_tokens": max_new,
         "concurrency": concurrency,
         "full_drafts": True,
+        "head_error": True,  # records carry â (an older evaluation, without it, is recomputed)
     }
     base = AdaFlashDrafter.from_pretrained(config["drafter_init"], dtype=target.dtype).eval()
     longest = max(len(p) for ps in prompts.values() for p in ps)

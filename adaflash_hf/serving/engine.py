@@ -43,7 +43,8 @@ verify round, once the request's state is updated (``request.finish_reason`` is 
 carries the anchor position, k̂, the accepted count and ``drafter.weights_version``; ``drafted_tokens`` holds only
 the k̂ verified drafts (the other block rows never go through the lm_head) unless ``engine.record_full_drafts`` is
 set, which projects every block row for the recorder (evaluation: how far the whole draft would have been accepted;
-it costs an lm_head row per unverified draft). ``predicted_acceptance`` is NaN (the engine does not keep â).
+it costs an lm_head row per unverified draft). ``predicted_acceptance`` is the length head's â of the verified block
+(NaN in a round that verified a lookup continuation or no block).
 """
 
 from __future__ import annotations
@@ -483,6 +484,8 @@ class AdaFlashEngine:
         full = self.record_full_drafts and self.round_recorder is not None
         drafts, full_drafts = self._propose(block_states, rows, lookups, lengths, full)
         sources = ["diffusion" if lookup is None else "lookup" for lookup in lookups]
+        # â of the blocks this step verifies (for the round recorder); NaN where no block of this step is verified.
+        heads = [r.last_acceptance if row is not None else float("nan") for r, row in zip(decoding, rows)]
 
         target_started = time.perf_counter()
         accepted, next_tokens, features = self._verify(admitted, decoding, drafts)
@@ -491,7 +494,7 @@ class AdaFlashEngine:
             self._learn(decoding, len(admitted), prefill_tokens, drafts, sources, accepted, target_seconds)
 
         outputs, committed = self._commit(
-            admitted, decoding, drafts, accepted, next_tokens, features, full_drafts, sources
+            admitted, decoding, drafts, accepted, next_tokens, features, full_drafts, sources, heads
         )
         if goodput and decoding:
             seconds = time.perf_counter() - started
@@ -905,7 +908,9 @@ class AdaFlashEngine:
         )
         return result.accepted.tolist(), result.next_tokens.tolist(), (features, lengths)
 
-    def _commit(self, admitted, decoding, drafts, accepted, next_tokens, features, full_drafts, sources):
+    def _commit(
+        self, admitted, decoding, drafts, accepted, next_tokens, features, full_drafts, sources, heads
+    ):
         """Commit accepted drafts + the next token per request, roll back the rest, queue drafter context."""
         hidden, lengths = features
         outputs, committed, offset = [], 0, 0
@@ -947,7 +952,7 @@ class AdaFlashEngine:
                     anchor_token=anchor_token,
                     drafted_tokens=list(full_drafts[i - prefills] if full_drafts else proposed),
                     draft_length=len(proposed),
-                    predicted_acceptance=float("nan"),
+                    predicted_acceptance=heads[i - prefills],
                     accepted=n_accepted,
                     drafter_version=version,
                     source=source,
