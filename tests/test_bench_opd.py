@@ -326,6 +326,21 @@ def test_a_difference_within_the_prompt_to_prompt_noise_is_not_beyond_it():
     assert paired["low"] == pytest.approx(0.02) == paired["high"]
 
 
+def test_the_replay_plot_draws_each_domains_change_against_the_replay_fraction(tmp_path):
+    evaluation = _evaluation((1.0, 1.2), [(1.3, 1.1)], [(1.2, 1.2)])
+    evaluation["replay-0.5"] = {
+        0: evaluation["adaflash"][0],
+        1: {"chat": _summary(1.25), "code": _summary(1.19)},
+    }
+    results = {"evaluation": evaluation, "settings": {"replay_fractions": {"replay-0.5": 0.5}}}
+    results["goals"] = opd_report.goals(evaluation, "chat")
+    opd_report.plot_replay(results, tmp_path / "replay.png")
+    assert (tmp_path / "replay.png").stat().st_size > 0
+    del results["goals"]["replay-0.5"]  # a single arm (AdaFlash alone) has nothing to compare: no plot
+    opd_report.plot_replay(results, tmp_path / "alone.png")
+    assert not (tmp_path / "alone.png").exists()
+
+
 def test_tau_intervals_hold_the_pooled_tau_and_need_prompts_of_one_count():
     low, high = opd_report.tau_interval(_summary(1.4, spread=20))
     assert low < 1.4 < high
@@ -380,7 +395,7 @@ def test_experiment_end_to_end_on_a_tiny_target(target_factory, drafter_factory,
     assert last["buffer/added"] == last["buffer/taken"] + last["buffer/size"] and last["buffer/taken"] == 8
     assert results["goals"]["new_domain"] == "math"
     assert "--max_anchors_per_sample 8" in (out / "adaflash.log").read_text()  # the launcher's command line
-    for name in ("table.md", "tau_vs_rounds.png", "acceptance_per_position.png"):
+    for name in ("table.md", "tau_vs_rounds.png", "acceptance_per_position.png", "head_error_vs_rounds.png"):
         assert (out / name).stat().st_size > 0
     # A second call reuses the finished runs and the cached evaluations: nothing is launched again.
     launched = []

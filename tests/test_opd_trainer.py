@@ -362,9 +362,13 @@ def test_freeze_length_head_also_freezes_the_head_copy_a_lora_drafter_trains(set
 
     target, drafter, _ = setup
     config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], modules_to_save=[drafter.length_head_name])
-    args = OPDConfig(output_dir=str(tmp_path / "opd"), use_cpu=True, disable_tqdm=True, freeze_length_head=True)
+    args = OPDConfig(
+        output_dir=str(tmp_path / "opd"), use_cpu=True, disable_tqdm=True, freeze_length_head=True
+    )
     trainer = OPDTrainer(drafter, target, args, processing_class=tiny_tokenizer(), peft_config=config)
     groups = {g["name"]: g["params"] for g in trainer.create_optimizer().param_groups}
-    assert groups["length_head"] == [] and groups["drafter"]  # the LoRA adapters train, no head parameter does
+    assert (
+        groups["length_head"] == [] and groups["drafter"]
+    )  # the LoRA adapters train, no head parameter does
     head = [p for n, p in trainer.model.named_parameters() if drafter.length_head_name in n]
     assert head and not any(p.requires_grad for p in head)

@@ -142,14 +142,27 @@ def markdown_table(results: dict) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- plots
-def plot_tau(results: dict, path: Path) -> None:
-    """Evaluation τ per domain over rounds (95% intervals as bars), one panel per domain, and the live traffic τ."""
+def _domain_panels(results: dict, extra: int = 0, height: float = 3.6, sharey: bool = False):
+    """A figure with one panel per evaluation domain (and ``extra`` more): the figure and its axes."""
     from matplotlib.figure import Figure
 
+    panels = len(results["settings"]["domains"]) + extra
+    figure = Figure(figsize=(4 * panels, height))
+    return figure, figure.subplots(1, panels, sharey=sharey)
+
+
+def _finish(figure, axes, ylabel: str, path: Path) -> None:
+    axes[0].set_ylabel(ylabel)
+    axes[0].legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+def plot_tau(results: dict, path: Path) -> None:
+    """Evaluation τ per domain over rounds (95% intervals as bars), one panel per domain, and the live traffic τ."""
     evaluation, domains = results["evaluation"], results["settings"]["domains"]
     new = results["goals"]["new_domain"]
-    figure = Figure(figsize=(4 * (len(domains) + 1), 3.6))
-    axes = figure.subplots(1, len(domains) + 1, sharey=False)
+    figure, axes = _domain_panels(results, extra=1)
     variants = results["settings"]["variants"]
     for ax, domain in zip(axes, domains):
         for k, variant in enumerate(variants):
@@ -167,7 +180,6 @@ def plot_tau(results: dict, path: Path) -> None:
             )  # fmt: skip
         ax.set_title(f"eval τ: {domain}" + (" (new domain)" if domain == new else ""))
         ax.set_xlabel("OPD round (buffers trained)")
-    axes[0].set_ylabel("τ (committed tokens per verify), 95% CI")
     live_ax = axes[-1]
     for variant in variants:
         rows = results["live"].get(variant, [])
@@ -176,18 +188,13 @@ def plot_tau(results: dict, path: Path) -> None:
         )
     live_ax.set_title("live traffic τ (all served domains)")
     live_ax.set_xlabel("OPD round")
-    axes[0].legend(fontsize=7)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
+    _finish(figure, axes, "τ (committed tokens per verify), 95% CI", path)
 
 
 def plot_per_position(results: dict, path: Path) -> None:
     """Per-position acceptance of the full draft before (round 0) and after each variant's last round."""
-    from matplotlib.figure import Figure
-
     evaluation, domains = results["evaluation"], results["settings"]["domains"]
-    figure = Figure(figsize=(4 * len(domains), 3.6))
-    axes = figure.subplots(1, len(domains), sharey=True)
+    figure, axes = _domain_panels(results, sharey=True)
     start = next(iter(evaluation.values()))[0]
     last_seen = 2  # the x range ends one position past the last position any curve reaches
     for ax, domain in zip(axes, domains):
@@ -213,19 +220,13 @@ def plot_per_position(results: dict, path: Path) -> None:
         ax.set_xlabel("draft position j")
     for ax in axes:
         ax.set_xlim(0.5, last_seen + 0.5)
-    axes[0].set_ylabel("P(first j proposals accepted)")
-    axes[0].legend(fontsize=7)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
+    _finish(figure, axes, "P(first j proposals accepted)", path)
 
 
 def plot_head_error(results: dict, path: Path) -> None:
     """The length head's mean |â - a*| over rounds, per domain and variant (a* = the full draft's accepted share)."""
-    from matplotlib.figure import Figure
-
     evaluation, domains = results["evaluation"], results["settings"]["domains"]
-    figure = Figure(figsize=(4 * len(domains), 3.4))
-    axes = figure.subplots(1, len(domains), sharey=True)
+    figure, axes = _domain_panels(results, height=3.4, sharey=True)
     for ax, domain in zip(axes, domains):
         for variant in results["settings"]["variants"]:
             rounds = sorted(evaluation[variant])
@@ -233,10 +234,7 @@ def plot_head_error(results: dict, path: Path) -> None:
             ax.plot(rounds, errors, marker="o", ms=3, color=color(variant), label=variant)
         ax.set_title(f"length head abs(â - a*): {domain}")
         ax.set_xlabel("OPD round")
-    axes[0].set_ylabel("mean abs(â - a*) per round")
-    axes[0].legend(fontsize=7)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
+    _finish(figure, axes, "mean abs(â - a*) per round", path)
 
 
 def plot_replay(results: dict, path: Path) -> None:
