@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
 
@@ -69,7 +70,7 @@ def main(argv: list[str] | None = None) -> dict:
                 prompt_ids(tokenizer, prompts[0][1]), assistant_model=drafter, generation_config=warmup
             )
     rows = []
-    for domain, row in prompts:
+    for domain, row in tqdm(prompts, desc="prompts", unit="prompt"):
         ids = prompt_ids(tokenizer, row)
         times, taus, outputs = [[], []], [None, None], [None, None]
         for repeat in range(args.repeats):
