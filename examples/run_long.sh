@@ -24,7 +24,13 @@ if [ -n "$resume_point" ] && [ -d "$resume_point" ]; then
     restore=(.venv/bin/python -m adaflash_hf.trainers.resume_point restore "$resume_point" "$out")
     if [ "${DRY_RUN:-0}" = 1 ]; then echo "${restore[*]}"; else "${restore[@]}"; fi
 fi
-command=(.venv/bin/accelerate launch trainers/train_drafter.py --config "$config" --resume_from_checkpoint last)
+# `accelerate launch` without --cpu sets OMP_NUM_THREADS=1 when it is unset: one core of a CPU-only machine. Every core
+# here (THREADS to choose), unless a GPU is present or OMP_NUM_THREADS is set.
+threads=()
+if [ -z "${OMP_NUM_THREADS:-}" ] && ! command -v nvidia-smi >/dev/null 2>&1; then
+    threads=(--num_cpu_threads_per_process "${THREADS:-$(nproc)}")
+fi
+command=(.venv/bin/accelerate launch "${threads[@]}" trainers/train_drafter.py --config "$config" --resume_from_checkpoint last)
 [ "${DRY_RUN:-0}" = 1 ] && { echo "${command[*]}"; exit 0; }
 echo "$(date -u +%FT%TZ) start $config"
 "${command[@]}"

@@ -17,7 +17,8 @@ for arm in "${arms[@]}"; do
         continue
     fi
     echo "arm $arm: $(date -u +%FT%TZ) start (from its newest complete checkpoint, if any)"
-    .venv/bin/accelerate launch trainers/train_drafter.py --config "$config" --resume_from_checkpoint last \
+    # `adaflash train`: accelerate launch with every core on a CPU-only machine (plain `accelerate launch` takes one)
+    .venv/bin/adaflash train --config "$config" --resume_from_checkpoint last \
         >> "runs/sweep/${arm}.log" 2>&1
     echo "arm $arm: $(date -u +%FT%TZ) done"
 done

@@ -161,6 +161,7 @@ def test_train_launches_the_script_through_accelerate(monkeypatch, tmp_path):
 
 def test_train_dry_run_prints_the_command(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(cli, "trainer_script", lambda filename: tmp_path / filename)
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # chosen: no thread option added (tested below)
     assert cli.main(["opd", "--dry-run", "--config", "opd.yaml"]) == 0
     assert (
         capsys.readouterr()
@@ -266,3 +267,48 @@ def test_import_adaflash_hf_adds_no_heavy_module_beyond_transformers():
         n.split(".")[0] for n in added
     }
     assert not {"adaflash_hf.serving", "adaflash_hf.kernels", "adaflash_hf.trainers"} & added
+
+
+def test_a_cpu_launch_uses_every_usable_core_unless_the_user_chose(monkeypatch, tmp_path):
+    """`accelerate launch` without --cpu sets OMP_NUM_THREADS=1 on a CPU-only machine; `adaflash train` passes the
+    usable cores instead, shared by the processes, unless OMP_NUM_THREADS is set or an accelerate config is given."""
+    import argparse
+
+    from adaflash_hf.launch import cpu_thread_args, launch_command, usable_cores
+
+    if torch.cuda.is_available() or usable_cores() < 2:
+        pytest.skip("needs a CPU-only machine with 2 or more usable cores")
+    cores = usable_cores()
+    assert cpu_thread_args(1, environ={}) == ["--num_cpu_threads_per_process", str(cores)]
+    assert cpu_thread_args(cores, environ={}) == []  # one core a process: accelerate's default is right
+    assert cpu_thread_args(1, environ={"OMP_NUM_THREADS": "1"}) == []
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    script = tmp_path / "train_drafter.py"
+    plain = launch_command(script, argparse.Namespace(accelerate_config=None, num_processes=None), ["--x", "1"])
+    assert plain[3:] == ["--num_cpu_threads_per_process", str(cores), str(script), "--x", "1"]
+    configured = launch_command(
+        script, argparse.Namespace(accelerate_config="acc.yaml", num_processes=None), []
+    )
+    assert "--num_cpu_threads_per_process" not in configured
+
+
+def test_a_cpu_run_on_fewer_threads_than_cores_warns_with_the_fix(monkeypatch):
+    import logging
+
+    from adaflash_hf.launch import usable_cores, warn_if_cpu_threads_idle
+
+    logger = logging.getLogger("test_threads")
+    messages = []
+    monkeypatch.setattr(logger, "warning", messages.append)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        idle = warn_if_cpu_threads_idle(logger, torch.device("cpu"))
+        assert idle == (usable_cores() > 1)
+        if idle:
+            assert "--num_cpu_threads_per_process" in messages[0] and "OMP_NUM_THREADS" in messages[0]
+        torch.set_num_threads(usable_cores())
+        assert not warn_if_cpu_threads_idle(logger, torch.device("cpu"))
+        assert not warn_if_cpu_threads_idle(logger, torch.device("meta"))  # not a CPU run
+    finally:
+        torch.set_num_threads(threads)

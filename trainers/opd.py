@@ -25,6 +25,7 @@ from transformers.utils import logging
 from trl import ModelConfig, TrlParser
 
 from adaflash_hf.assets import load_target
+from adaflash_hf.launch import warn_if_cpu_threads_idle
 from adaflash_hf.online.config import OnlineConfig
 from adaflash_hf.online.loop import MetricsLogger, TrafficSource, run_online
 from adaflash_hf.online.weights import load_state, publishable_state
@@ -100,6 +101,7 @@ def main(
         raise ValueError(
             "serving_mode: expected 'adaflash' or 'dflash' (plain decoding drafts nothing), got 'plain'"
         )
+    warn_if_cpu_threads_idle(logger, state.device)
     output_dir = Path(training_args.output_dir)
     target, tokenizer = load_target(script_args.target_model)
     target = target.to(state.device)

@@ -24,6 +24,7 @@ from trl import TrlParser
 
 from adaflash_hf.assets import load_target
 from adaflash_hf.data import load_domain, prompt_ids
+from adaflash_hf.launch import warn_if_cpu_threads_idle
 from adaflash_hf.modeling import AdaFlashDrafter
 from adaflash_hf.trainers.corpus import drop_prompt_twins, read_corpus
 from adaflash_hf.trainers.drafter_setup import add_config_option, build_drafter
@@ -42,6 +43,7 @@ def last_complete_checkpoint(output_dir: str | Path) -> str | None:
 
 
 def main(args: DrafterTrainingConfig) -> AdaFlashDrafter:
+    warn_if_cpu_threads_idle(logger, args.device, args.world_size)
     if not args.corpus_dir:
         raise ValueError(
             "corpus_dir: expected a corpus written by `adaflash corpus --out-dir DIR` (the training sequences), "
