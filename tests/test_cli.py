@@ -284,7 +284,9 @@ def test_a_cpu_launch_uses_every_usable_core_unless_the_user_chose(monkeypatch, 
     assert cpu_thread_args(1, environ={"OMP_NUM_THREADS": "1"}) == []
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     script = tmp_path / "train_drafter.py"
-    plain = launch_command(script, argparse.Namespace(accelerate_config=None, num_processes=None), ["--x", "1"])
+    plain = launch_command(
+        script, argparse.Namespace(accelerate_config=None, num_processes=None), ["--x", "1"]
+    )
     assert plain[3:] == ["--num_cpu_threads_per_process", str(cores), str(script), "--x", "1"]
     configured = launch_command(
         script, argparse.Namespace(accelerate_config="acc.yaml", num_processes=None), []

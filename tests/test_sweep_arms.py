@@ -372,6 +372,8 @@ def test_the_long_run_resumes_with_last_skips_a_finished_run_and_keeps_the_shipp
         long.eval_strategy == "steps" and long.eval_steps == long.save_steps
     )  # a curve point per checkpoint
     assert long.learning_curve_dir != "examples/results"  # its own curve: shipping appends it with an offset
+    # Each save rewrites the point run_long.sh restores, so a working period cut off mid-run keeps its last checkpoint.
+    assert long.resume_point_dir == f"{long.learning_curve_dir}/resume"
     assert long.max_steps * long.per_device_train_batch_size * 215 / 2 > 1_000_000
     assert (
         long.drafter_init == "examples/results/stage3/start"

@@ -385,6 +385,46 @@ def test_a_resume_point_needs_a_step_and_blocks_seen(tmp_path, target_factory, d
     ]
 
 
+def test_resume_point_dir_holds_the_newest_checkpoint_after_every_save(
+    tmp_path, target_factory, drafter_factory, trainer_args
+):
+    """A run with resume_point_dir leaves its newest checkpoint there at each save (a run killed after step 4 leaves
+    step 4), and a run restored from that point alone carries on at its step."""
+    from safetensors.torch import load_file
+
+    from adaflash_hf.trainers.resume_point import complete_checkpoints, restore_resume_point
+
+    target = target_factory("llama")
+    point_dir = tmp_path / "repo" / "resume"
+    common = dict(max_steps=8, logging_steps=1, save_steps=4, resume_point_dir=str(point_dir))
+    args = trainer_args(output_dir=str(tmp_path / "run"), **common)
+    killed = DrafterTrainer(
+        model=drafter_factory(target),
+        args=args,
+        target=target,
+        train_dataset=_sequences(),
+        callbacks=[StopAt(4)],
+    )
+    killed.train()
+    assert list(complete_checkpoints(point_dir)) == [4]
+    saved = load_file(point_dir / "checkpoint-4" / "model.safetensors")
+    for name, value in killed.model.state_dict().items():
+        if name in saved and value.is_floating_point():
+            assert saved[name].dtype == torch.bfloat16
+            torch.testing.assert_close(saved[name], value.to(torch.bfloat16), atol=0, rtol=0)
+
+    restore_resume_point(point_dir, tmp_path / "fresh")
+    resumed = DrafterTrainer(
+        model=drafter_factory(target),
+        args=trainer_args(output_dir=str(tmp_path / "fresh"), **common),
+        target=target,
+        train_dataset=_sequences(),
+    )
+    resumed.train(resume_from_checkpoint=str(tmp_path / "fresh" / "checkpoint-4"))
+    assert resumed.state.global_step == 8
+    assert list(complete_checkpoints(point_dir)) == [8]  # replaced whole: one point, the newest
+
+
 def test_recorded_corpus_features_equal_the_on_the_fly_ones_and_nothing_is_cached(
     target_factory, drafter_factory, tmp_path
 ):

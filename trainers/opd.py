@@ -85,13 +85,8 @@ def lora_config(model_args: ModelConfig, drafter):
     )
 
 
-def main(
-    script_args: OPDScriptArguments,
-    online_args: OnlineConfig,
-    training_args: OPDConfig,
-    model_args: ModelConfig,
-) -> list[dict]:
-    state = PartialState()
+def _check_launch(state: PartialState, script_args: OPDScriptArguments) -> None:
+    """What the online loop cannot run with, refused before the target loads."""
     if state.num_processes != 1:
         raise ValueError(
             f"num_processes: expected 1 (the server, the trainer and their target copies share one device), "
@@ -101,6 +96,16 @@ def main(
         raise ValueError(
             "serving_mode: expected 'adaflash' or 'dflash' (plain decoding drafts nothing), got 'plain'"
         )
+
+
+def main(
+    script_args: OPDScriptArguments,
+    online_args: OnlineConfig,
+    training_args: OPDConfig,
+    model_args: ModelConfig,
+) -> list[dict]:
+    state = PartialState()
+    _check_launch(state, script_args)
     warn_if_cpu_threads_idle(logger, state.device)
     output_dir = Path(training_args.output_dir)
     target, tokenizer = load_target(script_args.target_model)

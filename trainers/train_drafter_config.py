@@ -150,6 +150,15 @@ class DrafterTrainingConfig(DrafterArguments, TrainingArguments):
             "max_steps. None: stop at max_steps only."
         },
     )
+    resume_point_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "After every checkpoint save, also write it as a resume point here (bf16 weights, config and "
+            "trainer state, no optimizer: trainers/resume_point.py), replacing the previous one. Point it inside "
+            "the repository (examples/results/<run>/resume) so that a working period cut off mid-run still leaves "
+            "its newest checkpoint in the working tree, where runs/ is lost. None: none written."
+        },
+    )
     resume_rewarmup_steps: int = field(
         default=50,
         metadata={

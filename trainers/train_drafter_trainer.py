@@ -26,6 +26,7 @@ from adaflash_hf.trainers.corpus import load_features, read_corpus
 from adaflash_hf.trainers.dflash_recipe import recipe_loss, sample_anchors
 from adaflash_hf.trainers.learning_curve import LearningCurve, heldout_acceptance
 from adaflash_hf.trainers.optim import clip_each_group, split_drafter_and_head, two_group_adamw
+from adaflash_hf.trainers.resume_point import save_resume_point
 from adaflash_hf.trainers.target_features import (
     SequenceCollator,
     TargetFeatures,
@@ -79,6 +80,20 @@ class TimeBudget(TrainerCallback):
             control.should_training_stop = control.should_log = control.should_save = True
             control.should_evaluate = control.should_evaluate or self.evaluate
         return control
+
+
+class ResumePointOnSave(TrainerCallback):
+    """Writes each checkpoint the Trainer saves as the run's resume point in ``dest`` (``save_resume_point``: bf16
+    weights and trainer state, replacing the previous point whole), so that the newest checkpoint survives a working
+    period that ends mid-run."""
+
+    def __init__(self, dest: str):
+        self.dest = dest
+
+    def on_save(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            checkpoint = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+            logger.info(f"resume point: {save_resume_point(checkpoint, self.dest)}")
 
 
 def has_optimizer_state(checkpoint: str) -> bool:
@@ -144,6 +159,8 @@ class DrafterTrainer(Trainer):
             self._load_heldout(model)
             if args.curve_points_per_decade and args.eval_strategy == "no":
                 self.add_callback(LogSpacedEvaluation(args.curve_points_per_decade))
+        if args.resume_point_dir:
+            self.add_callback(ResumePointOnSave(args.resume_point_dir))
         if args.max_train_seconds is not None:
             self.add_callback(
                 TimeBudget(args.max_train_seconds, evaluate=bool(eval_prompts or args.heldout_corpus_dir))
