@@ -364,19 +364,25 @@ def test_the_long_run_resumes_with_last_skips_a_finished_run_and_keeps_the_shipp
     assert lines[1].split()[-1] == "last"
     assert "restore" not in done.stdout  # no learning_curve_dir, no resume point
 
+
+@pytest.mark.parametrize("stage", ["stage3", "stage4"])
+def test_the_long_run_configs_keep_a_resume_point_and_start_from_a_pinned_drafter(stage, monkeypatch):
     from adaflash_hf.trainers.train_drafter import make_parser
 
     monkeypatch.chdir(ROOT)
-    (long,) = make_parser().parse_args_and_config(["--config", "examples/configs/train_smollm2_stage3.yaml"])
+    (long,) = make_parser().parse_args_and_config(
+        ["--config", f"examples/configs/train_smollm2_{stage}.yaml"]
+    )
     assert (
         long.eval_strategy == "steps" and long.eval_steps == long.save_steps
     )  # a curve point per checkpoint
-    assert long.learning_curve_dir != "examples/results"  # its own curve: shipping appends it with an offset
+    assert (
+        long.learning_curve_dir == f"examples/results/{stage}"
+    )  # its own curve: shipping appends it with an offset
     # Each save rewrites the point run_long.sh restores, so a working period cut off mid-run keeps its last checkpoint.
     assert long.resume_point_dir == f"{long.learning_curve_dir}/resume"
-    assert long.max_steps * long.per_device_train_batch_size * 215 / 2 > 1_000_000
-    assert (
-        long.drafter_init == "examples/results/stage3/start"
-    )  # pinned: shipping a stage-3 checkpoint moves no start
+    assert long.max_steps * long.per_device_train_batch_size * 215 / 2 > 500_000  # ~215 blocks a sequence
+    # Pinned: neither shipping a checkpoint nor the run's own saves move its start.
+    assert not long.drafter_init.startswith(long.resume_point_dir) and long.corpus_features_dir is None
     start = AdaFlashDrafter.from_pretrained(ROOT / long.drafter_init)
     assert len(start.config.draft_token_ids) == 8192
