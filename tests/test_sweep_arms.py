@@ -381,7 +381,7 @@ def test_the_long_run_configs_keep_a_resume_point_and_start_from_a_pinned_drafte
     )  # its own curve: shipping appends it with an offset
     # Each save rewrites the point run_long.sh restores, so a working period cut off mid-run keeps its last checkpoint.
     assert long.resume_point_dir == f"{long.learning_curve_dir}/resume"
-    assert long.max_steps * long.per_device_train_batch_size * 215 / 2 > 500_000  # ~215 blocks a sequence
+    assert long.max_steps * long.per_device_train_batch_size * 215 / 2 > 400_000  # ~215 blocks a sequence
     # Pinned: neither shipping a checkpoint nor the run's own saves move its start.
     assert not long.drafter_init.startswith(long.resume_point_dir) and long.corpus_features_dir is None
     start = AdaFlashDrafter.from_pretrained(ROOT / long.drafter_init)
