@@ -365,8 +365,16 @@ def test_the_long_run_resumes_with_last_skips_a_finished_run_and_keeps_the_shipp
     assert "restore" not in done.stdout  # no learning_curve_dir, no resume point
 
 
-@pytest.mark.parametrize("stage", ["stage3", "stage4"])
-def test_the_long_run_configs_keep_a_resume_point_and_start_from_a_pinned_drafter(stage, monkeypatch):
+@pytest.mark.parametrize(
+    "stage, start, min_blocks",
+    [
+        ("stage3", "examples/results/stage3/start", 1_000_000),  # one epoch of the complete corpus
+        ("stage4", "examples/results/stage3/resume/checkpoint-6000", 400_000),  # stage 3's finished end
+    ],
+)
+def test_the_long_run_configs_keep_a_resume_point_and_start_from_a_pinned_drafter(
+    stage, start, min_blocks, monkeypatch
+):
     from adaflash_hf.trainers.train_drafter import make_parser
 
     monkeypatch.chdir(ROOT)
@@ -381,8 +389,9 @@ def test_the_long_run_configs_keep_a_resume_point_and_start_from_a_pinned_drafte
     )  # its own curve: shipping appends it with an offset
     # Each save rewrites the point run_long.sh restores, so a working period cut off mid-run keeps its last checkpoint.
     assert long.resume_point_dir == f"{long.learning_curve_dir}/resume"
-    assert long.max_steps * long.per_device_train_batch_size * 215 / 2 > 400_000  # ~215 blocks a sequence
+    assert long.max_steps * long.per_device_train_batch_size * 215 / 2 > min_blocks  # ~215 blocks a sequence
     # Pinned: neither shipping a checkpoint nor the run's own saves move its start.
-    assert not long.drafter_init.startswith(long.resume_point_dir) and long.corpus_features_dir is None
+    assert long.drafter_init == start and not start.startswith(long.resume_point_dir)
+    assert long.corpus_features_dir is None
     start = AdaFlashDrafter.from_pretrained(ROOT / long.drafter_init)
     assert len(start.config.draft_token_ids) == 8192
