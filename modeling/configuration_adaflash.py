@@ -14,6 +14,7 @@ from typing import Any, Union, get_args, get_origin
 
 from huggingface_hub.dataclasses import strict
 from transformers.configuration_utils import PreTrainedConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 LENGTH_HEAD_VARIANTS = ("two_model", "paper")
 SOURCE_LAYOUTS = ("adaflash", "dflash", "adaflash_official", "muse_glimmer")
@@ -54,6 +55,14 @@ def check_local_path(pretrained_model_name_or_path) -> None:
             f"pretrained_model_name_or_path: expected an existing drafter folder or an 'org/name' Hub repo id, "
             f"got {text!r}, which does not exist"
         )
+
+
+def check_rope_parameters(rope_parameters: dict) -> None:
+    """Raise unless ``rope_type`` is one AdaFlashRotaryEmbedding can build (transformers only warns about others)."""
+    allowed = ("default", *ROPE_INIT_FUNCTIONS)
+    rope_type = rope_parameters.get("rope_type", "default")
+    if rope_type not in allowed:
+        raise ValueError(f"rope_parameters.rope_type: expected one of {allowed}, got {rope_type!r}")
 
 
 def check_draft_token_ids(token_ids: list[int], vocab_size: int | None) -> None:
@@ -203,6 +212,7 @@ class AdaFlashConfig(PreTrainedConfig):
             )
         if self.length_head_gamma <= 0:
             raise ValueError(f"length_head_gamma: expected > 0, got {self.length_head_gamma}")
+        check_rope_parameters(self.rope_parameters)
         if self.source_layout not in SOURCE_LAYOUTS:
             raise ValueError(f"source_layout: expected one of {SOURCE_LAYOUTS}, got {self.source_layout!r}")
         if self.num_attention_heads % self.num_key_value_heads:

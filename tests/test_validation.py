@@ -1,11 +1,13 @@
 """Bad drafters, targets and inputs raise a specific error naming the field, the expected and the actual value,
 before any forward pass runs."""
 
+import json
+
 import pytest
 import torch
 from huggingface_hub.errors import StrictDataclassClassValidationError
 
-from adaflash_hf import AdaFlashConfig
+from adaflash_hf import AdaFlashConfig, AdaFlashDrafter
 
 TINY = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, target_layer_ids=[0])
 
@@ -220,11 +222,26 @@ def test_block_size_below_two_is_rejected_at_config_construction(block_size):
             r"num_attention_heads: expected a multiple of num_key_value_heads=3, got 4",
         ),
         (dict(target_layer_ids=[]), r"target_layer_ids: expected a non-empty list .*got \[\]"),
+        (
+            dict(rope_parameters={"rope_type": "bogus", "rope_theta": 1e4}),
+            r"rope_parameters\.rope_type: expected one of \('default', 'linear'.*\), got 'bogus'",
+        ),
     ],
 )
 def test_invalid_config_fields_are_rejected_at_construction(overrides, match):
     with config_error(match):
         AdaFlashConfig(**{**TINY, **overrides})
+
+
+def test_a_drafter_folder_with_an_unknown_rope_type_is_refused_when_loaded(
+    qwen3_target, drafter_factory, tmp_path
+):
+    drafter_factory(qwen3_target).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["rope_parameters"]["rope_type"] = "bogus"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with config_error(r"rope_parameters\.rope_type: expected one of .*got 'bogus'"):
+        AdaFlashDrafter.from_pretrained(tmp_path)
 
 
 def test_sliding_drafter_layers_are_not_implemented():
