@@ -317,7 +317,7 @@ def test_remote_code_loads_where_adaflash_hf_is_not_importable(hub_cache):
 
 def test_the_bench_jsons_we_write_render_as_a_card(drafter):
     """`adaflash publish --bench-json` takes what `adaflash bench generate` and `bench serve` write."""
-    results = Path(__file__).resolve().parents[1] / "examples" / "results"
+    results = Path(__file__).resolve().parents[1] / "experiments" / "results"
     for name, first in (
         ("bench_generate.json", "| method | domain | τ |"),
         ("bench_serve.json", "| mode | concurrency | τ | speed-up |"),

@@ -1,4 +1,4 @@
-"""examples/ship_drafter.py: a trained checkpoint becomes the example drafter (bf16 weights equal to the checkpoint's
+"""experiments/ship_drafter.py: a trained checkpoint becomes the example drafter (bf16 weights equal to the checkpoint's
 rounded to bf16, remote code, a card rendered from a bench JSON plus the notes), and a bad checkpoint leaves the
 shipped folder as it was."""
 
@@ -36,7 +36,7 @@ BENCH = {  # the shape `adaflash bench generate` writes
 
 
 def _ship_module():
-    spec = importlib.util.spec_from_file_location("ship_drafter", REPO / "examples" / "ship_drafter.py")
+    spec = importlib.util.spec_from_file_location("ship_drafter", REPO / "experiments" / "ship_drafter.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -1,15 +1,13 @@
-"""The sample-efficiency sweep's arms (issue 22): a drafter started from the target's last layers, the soft-target KL
-to the target's recorded top-k, and the sweep configs that run them at equal blocks."""
+"""What the sample-efficiency sweep's arms (experiments/configs/sweep_*) train with: a drafter started from the
+target's last layers, the soft-target KL to the target's recorded top-k, and the resume from the newest complete
+checkpoint."""
 
-import os
-from pathlib import Path
 from types import SimpleNamespace
 
 import datasets
 import pytest
 import torch
 
-from adaflash_hf import AdaFlashDrafter
 from adaflash_hf.trainers import DrafterTrainer, DrafterTrainingConfig
 from adaflash_hf.trainers.corpus import build_corpus, read_corpus
 from adaflash_hf.trainers.dflash_recipe import recipe_loss, sample_anchors, soft_target_kl
@@ -17,9 +15,6 @@ from adaflash_hf.trainers.drafter_setup import build_drafter, init_from_target
 from adaflash_hf.trainers.target_features import SequenceCollator, TargetFeatures
 from tests.test_corpus import rows, tiny_tokenizer
 from tests.test_train_drafter import toy_batch
-
-ROOT = Path(__file__).resolve().parents[1]
-ARMS = ("baseline", "init_from_target", "soft_targets", "higher_lr")
 
 
 # ------------------------------------------------------------------------------------------- init_from_target
@@ -262,60 +257,7 @@ def test_soft_target_weight_outside_zero_one_is_refused(tmp_path, value):
         DrafterTrainingConfig(output_dir=str(tmp_path), soft_target_weight=value, report_to="none")
 
 
-# ------------------------------------------------------------------------------------------------ sweep configs
-def _sweep_config(arm, monkeypatch):
-    from adaflash_hf.trainers.train_drafter import make_parser
-
-    monkeypatch.chdir(ROOT)
-    (args,) = make_parser().parse_args_and_config(
-        ["--config", str(ROOT / "examples" / "configs" / f"sweep_{arm}.yaml")]
-    )
-    return args
-
-
-def test_the_sweep_arms_differ_in_their_arm_only_and_see_equal_blocks(monkeypatch):
-    arms = {arm: _sweep_config(arm, monkeypatch) for arm in ARMS}
-    base = arms["baseline"]
-    assert base.soft_target_weight == 0.0 and not base.init_from_target
-    assert (
-        base.drafter_init == "examples/results/sweep/stage2_start"
-    )  # pinned: shipping a new drafter moves no arm
-    stage2 = AdaFlashDrafter.from_pretrained(ROOT / base.drafter_init)
-    assert stage2.config.block_size == 16 and len(stage2.config.draft_token_ids) == 8192
-    assert arms["soft_targets"].soft_target_weight > 0
-    assert arms["init_from_target"].init_from_target and arms["init_from_target"].drafter_init is None
-    assert arms["higher_lr"].learning_rate > base.learning_rate
-    arms["baseline_scratch"] = _sweep_config(
-        "baseline_scratch", monkeypatch
-    )  # arm init_from_target's comparator
-    assert arms["baseline_scratch"].drafter_init is None and not arms["baseline_scratch"].init_from_target
-    for arm, args in arms.items():
-        assert (
-            args.max_steps * args.per_device_train_batch_size
-            == base.max_steps * base.per_device_train_batch_size
-        )
-        assert args.max_steps * args.per_device_train_batch_size * 215 / 2 == pytest.approx(150_000, rel=0.01)
-        assert (
-            args.output_dir == f"runs/sweep/{arm}"
-            and args.learning_curve_dir == f"examples/results/sweep/{arm}"
-        )
-        assert args.heldout_corpus_dir == base.heldout_corpus_dir and args.corpus_dir == base.corpus_dir, arm
-        assert args.seed == base.seed and args.draft_vocab_size == base.draft_vocab_size == 8192
-        assert args.final_norm_init == base.final_norm_init and args.loss_positions == base.loss_positions
-
-
-def test_the_sweep_runner_knows_every_arm_and_refuses_an_unknown_one():
-    import re
-    import subprocess
-
-    script = ROOT / "examples" / "run_sweep.sh"
-    default_arms = re.search(r"arms=\((baseline [^)]*)\)", script.read_text()).group(1).split()
-    assert set(ARMS) <= set(default_arms)
-    assert all((ROOT / "examples" / "configs" / f"sweep_{arm}.yaml").is_file() for arm in default_arms)
-    done = subprocess.run([str(script), "no_such_arm"], capture_output=True, text=True)
-    assert done.returncode == 2 and "examples/configs/sweep_no_such_arm.yaml" in done.stderr
-
-
+# ------------------------------------------------------------------------------------------------ resume
 def test_resume_last_takes_the_newest_complete_checkpoint(tmp_path):
     from adaflash_hf.trainers.train_drafter import last_complete_checkpoint
 
@@ -327,71 +269,3 @@ def test_resume_last_takes_the_newest_complete_checkpoint(tmp_path):
     (tmp_path / "checkpoint-9999.tmp").mkdir()
     assert last_complete_checkpoint(tmp_path) == str(tmp_path / "checkpoint-1200")
     assert last_complete_checkpoint(tmp_path / "checkpoint-40") is None
-
-
-def test_the_long_run_resumes_with_last_skips_a_finished_run_and_keeps_the_shipped_curve(
-    tmp_path, monkeypatch
-):
-    import subprocess
-
-    script = ROOT / "examples" / "run_long.sh"
-
-    def run(*args):
-        env = {**os.environ, "DRY_RUN": "1"}
-        return subprocess.run([str(script), *args], capture_output=True, text=True, env=env)
-
-    config = tmp_path / "long.yaml"
-    config.write_text(f'output_dir: "{tmp_path / "run"}"   # quoted, with a comment\nmax_steps: 10\n')
-    done = run(str(config))
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.split()[-4:] == ["--config", str(config), "--resume_from_checkpoint", "last"]
-    (tmp_path / "run").mkdir()
-    (tmp_path / "run" / "model.safetensors").write_bytes(b"")
-    finished = run(str(config))
-    assert finished.returncode == 0 and "not rerun" in finished.stdout and "accelerate" not in finished.stdout
-    missing = run(str(tmp_path / "nothing.yaml"))
-    assert missing.returncode == 2 and "expected a config file" in missing.stderr
-    (tmp_path / "bare.yaml").write_text("max_steps: 10\n")
-    assert "expected an output_dir line" in run(str(tmp_path / "bare.yaml")).stderr
-    assert "--resume_from_checkpoint last" in (ROOT / "examples" / "run_sweep.sh").read_text()
-    # A committed resume point (<learning_curve_dir>/resume) is restored into output_dir before the launch.
-    (tmp_path / "curve" / "resume").mkdir(parents=True)
-    (tmp_path / "pointed.yaml").write_text(
-        f"output_dir: {tmp_path / 'run2'}\nlearning_curve_dir: '{tmp_path / 'curve'}'\n"
-    )
-    lines = run(str(tmp_path / "pointed.yaml")).stdout.splitlines()
-    assert lines[0].split()[-3:] == ["restore", str(tmp_path / "curve" / "resume"), str(tmp_path / "run2")]
-    assert lines[1].split()[-1] == "last"
-    assert "restore" not in done.stdout  # no learning_curve_dir, no resume point
-
-
-@pytest.mark.parametrize(
-    "stage, start, min_blocks",
-    [
-        ("stage3", "examples/results/stage3/start", 1_000_000),  # one epoch of the complete corpus
-        ("stage4", "examples/results/stage3/resume/checkpoint-6000", 400_000),  # stage 3's finished end
-    ],
-)
-def test_the_long_run_configs_keep_a_resume_point_and_start_from_a_pinned_drafter(
-    stage, start, min_blocks, monkeypatch
-):
-    from adaflash_hf.trainers.train_drafter import make_parser
-
-    monkeypatch.chdir(ROOT)
-    (long,) = make_parser().parse_args_and_config(
-        ["--config", f"examples/configs/train_smollm2_{stage}.yaml"]
-    )
-    assert (
-        long.eval_strategy == "steps" and long.eval_steps == long.save_steps
-    )  # a curve point per checkpoint
-    assert (
-        long.learning_curve_dir == f"examples/results/{stage}"
-    )  # its own curve: shipping appends it with an offset
-    # Each save rewrites the point run_long.sh restores, so a working period cut off mid-run keeps its last checkpoint.
-    assert long.resume_point_dir == f"{long.learning_curve_dir}/resume"
-    assert long.max_steps * long.per_device_train_batch_size * 215 / 2 > min_blocks  # ~215 blocks a sequence
-    # Pinned: neither shipping a checkpoint nor the run's own saves move its start.
-    assert long.drafter_init == start and not start.startswith(long.resume_point_dir)
-    assert long.corpus_features_dir is None
-    start = AdaFlashDrafter.from_pretrained(ROOT / long.drafter_init)
-    assert len(start.config.draft_token_ids) == 8192

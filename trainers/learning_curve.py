@@ -9,7 +9,7 @@ sequences, for the cost of one drafter forward per sequence instead of a generat
 - ``tau_fixed``: 1 + mean accepted length of the full block (fixed-length DFlash's τ);
 - ``acceptance_per_position``: P(accepted >= j) for j = 1..block_size-1.
 
-    curve = LearningCurve(out_dir)        # examples/results/learning_curve.{json,png}
+    curve = LearningCurve(out_dir)        # <out_dir>/learning_curve.{json,png}
     curve.add(blocks_seen, heldout_acceptance(drafter, target, records, features))
 """
 
@@ -183,7 +183,7 @@ def plot_learning_curve(json_path: str | Path, png_path: str | Path) -> None:
             )
     stages = data.get("meta", {}).get(
         "stages", {}
-    )  # resumed runs appended to this curve (examples/ship_drafter.py)
+    )  # later runs appended to this curve, each from its own offset
     for axis, (_, title) in zip(axes, panels):
         for stage, info in stages.items():
             axis.axvline(info["offset_blocks"], color="grey", linestyle=":", linewidth=1)

@@ -6,7 +6,7 @@ CUDA, ``triton``. Acceptance over a packed verify batch of B requests with k̂ =
 proposals): ``fallback`` and, on CUDA, ``triton``. Times are medians over ``--repeats`` after one warm-up.
 Peak memory is the working memory above the inputs: ``torch.cuda.max_memory_allocated`` on CUDA; on CPU
 each variant runs in a fresh subprocess and reports its RSS high-water mark minus its RSS before the run.
-Goals (issue 5): fused peak <= 1/4 of naive at V=151936, and >= 2x faster than naive on GPU.
+Goals: fused peak <= 1/4 of naive at V=151936, and >= 2x faster than naive on GPU.
 """
 
 import argparse

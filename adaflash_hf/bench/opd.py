@@ -1,8 +1,8 @@
 """The online-distillation experiment: τ per domain over OPD rounds for each loss variant, from one offline drafter.
 
-    adaflash bench opd [--config examples/configs/opd_experiment.yaml] [--variants none ce rkl adaflash]
+    adaflash bench opd [--config examples/configs/opd_bench.yaml] [--variants none ce rkl adaflash]
                        [--eval-prompts-per-domain 16] [--output-dir runs/bench_opd] [--skip-training]
-    adaflash bench opd --config examples/configs/opd_shift.yaml --output-dir runs/opd_shift \
+    adaflash bench opd --config experiments/configs/opd_new_domain.yaml --output-dir runs/opd_new_domain \
         --variants none ce rkl adaflash head_frozen replay --replay-fraction 0.25 0.5 --eval-prompts-per-domain 32
 
 1. **Online runs.** Per run, ``accelerate launch --cpu --num_processes 1 trainers/opd.py --config CONFIG
@@ -31,7 +31,7 @@
    each run's last round), ``head_error_vs_rounds.png`` and, with two or more replay fractions,
    ``replay_forgetting.png``.
 
-Goals (issue 24): on the new domain (the traffic's last phase, one the drafter never saw), AdaFlash raises evaluation τ
+Goals: on the new domain (the traffic's last phase, one the drafter never saw), AdaFlash raises evaluation τ
 by >= 25% within the buffers run, lowers no other domain's τ by more than 5% (with replay if needed), and ends ahead of
 CE-only and of unclipped reverse KL beyond the noise; the online length head ahead of the frozen one in speed-up.
 """
@@ -70,7 +70,7 @@ from adaflash_hf.stats import tau_of
 logger = logging.get_logger(__name__)
 
 ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_CONFIG = ROOT / "examples" / "configs" / "opd_experiment.yaml"
+DEFAULT_CONFIG = ROOT / "examples" / "configs" / "opd_bench.yaml"
 DOMAINS = ("chat", "code", "math")  # always evaluated, with the traffic's own domains (a new one among them)
 VARIANTS = {
     "none": ("no online updates (offline drafter)", ["--online_updates", "false"]),

@@ -20,8 +20,8 @@ Per concurrency and mode: throughput = generated tokens / wall seconds (median o
 over plain's at the same concurrency; τ = tokens committed per verify (accepted + 1); mean verify length =
 drafts verified per verify; acceptance rate = accepted / verified drafts; lookup share = verifies whose drafts came
 from lookup (hybrid), with their own acceptance rate. ``lossless`` checks every request's
-tokens against plain's. Goals (issue 6): AdaFlash ≥ 1.0x plain at every concurrency, and ≥ 1.2x fixed-length
-DFlash at concurrency ≥ 8; (issue 14) hybrid ahead of plain and AdaFlash at concurrency 8 and 16. Outputs in ``--output-dir``: ``results.json``, ``table.md`` and
+tokens against plain's. Goals: AdaFlash ≥ 1.0x plain at every concurrency, and ≥ 1.2x fixed-length
+DFlash at concurrency ≥ 8; hybrid ahead of plain and AdaFlash at concurrency 8 and 16. Outputs in ``--output-dir``: ``results.json``, ``table.md`` and
 ``speedup_vs_concurrency.png`` (and ``cost_curve.png``, the goodput cost model's measured target-forward seconds by
 tokens per running-request bucket). Exit status 1 when a mode is not lossless.
 """
@@ -234,7 +234,7 @@ def _goals(summary: list[dict]) -> dict:
             rows[c, "adaflash"]["tokens_per_s"] >= 1.2 * rows[c, "dflash"]["tokens_per_s"] for c in high
         )
     if all((c, "goodput") in rows for c in levels):
-        # issue 21: never slower than plain beyond noise
+        # goodput: never slower than plain beyond noise
         goals["goodput_at_least_0.97x_plain_everywhere"] = all(
             rows[c, "goodput"]["speedup_vs_plain"] >= 0.97 for c in levels
         )

@@ -8,7 +8,7 @@ layers), the tied embedding and lm_head are random tensors of the real target's 
 9 heads over 3 KV heads of 64, intermediate 1536, vocabulary 49152, 30 layers), for a batch of 4 sequences of 448
 tokens whose first 64 are prompt (unsupervised). Speed does not depend on the values.
 
-Variants (``VARIANTS``) start from ``today`` (the recipe before issue 12: dense [Q, S + Q] mask, float32, full
+Variants (``VARIANTS``) start from ``today`` (the original recipe: dense [Q, S + Q] mask, float32, full
 vocabulary, 24 anchors) and change the attention layout and anchor count, bf16 autocast, the vocabulary (``dv``: a
 draft vocabulary of 8192 ids), the drafter's depth and the soft-target KL (``soft``: random top-32 targets). The draft
 vocabulary is the batch's most frequent label tokens filled up with random other ids (random tokens are nearly all
@@ -69,7 +69,7 @@ VARIANTS = {
         "drafter_layers": 1,
         "loss_positions": 3,
     },
-    # The soft-target arm of the sweep (examples/configs/sweep_soft_targets.yaml): CE mixed with the KL to a top-32.
+    # The soft-target arm of the sweep (experiments/configs/sweep_soft_targets.yaml): CE mixed with the KL to a top-32.
     "split-512-dv-1layer-lp6-soft": {
         "num_anchors": 512,
         "draft_vocab": True,
