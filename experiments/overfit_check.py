@@ -20,9 +20,10 @@ import torch
 from transformers import GenerationConfig
 
 from adaflash_hf.assets import load_target
-from adaflash_hf.trainers.corpus import load_features, read_corpus
+from adaflash_hf.trainers.corpus import read_corpus
 from adaflash_hf.trainers.drafter_setup import build_drafter
 from adaflash_hf.trainers.learning_curve import heldout_acceptance
+from adaflash_hf.trainers.target_features import sequence_features
 from adaflash_hf.trainers.train_drafter_config import DrafterTrainingConfig
 from adaflash_hf.trainers.train_drafter_trainer import DrafterTrainer
 
@@ -40,10 +41,14 @@ def generate_tau(target, drafter, records, max_new_tokens: int) -> float:
     return committed / max(rounds, 1)
 
 
-def main() -> None:
+def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--corpus-dir", default="examples/corpus/smollm2")
-    parser.add_argument("--features-dir", default="runs/features/smollm2")
+    parser.add_argument(
+        "--features-dir",
+        default="runs/features/smollm2",
+        help="recorded target features (adaflash corpus --features-dir); those missing are computed by the target",
+    )
     parser.add_argument("--domain", default="chat")
     parser.add_argument("--sequences", type=int, default=64)
     parser.add_argument("--max-steps", type=int, default=300)
@@ -53,10 +58,11 @@ def main() -> None:
     parser.add_argument("--generate-prompts", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--output", default="runs/overfit_check.json")
-    cli = parser.parse_args()
+    return parser
 
-    target, tokenizer = load_target()
-    records = read_corpus(cli.corpus_dir, [cli.domain])[: cli.sequences]
+
+def overfit(target, tokenizer, records: list[dict], cli: argparse.Namespace) -> dict:
+    """Train a fresh drafter on ``records`` and measure it on them before and after (see the module docstring)."""
     with tempfile.TemporaryDirectory() as out_dir:
         args = DrafterTrainingConfig(
             output_dir=out_dir,
@@ -78,8 +84,8 @@ def main() -> None:
             report_to="none",
         )
         drafter = build_drafter(args, target, records)
-        layer_ids = drafter.config.target_layer_ids
-        features = [load_features(cli.features_dir, r, layer_ids) for r in records]
+        # Recorded features where the corpus has them (a fresh checkout has none), else one target forward each.
+        features = sequence_features(target, records, drafter.config.target_layer_ids, cli.features_dir)
         shown = records[: cli.generate_prompts]
         before = {
             "acceptance": heldout_acceptance(drafter, target, records, features)["all"],
@@ -98,7 +104,7 @@ def main() -> None:
         "acceptance": heldout_acceptance(drafter, target, records, features)["all"],
         "generate_tau_fixed": generate_tau(target, drafter, shown, cli.max_new_tokens),
     }
-    result = {
+    return {
         "sequences": len(records),
         "domain": cli.domain,
         "max_steps": cli.max_steps,
@@ -109,13 +115,22 @@ def main() -> None:
         "after": after,
         "loss_history": [e for e in trainer.state.log_history if "loss" in e],
     }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    cli = make_parser().parse_args(argv)
+    target, tokenizer = load_target()
+    records = read_corpus(cli.corpus_dir, [cli.domain])[: cli.sequences]
+    result = overfit(target, tokenizer, records, cli)
     Path(cli.output).parent.mkdir(parents=True, exist_ok=True)
     Path(cli.output).write_text(json.dumps(result, indent=1))
-    for name, values in (("before", before), ("after", after)):
+    for name in ("before", "after"):
+        values = result[name]
         print(
             f"{name}: first-position {values['acceptance']['first_position']:.3f}, teacher-forced τ "
             f"{values['acceptance']['tau_fixed']:.2f}, generate τ (fixed) {values['generate_tau_fixed']:.2f}"
         )
+    return result
 
 
 if __name__ == "__main__":

@@ -232,6 +232,10 @@ def test_an_out_dir_that_is_a_file_is_refused_before_anything_loads(monkeypatch,
         corpus.main(["--out-dir", str(tmp_path / "file")])
 
 
+def test_the_default_out_dir_writes_under_runs_not_over_the_committed_corpus():
+    assert corpus.make_parser().parse_args([]).out_dir == "runs/corpus"
+
+
 def test_training_sequences_whose_prompt_is_a_heldout_prompt_are_dropped(monkeypatch):
     from adaflash_hf.data import prompt_ids
     from adaflash_hf.trainers import train_drafter

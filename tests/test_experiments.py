@@ -8,6 +8,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
 from adaflash_hf import AdaFlashDrafter
 
@@ -194,3 +195,40 @@ def test_nothing_in_examples_or_the_library_reads_from_experiments():
                 f"{path.relative_to(ROOT)}: {v!r}" for v in _string_constants(path) if "experiments" in v
             ]
     assert not readers, readers
+
+
+def test_the_overfit_check_computes_the_features_a_fresh_checkout_lacks(target_factory, tmp_path):
+    spec = importlib.util.spec_from_file_location("overfit_check", ROOT / "experiments" / "overfit_check.py")
+    overfit_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(overfit_check)
+    target = target_factory("llama")
+    g = torch.Generator().manual_seed(0)
+    records = [
+        {
+            "id": f"chat/{i}",
+            "domain": "chat",
+            "input_ids": torch.randint(4, 200, (40,), generator=g).tolist(),
+            "prompt_length": 8,
+        }
+        for i in range(4)
+    ]
+    cli = overfit_check.make_parser().parse_args(
+        [
+            "--features-dir",
+            str(tmp_path / "absent"),
+            "--max-steps",
+            "1",
+            "--draft-vocab-size",
+            "32",
+            "--generate-prompts",
+            "1",
+            "--max-new-tokens",
+            "4",
+        ]
+    )
+    result = overfit_check.overfit(target, None, records, cli)
+    assert result["blocks_seen"] > 0 and not (tmp_path / "absent").exists()
+    for name in ("before", "after"):
+        assert (
+            0 <= result[name]["acceptance"]["first_position"] <= 1 and result[name]["generate_tau_fixed"] >= 1
+        )

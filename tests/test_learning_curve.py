@@ -90,22 +90,84 @@ def test_batched_teacher_forced_acceptance_equals_one_block_at_a_time(
     assert set(metrics) == {"chat", "math", "all"}
 
 
+POINT = {"chat": {"tau_fixed": 1.5, "first_position": 0.3}, "all": {"tau_fixed": 1.5, "first_position": 0.3}}
+
+
 def test_the_curve_json_and_its_plot_come_from_one_record(tmp_path):
     curve = LearningCurve(tmp_path, meta={"title": "t"})
-    point = {
-        "chat": {"tau_fixed": 1.5, "first_position": 0.3},
-        "all": {"tau_fixed": 1.5, "first_position": 0.3},
-    }
-    curve.add(100, point, step=1)
-    curve.add(1000, point, step=10)
+    curve.claim(tmp_path / "run", resumed=False)
+    curve.add(100, POINT, step=1)
+    curve.add(1000, POINT, step=10)
     saved = json.loads((tmp_path / "learning_curve.json").read_text())
     assert [p["blocks_seen"] for p in saved["points"]] == [100, 1000]
     assert (tmp_path / "learning_curve.png").stat().st_size > 0
-    resumed = LearningCurve(
-        tmp_path
-    )  # a resumed run continues the curve and replaces points past its restart
-    resumed.add(500, point, step=5)
+    # The run that wrote the curve, resumed, continues it and replaces the points past its restart.
+    resumed = LearningCurve(tmp_path)
+    resumed.claim(tmp_path / "run", resumed=True)
+    resumed.add(500, POINT, step=5)
     assert [p["blocks_seen"] for p in json.loads(resumed.json_path.read_text())["points"]] == [100, 500]
+
+
+@pytest.mark.parametrize("resumed", [False, True])
+@pytest.mark.parametrize("owner", [None, "runs/other"])
+def test_a_curve_of_another_run_is_refused_and_left_as_it_was(tmp_path, owner, resumed):
+    meta = {"title": "shipped"} | ({"run": owner} if owner else {})
+    points = [{"blocks_seen": b, "step": b, "metrics": POINT} for b in (100, 200, 300)]
+    (tmp_path / "learning_curve.json").write_text(json.dumps({"meta": meta, "points": points}))
+    before = (tmp_path / "learning_curve.json").read_bytes()
+    curve = LearningCurve(tmp_path)
+    with pytest.raises(
+        ValueError, match=r"learning_curve_dir: expected a folder without another run's curve, got "
+    ):
+        curve.claim(tmp_path / "mine", resumed=resumed)
+    with pytest.raises(ValueError, match="would drop 3 later points"):
+        curve.add(10, POINT, step=1)
+    assert (tmp_path / "learning_curve.json").read_bytes() == before
+
+
+def test_a_fresh_run_of_the_same_folder_does_not_cut_back_its_earlier_curve(tmp_path):
+    first = LearningCurve(tmp_path)
+    first.claim(tmp_path / "run", resumed=False)
+    first.add(100, POINT, step=1)
+    with pytest.raises(ValueError, match="1 points of run "):
+        LearningCurve(tmp_path).claim(tmp_path / "run", resumed=False)
+
+
+def test_training_into_a_folder_with_another_runs_curve_is_refused_before_any_step(
+    target_factory, drafter_factory, tmp_path, monkeypatch
+):
+    target = target_factory("llama")
+    drafter = drafter_factory(target)
+    records, tokenizer = corpus(target, tmp_path, drafter.config.target_layer_ids, per_domain=2)
+    shipped = tmp_path / "shipped"
+    shipped.mkdir()
+    points = [{"blocks_seen": b, "step": b, "metrics": POINT} for b in range(100, 5300, 100)]
+    (shipped / "learning_curve.json").write_text(json.dumps({"meta": {}, "points": points}))
+    args = DrafterTrainingConfig(
+        output_dir=str(tmp_path / "out"),
+        domains=["chat", "math"],
+        heldout_corpus_dir=str(tmp_path / "c"),
+        learning_curve_dir=str(shipped),
+        max_steps=2,
+        num_anchors=4,
+        eval_prompts_per_domain=0,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    dataset = datasets.Dataset.from_list(
+        [{k: r[k] for k in ("input_ids", "prompt_length", "id", "domain")} for r in records]
+    )
+    trainer = DrafterTrainer(
+        model=drafter, args=args, target=target, tokenizer=tokenizer, train_dataset=dataset
+    )
+    monkeypatch.setattr(
+        target, "forward", lambda *a, **k: (_ for _ in ()).throw(AssertionError("target ran"))
+    )
+    with pytest.raises(ValueError, match=r"with 52 points of a run that did not record its folder"):
+        trainer.train()
+    assert len(json.loads((shipped / "learning_curve.json").read_text())["points"]) == 52
 
 
 @pytest.mark.parametrize(

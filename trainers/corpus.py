@@ -538,7 +538,9 @@ def make_parser() -> argparse.ArgumentParser:
         "--target", default=DEFAULT_TARGET, help="target causal LM (default: the offline SmolLM2)"
     )
     parser.add_argument(
-        "--out-dir", default="examples/corpus/smollm2", help="token-id corpus (<domain>.jsonl.gz)"
+        "--out-dir",
+        default="runs/corpus",
+        help="token-id corpus (<domain>.jsonl.gz); the shipped drafter's is examples/corpus/smollm2",
     )
     parser.add_argument(
         "--features-dir",

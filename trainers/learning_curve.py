@@ -137,16 +137,41 @@ def _summary(accepted: torch.Tensor, predicted: torch.Tensor, block: int) -> dic
 
 class LearningCurve:
     """Points ``{"blocks_seen", "step", "metrics": heldout_acceptance(...)}`` kept in ``<out_dir>/<name>.json`` and
-    drawn to ``<name>.png`` from that same JSON (held-out τ and first-position acceptance per domain, log x)."""
+    drawn to ``<name>.png`` from that same JSON (held-out τ and first-position acceptance per domain, log x).
+
+    A curve file already there is another run's, or this run's before a resume. ``claim`` decides which before
+    training starts: only the run that wrote it (``meta["run"]``), resumed, may go on with it, and a point it adds
+    replaces the points past its restart; a curve is never cut back by a run it does not belong to."""
 
     def __init__(self, out_dir: str | Path, name: str = "learning_curve", meta: dict | None = None):
         self.json_path = Path(out_dir) / f"{name}.json"
         self.png_path = Path(out_dir) / f"{name}.png"
         self.data = {"meta": meta or {}, "points": []}
-        if self.json_path.is_file():  # a resumed run continues its curve
+        if self.json_path.is_file():
             self.data = json.loads(self.json_path.read_text())
+        self.claimed = False
+
+    def claim(self, run: str | Path, resumed: bool) -> None:
+        """Make this curve ``run``'s (its output folder); a curve holding points of any other run, or of this run
+        when it starts afresh, is refused with an error naming the folder."""
+        points, owner = self.data["points"], self.data.get("meta", {}).get("run")
+        if points and not (resumed and owner is not None and Path(owner).resolve() == Path(run).resolve()):
+            wrote = f"run {owner}" if owner else "a run that did not record its folder"
+            raise ValueError(
+                f"learning_curve_dir: expected a folder without another run's curve, got {self.json_path} with "
+                f"{len(points)} points of {wrote}; choose another learning_curve_dir (default: output_dir), or "
+                "resume that run (--resume_from_checkpoint)"
+            )
+        self.data.setdefault("meta", {})["run"] = str(run)
+        self.claimed = True
 
     def add(self, blocks_seen: int, metrics: dict, step: int | None = None) -> None:
+        later = [p for p in self.data["points"] if p["blocks_seen"] >= blocks_seen]
+        if later and not self.claimed:
+            raise ValueError(
+                f"learning curve {self.json_path}: a point at {blocks_seen} blocks would drop {len(later)} later "
+                "points of a run that did not claim this curve (LearningCurve.claim)"
+            )
         self.data["points"] = [p for p in self.data["points"] if p["blocks_seen"] < blocks_seen]
         self.data["points"].append({"blocks_seen": int(blocks_seen), "step": step, "metrics": metrics})
         self.json_path.parent.mkdir(parents=True, exist_ok=True)

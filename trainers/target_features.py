@@ -69,6 +69,22 @@ def soft_targets_error(features_dir, missing: list[dict], total: int) -> ValueEr
     )
 
 
+@torch.no_grad()
+def sequence_features(
+    target, records: list[dict], layer_ids: list[int], features_dir: str | Path | None = None
+) -> list[torch.Tensor]:
+    """Each record's context features [len - 1, n * H] bf16 (what ``load_features`` returns): read from
+    ``features_dir`` where recorded, else from one target forward over the record's token ids (a fresh checkout
+    holds no feature files)."""
+    features = [load_features(features_dir, r, layer_ids) if features_dir else None for r in records]
+    for i, record in enumerate(records):
+        if features[i] is None:
+            ids = torch.tensor([record["input_ids"]], device=target.device)
+            hidden = target(input_ids=ids, output_hidden_states=True).hidden_states
+            features[i] = torch.cat([hidden[j + 1] for j in layer_ids], dim=-1)[0, :-1].to(torch.bfloat16)
+    return features
+
+
 class TargetFeatures:
     """Per batch, the target's context features and (``soft_topk`` > 0) its ``SoftTargets``; see the module docstring.
 

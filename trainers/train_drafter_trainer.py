@@ -5,7 +5,8 @@ files or on the fly, ``target_features.TargetFeatures``), its raw embedding tabl
 for the logits. Overridden hooks: ``compute_loss`` (``dflash_recipe.recipe_loss``, under bf16
 autocast when ``args.bf16``, CPU included), ``create_optimizer`` (drafter and length head in two AdamW
 groups), ``_clip_grad_norm`` (each group clipped on its own, so the head never shrinks the drafter's update),
-``evaluate`` (tau of real speculative generation on held-out prompts) and ``log`` (recipe metrics).
+``evaluate`` (tau of real speculative generation on held-out prompts), ``log`` (recipe metrics) and ``train`` (the
+held-out learning curve is claimed first: ``LearningCurve.claim``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from transformers.utils import logging
 
 from adaflash_hf.modeling import AdaFlashDrafter
 from adaflash_hf.stats import tau_of
-from adaflash_hf.trainers.corpus import load_features, read_corpus
+from adaflash_hf.trainers.corpus import read_corpus
 from adaflash_hf.trainers.dflash_recipe import recipe_loss, sample_anchors
 from adaflash_hf.trainers.learning_curve import LearningCurve, heldout_acceptance
 from adaflash_hf.trainers.optim import clip_each_group, split_drafter_and_head, two_group_adamw
@@ -31,6 +32,7 @@ from adaflash_hf.trainers.target_features import (
     SequenceCollator,
     TargetFeatures,
     missing_soft_targets,
+    sequence_features,
     soft_targets_error,
 )
 
@@ -206,24 +208,23 @@ class DrafterTrainer(Trainer):
         return self.blocks_seen
 
     def _load_heldout(self, drafter: AdaFlashDrafter) -> None:
-        layer_ids = drafter.config.target_layer_ids
         self.heldout_records = read_corpus(self.args.heldout_corpus_dir, self.args.heldout_domains)
-        features_dir = self.args.heldout_features_dir
-        features = [
-            load_features(features_dir, r, layer_ids) if features_dir else None for r in self.heldout_records
-        ]
-        for i, record in enumerate(self.heldout_records):
-            if features[i] is None:  # no recorded features: one target forward, once
-                ids = torch.tensor([record["input_ids"]], device=self.target.device)
-                hidden = self.target(input_ids=ids, output_hidden_states=True).hidden_states
-                features[i] = drafter.context_features(hidden)[0, :-1].to(torch.bfloat16)
-        self.heldout_features = features
+        # Recorded features where there are some, else one target forward per sequence, once.
+        self.heldout_features = sequence_features(
+            self.target, self.heldout_records, drafter.config.target_layer_ids, self.args.heldout_features_dir
+        )
         self.curve = LearningCurve(
             self.args.learning_curve_dir or self.args.output_dir,
             meta={
                 "title": f"{type(self.target).__name__} drafter, held-out teacher-forced greedy acceptance"
             },
         )
+
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        if self.curve is not None and self.is_world_process_zero():
+            # Before any step: a curve folder holding another run's points is refused here, not cut back later.
+            self.curve.claim(self.args.output_dir, resumed=bool(resume_from_checkpoint))
+        return super().train(resume_from_checkpoint, *args, **kwargs)
 
     # ------------------------------------------------------------------------------------------------ optimiser
     def create_optimizer(self, model=None):
