@@ -1,0 +1,360 @@
+"""``adaflash serve``: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over one ``AdaFlashEngine``.
+
+    adaflash serve                                   # the offline SmolLM2 target with the shipped drafter
+    adaflash serve --drafter none --port 8001        # plain decoding (no drafter)
+    adaflash serve --draft-source hybrid --learn     # lookup + drafter; the drafter keeps learning from the traffic
+
+Endpoints: ``POST /v1/chat/completions`` (the tokenizer's chat template), ``POST /v1/completions`` (both streamed as
+server-sent events in OpenAI's chunk format, or whole), ``GET /v1/models``, ``GET /health`` and ``GET /metrics``
+(Prometheus text: requests running and waiting, tokens/s, τ, mean verify length, admission, the drafter weights
+version, step-time percentiles, and with ``--learn`` the trainer's rounds and last loss). Request bodies and their
+errors: ``openai_api``. The engine runs on its own thread (``worker.EngineWorker``); the asyncio side only queues
+and streams. A client that disconnects has its request aborted; a full queue answers 429 with ``Retry-After``.
+
+SIGTERM (or Ctrl-C): the server stops accepting connections, lets running requests finish for ``--grace-period``
+seconds, aborts the rest, closes the learner (its last checkpoint) and exits 0.
+
+``build_engine`` is the one place the engine is built from the command's options.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from transformers.utils import logging
+
+from adaflash_hf.serving import openai_api as api
+from adaflash_hf.serving.admission import AdmissionConfig
+from adaflash_hf.serving.engine import AdaFlashEngine
+from adaflash_hf.serving.worker import EngineWorker, QueueFull, ShuttingDown
+
+logger = logging.get_logger(__name__)
+
+DEFAULT_DRAFTER = Path(__file__).resolve().parents[2] / "examples" / "drafters" / "smollm2-135m-adaflash"
+DISCONNECT_POLL_S = 0.5
+
+
+def build_engine(
+    target,
+    drafter=None,
+    *,
+    draft_source: str = "diffusion",
+    length_mode: str = "auto",
+    max_running: int = 16,
+    seed: int = 0,
+) -> AdaFlashEngine:
+    """The server's engine: plain decoding without a drafter, else AdaFlash with the given drafting settings."""
+    block = drafter.config.block_size if drafter is not None else 16
+    admission = AdmissionConfig(max_running=max_running, token_budget=max(2048, max_running * block))
+    if drafter is None:
+        return AdaFlashEngine(target, mode="plain", admission=admission, seed=seed)
+    return AdaFlashEngine(
+        target,
+        drafter,
+        mode="adaflash",
+        admission=admission,
+        draft_source=draft_source,
+        length_mode=length_mode,
+        seed=seed,
+    )
+
+
+def _error(error: api.OpenAIError, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+
+def create_app(
+    worker: EngineWorker,
+    tokenizer,
+    model_name: str,
+    default_max_tokens: int = 256,
+    grace_s: float = 30.0,
+    learner=None,
+) -> FastAPI:
+    """The ASGI app over a worker (started and stopped by the app's lifespan) and an optional learner."""
+    engine = worker.engine
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        if learner is not None:
+            learner.start()
+        worker.start()
+        yield
+        # uvicorn has already waited up to its graceful timeout for the responses in flight.
+        await asyncio.to_thread(worker.shutdown, 0.0)
+        if learner is not None:
+            await asyncio.to_thread(learner.close, grace_s)
+
+    app = FastAPI(title="adaflash serve", lifespan=lifespan)
+
+    @app.exception_handler(api.OpenAIError)
+    async def openai_error(request, error: api.OpenAIError):
+        return _error(error)
+
+    async def complete(request: Request, chat: bool):
+        body = api.parse_body(
+            await request.body(), api.ChatCompletionRequest if chat else api.CompletionRequest
+        )
+        api.check_model(body, model_name)
+        stop = api.stop_strings(body)
+        if chat:
+            prompt_field, prompt = "messages", api.chat_prompt_ids(tokenizer, body)
+        else:
+            prompt_field, prompt = "prompt", api.completion_prompt_ids(tokenizer, body, engine.vocab_size)
+        params = api.sampling_params(
+            body, len(prompt), engine.max_positions, default_max_tokens, prompt_field
+        )
+        try:
+            handle = worker.submit(prompt, params, stop, prefix="chatcmpl" if chat else "cmpl")
+        except QueueFull as error:
+            busy = api.OpenAIError(str(error), status=429, code="server_busy")
+            return _error(busy, headers={"Retry-After": str(error.retry_after)})
+        except ShuttingDown as error:
+            return _error(api.OpenAIError(str(error), status=503, code="shutting_down"))
+        first = await handle.queue.get()
+        if first.kind == "failed":  # refused by the engine (its budgets), or the engine thread failed
+            status = 400 if isinstance(first.error, (ValueError, TypeError)) else 500
+            return _error(api.OpenAIError(str(first.error), param=prompt_field, status=status))
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            writer = api.ChunkWriter(chat, handle.request_id, model_name, include_usage)
+            return StreamingResponse(_stream(worker, handle, writer), media_type="text/event-stream")
+        return await _whole(worker, handle, request, chat, model_name)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await complete(request, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await complete(request, chat=False)
+
+    @app.get("/v1/models")
+    async def models():
+        card = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "adaflash"}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health():
+        if worker.is_alive() and worker.error is None:
+            return {"status": "ok"}
+        return JSONResponse({"status": "unavailable"}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(metrics_text(worker, learner), media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+async def _whole(worker, handle, request: Request, chat: bool, model_name: str):
+    """Collect a request's text; a client that went away meanwhile has its request aborted."""
+    pieces, done = [], False
+    try:
+        while True:
+            try:
+                event = await asyncio.wait_for(handle.queue.get(), DISCONNECT_POLL_S)
+            except TimeoutError:
+                if await request.is_disconnected():
+                    return JSONResponse({}, status_code=499)
+                continue
+            if event.kind == "text":
+                pieces.append(event.text)
+            elif event.kind == "failed":
+                done = True
+                return _error(api.OpenAIError(f"engine: {event.error!r}", status=500))
+            else:
+                done = True
+                return api.response_body(
+                    chat, handle.request_id, model_name, "".join(pieces), event, int(time.time())
+                )
+    finally:
+        if not done:
+            worker.abort(handle.request_id)
+
+
+async def _stream(worker, handle, writer: api.ChunkWriter):
+    """Server-sent events until the request finishes; a disconnect cancels this generator, which aborts it."""
+    done = False
+    try:
+        if start := writer.start():
+            yield start
+        while True:
+            event = await handle.queue.get()
+            if event.kind == "text":
+                yield writer.text(event.text)
+                continue
+            done = True
+            if event.kind == "failed":
+                yield writer.error(api.OpenAIError(f"engine: {event.error!r}", status=500))
+            else:
+                yield writer.finish(event)
+            return
+    finally:
+        if not done:
+            worker.abort(handle.request_id)
+
+
+# ------------------------------------------------------------------------------------------------------- metrics
+METRICS = {  # name -> (type, help, snapshot key)
+    "adaflash_requests_running": ("gauge", "Requests in the engine's batch", None),
+    "adaflash_requests_waiting": ("gauge", "Accepted requests not yet in the batch", None),
+    "adaflash_tokens_per_second": (
+        "gauge",
+        "Generated tokens per second over the last steps",
+        "tokens_per_second",
+    ),
+    "adaflash_tau": ("gauge", "Committed tokens per verify round over the last finished requests", "tau"),
+    "adaflash_step_tau": ("gauge", "Committed tokens per verifying request over the last steps", "step_tau"),
+    "adaflash_mean_verify_length": (
+        "gauge",
+        "Drafts verified per verify over the last steps",
+        "mean_verify_length",
+    ),
+    "adaflash_admission_ema_running": ("gauge", "Admission's EMA of running requests", "ema_running"),
+    "adaflash_admission_gamma": ("gauge", "Length-head gamma used by the last step", "gamma"),
+    "adaflash_drafter_weights_version": ("gauge", "Version of the drafter weights being served", None),
+    "adaflash_step_seconds_p50": ("gauge", "Median engine step time over the last steps", "step_seconds_p50"),
+    "adaflash_step_seconds_p99": (
+        "gauge",
+        "99th percentile engine step time over the last steps",
+        "step_seconds_p99",
+    ),
+    "adaflash_steps_total": ("counter", "Engine steps", "steps"),
+    "adaflash_generated_tokens_total": ("counter", "Tokens generated", "tokens"),
+    "adaflash_verify_rounds_total": ("counter", "Verify rounds of finished requests", "verify_rounds"),
+    "adaflash_accepted_drafts_total": ("counter", "Accepted drafts of finished requests", "accepted_drafts"),
+    "adaflash_requests_rejected_total": ("counter", "Requests answered 429 (queue full)", "rejected_busy"),
+}
+
+
+def metrics_text(worker: EngineWorker, learner=None) -> str:
+    """Prometheus text exposition of the worker's (and the learner's) live statistics."""
+    snapshot = worker.stats.snapshot()
+    running = len(worker.engine.running)
+    snapshot |= {
+        "adaflash_requests_running": running,
+        "adaflash_requests_waiting": max(0, worker.accepted - running),
+        "adaflash_drafter_weights_version": int(getattr(worker.engine.drafter, "weights_version", 0) or 0),
+    }
+    lines = []
+    for name, (kind, help_text, key) in METRICS.items():
+        lines += [
+            f"# HELP {name} {help_text}",
+            f"# TYPE {name} {kind}",
+            f"{name} {snapshot.get(key or name, 0)}",
+        ]
+    lines += ["# HELP adaflash_requests_finished_total Finished requests by finish reason"]
+    lines += ["# TYPE adaflash_requests_finished_total counter"]
+    for reason in ("stop", "length", "abort"):
+        lines.append(
+            f'adaflash_requests_finished_total{{reason="{reason}"}} {snapshot.get(f"finished_{reason}", 0)}'
+        )
+    for name, value in (learner.metrics() if learner is not None else {}).items():
+        lines += [f"# TYPE adaflash_{name} gauge", f"adaflash_{name} {value}"]
+    return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------------------------------------------- running
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket (port 0: a free one), bound before the model loads are announced."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(128)
+    return sock
+
+
+def run(app: FastAPI, sock: socket.socket, grace_s: float = 30.0, log_level: str = "info") -> int:
+    """Serve ``app`` on ``sock`` until SIGTERM or SIGINT, then stop gracefully; returns 0."""
+    import uvicorn
+
+    config = uvicorn.Config(app, timeout_graceful_shutdown=grace_s, log_level=log_level, lifespan="on")
+    server = uvicorn.Server(config)
+    # uvicorn re-raises the signal it stopped on once it has restored the previous handlers: with these no-op
+    # handlers in place the process then exits with status 0 instead of dying of SIGTERM.
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        server.run(sockets=[sock])
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 0 if server.started else 1
+
+
+class BackgroundServer:
+    """``app`` served by uvicorn in a daemon thread (a notebook, a test): ``with BackgroundServer(app) as server:``
+    then ``server.base_url`` (``http://127.0.0.1:<free port>/v1``); leaving the block stops it gracefully."""
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, grace_s: float = 5.0):
+        import uvicorn
+
+        self.sock = bind(host, port)
+        self.base_url = f"http://{host}:{self.sock.getsockname()[1]}/v1"
+        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=grace_s, lifespan="on")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self) -> BackgroundServer:
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("server: expected it to start within 60 s, got no start")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join()
+
+
+def load_drafter_for(target, drafter: str | None):
+    """``--drafter``: None (the shipped SmolLM2 drafter), "none" (plain decoding) or a checkpoint folder / repo id."""
+    from adaflash_hf.interop import load_drafter
+
+    if drafter == "none":
+        return None
+    if drafter is None:
+        if not DEFAULT_DRAFTER.is_dir():
+            raise FileNotFoundError(
+                f"--drafter: expected a drafter folder (the default {DEFAULT_DRAFTER} is missing)"
+            )
+        drafter = str(DEFAULT_DRAFTER)
+    return load_drafter(drafter).to(next(target.parameters()).dtype).eval()  # the engine checks it fits
+
+
+def serve(options, learner_factory=None) -> int:
+    """Load the target and drafter of ``options`` (``adaflash serve``'s arguments), build the engine, worker and
+    app, and serve. ``learner_factory(engine, target, tokenizer)`` gives the learner of ``--learn``."""
+    from adaflash_hf.assets import load_target
+
+    if options.learn and options.drafter == "none":
+        raise ValueError("--learn: expected a drafter to train, got --drafter none (plain decoding)")
+    sock = bind(options.host, options.port)
+    target, tokenizer = load_target(options.target)
+    drafter = load_drafter_for(target, options.drafter)
+    length_mode = options.length_mode or ("adaptive" if options.learn else "auto")
+    engine = build_engine(
+        target,
+        drafter,
+        draft_source=options.draft_source,
+        length_mode=length_mode,
+        max_running=options.max_running,
+    )
+    learner = learner_factory(engine, target, tokenizer) if learner_factory is not None else None
+    worker = EngineWorker(engine, tokenizer, max_waiting=options.max_waiting, learner=learner)
+    model_name = options.served_model_name or Path(options.target).name
+    app = create_app(worker, tokenizer, model_name, options.default_max_tokens, options.grace_period, learner)
+    host, port = sock.getsockname()[:2]
+    print(f"adaflash serve: {model_name} on http://{host}:{port}/v1", flush=True)
+    return run(app, sock, options.grace_period)

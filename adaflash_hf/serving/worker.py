@@ -1,0 +1,300 @@
+"""The engine thread of ``adaflash serve``: one thread owns the ``AdaFlashEngine`` and steps it; the HTTP side only
+submits requests and reads their events.
+
+    worker = EngineWorker(engine, tokenizer, max_waiting=64)
+    worker.start()
+    handle = worker.submit(prompt_ids, SamplingParams(max_new_tokens=64), stop=["\\n"], loop=asyncio loop)
+    event = await handle.queue.get()    # Event("accepted"), then "text" pieces, then "finished" (or "failed")
+    worker.abort(handle.request_id)     # the client went away: its slot and cache are freed at the next step
+    worker.shutdown(grace_s=30)         # take nothing new, let the running requests finish, abort the rest
+
+Everything the engine sees happens on this thread between two steps: new requests (``add_request``; a request the
+engine refuses gets a "failed" event with its error), aborts, and the learner's ``between_steps`` (the hot reloader),
+so no request ever sees the drafter's weights change inside a step. Events reach the asyncio side through
+``loop.call_soon_threadsafe``. Text is detokenized here, per request (``detokenize.IncrementalText``): a stop string
+ends the request at once (aborted in the engine, ``finish_reason="stop"``), and tokens a step committed past it are
+dropped.
+
+Bounded: at most ``max_running`` (the engine's admission) + ``max_waiting`` requests are accepted at once; past that
+``submit`` raises ``QueueFull`` without queueing anything. Finished requests leave ``engine.requests`` and step stats
+leave ``engine.stats`` once read (``ServingStats`` keeps windows of them), so memory stays flat however long it serves.
+
+A learner (``--learn``) is any object with ``between_steps()`` and ``request_ended(request)``; the second is called for
+every request that ends, aborted ones included (their rounds were never pushed by the engine's round recorder).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+import uuid
+from collections import Counter, deque
+from dataclasses import dataclass
+
+from transformers.utils import logging
+
+from adaflash_hf.serving.detokenize import IncrementalText
+from adaflash_hf.serving.requests import SamplingParams
+from adaflash_hf.stats import tau_of
+
+logger = logging.get_logger(__name__)
+
+WINDOW = 256  # steps and finished requests the live statistics are taken over
+
+
+class QueueFull(Exception):
+    """``max_running + max_waiting`` requests are already accepted; try again after ``retry_after`` seconds."""
+
+    def __init__(self, accepted: int, retry_after: int):
+        super().__init__(
+            f"server busy: {accepted} requests accepted (the limit), retry after {retry_after} s"
+        )
+        self.retry_after = retry_after
+
+
+class ShuttingDown(Exception):
+    """The server stopped taking requests."""
+
+
+@dataclass
+class Event:
+    kind: str  # "accepted" | "text" | "finished" | "failed"
+    text: str = ""
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: Exception | None = None
+    extra: dict | None = None  # "finished": the request's drafting statistics
+
+
+@dataclass
+class Handle:
+    request_id: str
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+    def emit(self, event: Event) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+
+
+@dataclass
+class _Live:
+    handle: Handle
+    text: IncrementalText
+    prompt_tokens: int
+
+
+class ServingStats:
+    """Live statistics for ``/metrics``: windows over the last steps and finished requests, and counters."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.steps: deque = deque(maxlen=WINDOW)  # (finished at, seconds, committed + prefills, StepStats)
+        self.requests: deque = deque(maxlen=WINDOW)  # (verify rounds, accepted drafts) of finished requests
+        self.counters: Counter[str] = Counter()
+
+    def add_step(self, stats, seconds: float) -> None:
+        with self.lock:
+            self.steps.append((time.monotonic(), seconds, stats.committed + stats.admitted, stats))
+            self.counters["steps"] += 1
+            self.counters["tokens"] += stats.committed + stats.admitted
+
+    def add_request(self, finish_reason: str, rounds: int, accepted: int) -> None:
+        with self.lock:
+            self.counters[f"finished_{finish_reason}"] += 1
+            self.counters["verify_rounds"] += rounds
+            self.counters["accepted_drafts"] += accepted
+            if rounds:
+                self.requests.append((rounds, accepted))
+
+    def count(self, name: str) -> None:
+        with self.lock:
+            self.counters[name] += 1
+
+    def snapshot(self) -> dict[str, float]:
+        with self.lock:
+            steps, requests, counters = list(self.steps), list(self.requests), dict(self.counters)
+        seconds = sorted(s for _, s, _, _ in steps)
+        span = steps[-1][0] - steps[0][0] + steps[0][1] if steps else 0.0
+        last = steps[-1][3] if steps else None
+        verifies = sum(s.verifies for *_, s in steps)
+        rounds = sum(r for r, _ in requests)
+        return {
+            "tokens_per_second": sum(t for _, _, t, _ in steps) / span if span > 0 else 0.0,
+            "step_seconds_p50": _percentile(seconds, 0.5),
+            "step_seconds_p99": _percentile(seconds, 0.99),
+            "tau": tau_of(sum(a for _, a in requests) + rounds, rounds),
+            "step_tau": tau_of(sum(s.committed for *_, s in steps), verifies),
+            "mean_verify_length": sum(s.draft_tokens for *_, s in steps) / verifies if verifies else 0.0,
+            "gamma": last.gamma if last else 0.0,
+            "ema_running": last.ema_running if last else 0.0,
+            **counters,
+        }
+
+
+def _percentile(ordered: list[float], q: float) -> float:
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
+
+
+class EngineWorker(threading.Thread):
+    """See the module docstring."""
+
+    def __init__(self, engine, tokenizer, max_waiting: int = 64, learner=None, retry_after: int = 1):
+        super().__init__(name="adaflash-engine", daemon=True)
+        if not (isinstance(max_waiting, int) and max_waiting >= 0):
+            raise ValueError(f"max_waiting: expected an int >= 0, got {max_waiting!r}")
+        self.engine, self.tokenizer, self.learner = engine, tokenizer, learner
+        self.capacity = engine.admission.config.max_running + max_waiting
+        self.retry_after = retry_after
+        self.stats = ServingStats()
+        self.error: BaseException | None = None
+        self._inbox: queue.Queue = queue.Queue()
+        self._live: dict[str, _Live] = {}
+        self._lock = threading.Lock()
+        self._accepted = 0  # submitted and not yet ended, inbox included
+        self._closing = False
+        self._deadline: float | None = None
+
+    # ------------------------------------------------------------------------------------ HTTP side (any thread)
+    @property
+    def accepted(self) -> int:
+        with self._lock:
+            return self._accepted
+
+    def submit(
+        self, prompt_ids: list[int], params: SamplingParams, stop=(), loop=None, prefix: str = "cmpl"
+    ) -> Handle:
+        """Queue a request for the engine thread; raises ``QueueFull`` or ``ShuttingDown`` instead of queueing."""
+        with self._lock:
+            if self._closing or not self.is_alive():
+                raise ShuttingDown("server: expected to be running, got shutting down")
+            if self._accepted >= self.capacity:
+                self.stats.count("rejected_busy")
+                raise QueueFull(self._accepted, self.retry_after)
+            self._accepted += 1
+        loop = loop or asyncio.get_running_loop()
+        handle = Handle(f"{prefix}-{uuid.uuid4().hex[:24]}", loop, asyncio.Queue())
+        self._inbox.put(("add", handle, list(prompt_ids), params, tuple(stop)))
+        return handle
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+
+    def shutdown(self, grace_s: float = 30.0) -> None:
+        """Stop taking requests; running ones get ``grace_s`` seconds to finish, then are aborted; waits for the
+        thread to end."""
+        with self._lock:
+            self._closing = True
+        self._inbox.put(("close", time.monotonic() + grace_s))
+        self.join()
+
+    # -------------------------------------------------------------------------------------------- engine thread
+    def run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                self._drain(block=not engine.has_unfinished())
+                if self._deadline is not None and time.monotonic() >= self._deadline:
+                    for request_id in list(self._live):
+                        self._end(request_id, "abort")
+                if not engine.has_unfinished():
+                    if self._deadline is not None and self._inbox.empty():
+                        return
+                    continue
+                if self.learner is not None:
+                    self.learner.between_steps()
+                started = time.perf_counter()
+                outputs = engine.step()
+                seconds = time.perf_counter() - started
+                if engine.stats:
+                    self.stats.add_step(engine.stats[-1], seconds)
+                    engine.stats.clear()  # read once; the windows above keep what /metrics shows
+                for output in outputs:
+                    self._deliver(output)
+        except BaseException as error:  # every waiting client gets it as a failure
+            logger.error(f"engine thread failed: {error!r}")
+            self.error = error
+            with self._lock:
+                self._closing = True
+            for live in self._live.values():
+                live.handle.emit(Event("failed", error=error))
+            self._live.clear()
+
+    def _drain(self, block: bool) -> None:
+        try:
+            command = self._inbox.get(timeout=0.1) if block else self._inbox.get_nowait()
+            while True:
+                self._command(*command)
+                command = self._inbox.get_nowait()
+        except queue.Empty:
+            return
+
+    def _command(self, kind: str, *args) -> None:
+        if kind == "close":
+            self._deadline = args[0]
+        elif kind == "abort":
+            if args[0] in self._live:
+                self._end(args[0], "abort")
+        else:
+            handle, prompt, params, stop = args
+            try:
+                self.engine.add_request(prompt, params, request_id=handle.request_id)
+            except (ValueError, TypeError) as error:
+                self._release_slot()
+                handle.emit(Event("failed", error=error))
+                return
+            self._live[handle.request_id] = _Live(handle, IncrementalText(self.tokenizer, stop), len(prompt))
+            handle.emit(Event("accepted", prompt_tokens=len(prompt)))
+
+    def _deliver(self, output) -> None:
+        live = self._live.get(output.request_id)
+        if live is None:  # ended already (stop string, abort): its final engine output carries nothing new
+            self.engine.requests.pop(output.request_id, None)
+            return
+        pieces = []
+        for token in output.new_tokens:
+            pieces.append(live.text.push(token))
+            if live.text.stopped:
+                break
+        if live.text.stopped:
+            reason = "stop"
+        elif output.finished:
+            reason = output.finish_reason
+            pieces.append(live.text.finish())
+        else:
+            reason = None
+        if any(pieces):
+            live.handle.emit(Event("text", text="".join(pieces)))
+        if reason is not None:
+            self._end(output.request_id, reason)
+
+    def _end(self, request_id: str, reason: str) -> None:
+        """Close a live request: abort it in the engine if it still runs, and send its final event."""
+        live = self._live.pop(request_id)
+        request = self.engine.requests[request_id]
+        if not self.engine.abort(request_id):  # finished by the engine: its final output was this step's
+            self.engine.requests.pop(request_id)
+        if self.learner is not None:
+            self.learner.request_ended(request)
+        self.stats.add_request(reason, request.verify_rounds, request.accepted)
+        self._release_slot()
+        extra = {
+            "verify_rounds": request.verify_rounds,
+            "accepted_drafts": request.accepted,
+            "drafter_version": int(getattr(self.engine.drafter, "weights_version", 0) or 0),
+        }
+        live.handle.emit(
+            Event(
+                "finished",
+                finish_reason=reason,
+                prompt_tokens=live.prompt_tokens,
+                completion_tokens=live.text.tokens_used,
+                extra=extra,
+            )
+        )
+
+    def _release_slot(self) -> None:
+        with self._lock:
+            self._accepted -= 1

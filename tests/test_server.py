@@ -1,0 +1,286 @@
+"""``adaflash serve`` through the official ``openai`` client against a real uvicorn server on a loopback port: greedy
+text equals plain ``target.generate``, concurrent clients each get their solo output, streamed == whole, usage,
+stop strings, OpenAI-style 400s naming the field, disconnects that free their slot, and 429 under overload."""
+
+import json
+import re
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+import torch
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import WhitespaceSplit
+from transformers import PreTrainedTokenizerFast
+
+from adaflash_hf.serving.server import BackgroundServer, build_engine, create_app
+from adaflash_hf.serving.worker import EngineWorker
+
+PROMPTS = [
+    "w5 w6 w7",
+    "w9 w10 w11 w12",
+    "w40 w41",
+    "w100 w7 w300 w8 w9",
+    "w77",
+    "w200 w201 w202",
+    "w6 w6",
+    "w450",
+]
+
+
+def word_tokenizer(vocab_size=512):
+    """Token i is the word ``w{i}`` (0-3 are special: pad, eos, user, assistant); text is words joined by spaces."""
+    special = ["<pad>", "<eos>", "<user>", "<assistant>"]
+    vocab = {w: i for i, w in enumerate(special)} | {f"w{i}": i for i in range(len(special), vocab_size)}
+    backend = Tokenizer(WordLevel(vocab, unk_token="<pad>"))
+    backend.pre_tokenizer = WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>")
+    tokenizer.add_special_tokens({"additional_special_tokens": special[2:]})
+    tokenizer.chat_template = "{% for m in messages %}<user> {{ m['content'] }} {% endfor %}<assistant>"
+    return tokenizer
+
+
+def running_server(target, drafter, max_waiting=64, **engine_options):
+    """The app over ``build_engine(target, drafter, **engine_options)``, served on a free loopback port."""
+    tokenizer = word_tokenizer()
+    worker = EngineWorker(build_engine(target, drafter, **engine_options), tokenizer, max_waiting=max_waiting)
+    server = BackgroundServer(create_app(worker, tokenizer, "tiny", default_max_tokens=16))
+    server.target, server.tokenizer = target, tokenizer
+    return server
+
+
+@pytest.fixture(scope="module")
+def target(target_factory):
+    # A random target whose greedy text does not repeat one token from the start.
+    return target_factory("llama", initializer_range=0.2)
+
+
+@pytest.fixture(scope="module")
+def server(target, drafter_factory):
+    with running_server(target, drafter_factory(target)) as running:
+        yield running
+
+
+def client(server):
+    return openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0, timeout=60)
+
+
+def plain_tokens(server, prompt_ids, max_new_tokens):
+    out = server.target.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, len(prompt_ids) :].tolist()
+
+
+def plain_text(server, prompt_ids, max_new_tokens):
+    return server.tokenizer.decode(plain_tokens(server, prompt_ids, max_new_tokens), skip_special_tokens=True)
+
+
+def metrics(server) -> dict[str, float]:
+    text = (
+        urllib.request.urlopen(server.base_url.removesuffix("/v1") + "/metrics", timeout=10).read().decode()
+    )
+    return {name: float(value) for name, value in re.findall(r"^([^#\s]\S*) (\S+)$", text, re.M)}
+
+
+def wait_for(condition, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
+
+
+def post(server, path, body: bytes):
+    request = urllib.request.Request(
+        server.base_url + path, data=body, headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def test_greedy_completion_equals_plain_generate(server):
+    prompt_ids = server.tokenizer(PROMPTS[0])["input_ids"]
+    response = client(server).completions.create(
+        model="tiny", prompt=PROMPTS[0], max_tokens=24, temperature=0
+    )
+    assert response.choices[0].text == plain_text(server, prompt_ids, 24)
+    assert response.choices[0].finish_reason == "length"
+
+
+def test_greedy_chat_equals_plain_generate_on_the_chat_template(server):
+    messages = [{"role": "user", "content": PROMPTS[1]}]
+    prompt_ids = server.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)
+    response = client(server).chat.completions.create(
+        model="tiny", messages=messages, max_tokens=20, temperature=0
+    )
+    assert response.choices[0].message.content == plain_text(server, prompt_ids["input_ids"], 20)
+    assert response.choices[0].message.role == "assistant"
+
+
+def test_eight_concurrent_clients_each_get_their_solo_output(server):
+    def ask(prompt):
+        return client(server).completions.create(model="tiny", prompt=prompt, max_tokens=20, temperature=0)
+
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        texts = [r.choices[0].text for r in pool.map(ask, PROMPTS)]
+    assert texts == [plain_text(server, server.tokenizer(p)["input_ids"], 20) for p in PROMPTS]
+
+
+def test_streamed_chunks_concatenate_to_the_whole_text_with_usage(server):
+    messages = [{"role": "user", "content": PROMPTS[3]}]
+    whole = client(server).chat.completions.create(
+        model="tiny", messages=messages, max_tokens=18, temperature=0
+    )
+    chunks = list(
+        client(server).chat.completions.create(
+            model="tiny",
+            messages=messages,
+            max_tokens=18,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    prompt = server.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)
+    assert whole.usage.prompt_tokens == len(prompt["input_ids"])
+    assert (whole.usage.completion_tokens, whole.usage.total_tokens) == (18, whole.usage.prompt_tokens + 18)
+
+
+def test_streamed_completion_equals_the_whole_one(server):
+    whole = client(server).completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=15, temperature=0)
+    chunks = client(server).completions.create(
+        model="tiny", prompt=PROMPTS[2], max_tokens=15, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_string_ends_the_text_where_plain_decoding_reaches_it(server, stream):
+    prompt_ids = server.tokenizer(PROMPTS[4])["input_ids"]
+    tokens = plain_tokens(server, prompt_ids, 30)
+    words = server.tokenizer.decode(tokens, skip_special_tokens=True).split(" ")
+    stop = " " + words[6]  # the word's first occurrence ends the text there
+    full = " ".join(words)
+    expected = full[: full.index(stop)]
+    response = client(server).completions.create(
+        model="tiny", prompt=PROMPTS[4], max_tokens=30, temperature=0, stop=[stop, "never"], stream=stream
+    )
+    if stream:
+        chunks = list(response)
+        text, reason = "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
+    else:
+        text, reason = response.choices[0].text, response.choices[0].finish_reason
+        used = next(
+            n for n in range(1, 31) if stop in server.tokenizer.decode(tokens[:n], skip_special_tokens=True)
+        )
+        assert response.usage.completion_tokens == used
+    assert (text, reason) == (expected, "stop")
+
+
+def test_a_seeded_sampling_request_repeats_its_text(server):
+    def sample():
+        response = client(server).completions.create(
+            model="tiny", prompt=PROMPTS[5], max_tokens=12, temperature=0.9, top_p=0.95, seed=7
+        )
+        return response.choices[0].text
+
+    assert sample() == sample()
+
+
+BAD = [
+    (b'{"model": "tiny", "prompt": "w5", ', None),
+    (b'{"model": "other", "prompt": "w5"}', "model"),
+    (b'{"model": "tiny", "prompt": "w5", "max_tokens": -3}', "max_tokens"),
+    (b'{"model": "tiny", "prompt": "w5", "max_tokens": "ten"}', "max_tokens"),
+    (b'{"model": "tiny", "prompt": "w5", "max_tokens": 600}', "prompt"),
+    (b'{"model": "tiny", "prompt": "w5", "n": 2}', "n"),
+    (b'{"model": "tiny", "prompt": "w5", "temperature": "hot"}', "temperature"),
+    (b'{"model": "tiny", "prompt": "w5", "stop": [1]}', "stop"),
+    (b'{"model": "tiny", "prompt": "w5", "logprobs": 2}', "logprobs"),
+    (b'{"model": "tiny", "prompt": ["w5", "w6"]}', "prompt"),
+    (b'{"prompt": "w5"}', "model"),
+]
+
+
+@pytest.mark.parametrize("body,param", BAD)
+def test_bad_input_answers_an_openai_error_naming_the_field_and_serving_goes_on(server, body, param):
+    status, error = post(server, "/completions", body)
+    assert status == (404 if param == "model" and b"other" in body else 400)
+    assert error["error"]["param"] == param and error["error"]["type"] == "invalid_request_error"
+    assert param is None or param in error["error"]["message"]
+    ok = client(server).completions.create(model="tiny", prompt="w5", max_tokens=2, temperature=0)
+    assert ok.choices[0].finish_reason == "length"
+
+
+def test_bad_chat_messages_name_the_message_field(server):
+    status, error = post(
+        server, "/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": 5}]}'
+    )
+    assert status == 400 and error["error"]["param"] == "messages.0.content"
+    with pytest.raises(openai.BadRequestError, match="messages"):
+        client(server).chat.completions.create(model="tiny", messages=[])
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_slot(server):
+    aborted = metrics(server).get('adaflash_requests_finished_total{reason="abort"}', 0)
+    stream = client(server).completions.create(
+        model="tiny", prompt=PROMPTS[0], max_tokens=400, temperature=0, stream=True
+    )
+    next(iter(stream))
+    wait_for(lambda: metrics(server)["adaflash_requests_running"] == 1)
+    stream.close()
+    wait_for(lambda: metrics(server)["adaflash_requests_running"] == 0)
+    assert metrics(server)['adaflash_requests_finished_total{reason="abort"}'] == aborted + 1
+    later = client(server).completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=24, temperature=0)
+    assert later.choices[0].text == plain_text(server, server.tokenizer(PROMPTS[0])["input_ids"], 24)
+
+
+def test_models_health_and_metrics(server):
+    assert [m.id for m in client(server).models.list()] == ["tiny"]
+    root = server.base_url.removesuffix("/v1")
+    assert json.loads(urllib.request.urlopen(root + "/health", timeout=10).read()) == {"status": "ok"}
+    values = metrics(server)
+    for name in (
+        "adaflash_tokens_per_second",
+        "adaflash_tau",
+        "adaflash_mean_verify_length",
+        "adaflash_drafter_weights_version",
+        "adaflash_admission_ema_running",
+        "adaflash_step_seconds_p99",
+    ):
+        assert name in values, name
+    assert values["adaflash_generated_tokens_total"] > 0
+
+
+def test_overload_answers_429_with_retry_after_and_every_accepted_request_completes(target):
+    with running_server(target, None, max_waiting=1, max_running=1) as busy:
+        accepted = [
+            client(busy).chat.completions.create(
+                model="tiny",
+                messages=[{"role": "user", "content": p}],
+                max_tokens=300,
+                temperature=0,
+                stream=True,
+            )
+            for p in PROMPTS[:2]
+        ]
+        for stream in accepted:  # the role chunk: accepted, one running and one waiting
+            next(iter(stream))
+        refused = []
+        for prompt in PROMPTS[2:6]:
+            with pytest.raises(openai.RateLimitError) as error:
+                client(busy).completions.create(model="tiny", prompt=prompt, max_tokens=4)
+            refused.append(error.value.response.headers["retry-after"])
+        assert refused == ["1"] * 4
+        done = [list(stream)[-1].choices[0].finish_reason for stream in accepted]
+        assert done == ["length", "length"]
+        assert metrics(busy)["adaflash_requests_rejected_total"] == 4

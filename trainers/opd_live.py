@@ -1,0 +1,59 @@
+"""The learner of ``adaflash serve --learn``: an ``OPDTrainer`` with its own copies of the drafter and the frozen
+target, wrapped in ``adaflash_hf.online.live.LiveLearner``.
+
+    learner = live_learner(engine, target, tokenizer, "runs/serve", opd_config="examples/configs/opd_smollm2.yaml")
+
+``opd_config`` (optional) is a TRL-style YAML: its ``OPDConfig`` keys (loss, optimisation) and ``OnlineConfig`` keys
+(``train_threshold``, ``max_staleness``, ``checkpoint_every``, ``resume``) are read, so the OPD script's config can be
+reused; its other keys (traffic, target) have no meaning for a server and are ignored. Files go under ``learn_dir``:
+``weights/`` (published versions), ``checkpoints/`` (atomic, resumed at start), ``trainer/`` (the trainer's
+output_dir). Without CUDA the trainer runs on the CPU.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+import yaml
+from trl import TrlParser
+
+from adaflash_hf.online.config import OnlineConfig
+from adaflash_hf.online.live import LiveLearner
+from adaflash_hf.online.weights import base_drafter
+from adaflash_hf.trainers.opd_config import OPDConfig
+from adaflash_hf.trainers.opd_trainer import OPDTrainer
+
+
+def learn_configs(
+    learn_dir: str | Path, opd_config: str | None = None, **overrides
+) -> tuple[OPDConfig, OnlineConfig]:
+    """The trainer's and the buffer's settings: the server's defaults, then ``opd_config``, then ``overrides``."""
+    values = {
+        "output_dir": str(Path(learn_dir) / "trainer"),
+        "use_cpu": not torch.cuda.is_available(),
+        "disable_tqdm": True,
+        "report_to": "none",
+    }
+    if opd_config is not None:
+        loaded = yaml.safe_load(Path(opd_config).read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ValueError(
+                f"--opd-config {opd_config}: expected a mapping of settings, got {type(loaded).__name__}"
+            )
+        values |= loaded
+    values |= {key: value for key, value in overrides.items() if value is not None}
+    training, online = TrlParser((OPDConfig, OnlineConfig)).parse_dict(values, allow_extra_keys=True)
+    return training, online
+
+
+def live_learner(
+    engine, target, tokenizer, learn_dir: str | Path, opd_config: str | None = None, **overrides
+) -> LiveLearner:
+    """The server's learner; ``overrides`` (e.g. ``train_threshold``) win over ``opd_config``."""
+    training, online = learn_configs(learn_dir, opd_config, **overrides)
+    drafter = copy.deepcopy(base_drafter(engine.drafter))
+    trainer = OPDTrainer(drafter, copy.deepcopy(target), training, processing_class=tokenizer)
+    learn_dir = Path(learn_dir)
+    return LiveLearner(trainer, engine, learn_dir / "weights", learn_dir / "checkpoints", online)
