@@ -50,7 +50,8 @@ from typing import Any
 import torch
 import transformers
 from transformers.generation.candidate_generator import CandidateGenerator
-from transformers.generation.configuration_utils import GenerationMode
+from transformers.generation.configuration_utils import GenerationConfig, GenerationMode
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, MaxTimeCriteria
 from transformers.generation.utils import GenerationMixin
 from transformers.utils import logging
 
@@ -79,10 +80,26 @@ logger = logging.get_logger(__name__)
 
 TESTED_TRANSFORMERS = ("5.24.0", "5.25.0")  # [low, high)
 KNOBS = tuple(f"adaflash_{name}" for name in DraftingSettings.knobs())
-_HOOKED = ("_get_candidate_generator", "_validate_generation_mode", "_prepare_generation_config")
+_HOOKED = (
+    "_get_candidate_generator",
+    "_validate_generation_mode",
+    "_prepare_generation_config",
+    "_get_stopping_criteria",
+)
+# Criteria the upstream loop already applies token by token inside an accepted chunk (it cuts the chunk at the first
+# EOS and at max_length), or that depend on the clock rather than on the text (max_time stops at a chunk boundary).
+_CHUNK_SAFE_CRITERIA = (MaxLengthCriteria, EosTokenCriteria, MaxTimeCriteria)
+# Assisted-generation fields of transformers that no AdaFlash round reads, and the knob that does their job.
+_IGNORED_ASSISTANT_FIELDS = {
+    "num_assistant_tokens": "adaflash_length_mode='fixed' (block_size - 1 drafts) or adaflash_gamma / adaflash_min_len",
+    "num_assistant_tokens_schedule": "adaflash_length_mode ('adaptive' or 'goodput' size each draft)",
+    "assistant_confidence_threshold": "adaflash_length_mode='adaptive' or 'goodput' (the length head and the "
+    "drafter's confidences size each draft)",
+}
 # Drafters whose last_stats the hook set: disable() clears them, since the calls that follow (transformers' native
 # path) are invisible to adaflash_hf and must not be mistaken for the stats' call.
 _DRAFTERS_WITH_STATS: weakref.WeakSet = weakref.WeakSet()
+_WARNED_DTYPE: weakref.WeakSet = weakref.WeakSet()  # targets already warned that they are not float32
 
 
 def _version_tuple(version: str) -> tuple[int, ...]:
@@ -166,7 +183,34 @@ def validate_adaflash_generation(
             f"{generation_config.prompt_lookup_num_tokens}); for lookup drafts beside the drafter's block pass "
             "adaflash_draft_source='hybrid'"
         )
+    # transformers fills unset fields with its global defaults before this check: a value that differs was set.
+    defaults = GenerationConfig()._get_default_generation_params()
+    for name, knob in _IGNORED_ASSISTANT_FIELDS.items():
+        value, default = getattr(generation_config, name, None), defaults.get(name)
+        if value not in (None, default):
+            raise ValueError(
+                f"{name}: expected the default {default!r} with an AdaFlash assistant (no AdaFlash round reads it), "
+                f"got {value!r}; use {knob}"
+            )
+    if generation_config.output_attentions:
+        raise ValueError(
+            "output_attentions: expected False with an AdaFlash assistant (verify forwards run attention kernels "
+            "that return no weights), got True"
+        )
     drafting_settings(generation_config, drafter)
+    _warn_unless_fp32(target)
+
+
+def _warn_unless_fp32(target) -> None:
+    """Once per target: the token-for-token promise holds in float32."""
+    dtype = next(target.parameters()).dtype
+    if dtype != torch.float32 and target not in _WARNED_DTYPE:
+        _WARNED_DTYPE.add(target)
+        logger.warning(
+            f"target dtype {dtype}: greedy outputs equal plain decoding token for token in float32; in {dtype} a "
+            "row's logits can depend on how many rows share the forward, so speculative and plain greedy text may "
+            "differ where two tokens are nearly tied"
+        )
 
 
 class AdaFlashCandidateGenerator(CandidateGenerator):
@@ -193,6 +237,11 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
                 f"AdaFlashEngine for batches), got {input_ids.shape[0]}"
             )
         if input_ids.shape[1] == 0:
+            if model_kwargs.get("inputs_embeds") is not None:
+                raise ValueError(
+                    "inputs_embeds: expected input_ids with an AdaFlash assistant (drafts and lookups are token ids "
+                    "and the drafter embeds the committed tokens itself), got inputs_embeds without input_ids"
+                )
             raise ValueError("input_ids: expected at least one token, got an empty prompt")
         max_positions = getattr(target.config.get_text_config(), "max_position_embeddings", None) or 1 << 62
         if generation_config.max_length > max_positions:
@@ -204,15 +253,25 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
         cache = model_kwargs.get("cache")
         if cache is not None and not getattr(cache, "is_croppable", True):
             raise ValueError(f"cache: expected a croppable cache, got {type(cache).__name__}")
+        # A cache from an earlier call holds the first ``cached_prefix`` positions: the prefill feeds only the rest.
+        self.cached_prefix = 0 if cache is None else int(cache.get_seq_length())
+        if self.cached_prefix >= input_ids.shape[1]:
+            raise ValueError(
+                f"cache: expected fewer cached positions than the prompt's {input_ids.shape[1]} tokens (the prompt "
+                f"continues the cached text), got a cache holding {self.cached_prefix}"
+            )
         self.drafter = drafter
         self.config = drafter.config
         self.block_size = drafter.config.block_size
         # Only the tapped layers' states, unless the caller asked for them all (they are returned to it then).
-        self.model_kwargs_overrides = {
+        self.forward_overrides = {
             "output_hidden_states": True
             if generation_config.output_hidden_states
             else [i + 1 for i in drafter.config.target_layer_ids]
         }
+        self.model_kwargs_overrides = self.forward_overrides
+        criteria = getattr(generation_config, "_adaflash_stopping_criteria", None) or ()
+        self.stop_criteria = [c for c in criteria if not isinstance(c, _CHUNK_SAFE_CRITERIA)]
         self.cache = DFlashCache(config=drafter.config)
         self.embedding_weight = target.get_input_embeddings().weight
         self.lm_head = target.get_output_embeddings()
@@ -230,7 +289,8 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
         _DRAFTERS_WITH_STATS.add(drafter)
         self.recorder = getattr(drafter, "round_recorder", None)
         self.version = int(getattr(drafter, "weights_version", 0))
-        self.num_cached = 0
+        # The drafter's context starts after the cached prefix, whose target states this call never computes.
+        self.num_cached = self.cached_prefix
         self.context_buffer: torch.Tensor | None = None  # [1, n, features]: not yet in the drafter cache
         self.block_in_cache = False
         self.pending: dict[str, Any] | None = None
@@ -248,7 +308,7 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
                 calibrate_target(
                     target,
                     self.cost,
-                    output_hidden_states=self.model_kwargs_overrides["output_hidden_states"],
+                    output_hidden_states=self.forward_overrides["output_hidden_states"],
                 )
 
     @torch.no_grad()
@@ -257,9 +317,19 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
     ):
         cur_len = input_ids.shape[1]
         self.pending = None
-        if is_first_iteration or self.max_length - cur_len <= 1:
-            # Prefill (the target's first forward yields the context), or only the bonus token still fits.
+        self.model_kwargs_overrides = self.forward_overrides
+        if is_first_iteration:
+            # Prefill: the target's first forward yields the context. transformers' assisted loop feeds the whole
+            # prompt even where a passed-in cache already holds its first positions: feed only the rest.
+            if self.cached_prefix:
+                self.model_kwargs_overrides = {
+                    **self.forward_overrides,
+                    "input_ids": input_ids[:, self.cached_prefix :],
+                    "position_ids": model_kwargs["position_ids"][:, self.cached_prefix :],
+                }
             return input_ids, None
+        if self.max_length - cur_len <= 1:
+            return input_ids, None  # only the bonus token still fits
         started = time.perf_counter()
         # New context = committed positions whose target states the last forward produced (all but the anchor).
         buffered = 0 if self.context_buffer is None else self.context_buffer.shape[1]
@@ -322,6 +392,10 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
         """Propose the first ``length`` rows of ``drafted`` (float logits over V) and remember the round."""
         cur_len = input_ids.shape[1]
         candidate_ids, candidate_logits = self._propose(input_ids, drafted, length)
+        cut = self._before_stop(candidate_ids, cur_len)
+        if cut < length:
+            length, candidate_ids = cut, candidate_ids[:, : cur_len + cut]
+            candidate_logits = None if candidate_logits is None else candidate_logits[:, :cut]
         self.pending = {
             "started": time.perf_counter(),
             "drafter_seconds": time.perf_counter() - started,
@@ -428,7 +502,8 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
         attention_mask = model_kwargs.get("attention_mask")
         if attention_mask is not None:
             attention_mask = torch.cat(
-                [attention_mask[:, :-1], attention_mask.new_ones(1, self.block_size)], dim=-1
+                [attention_mask[:, self.cached_prefix : -1], attention_mask.new_ones(1, self.block_size)],
+                dim=-1,
             )
         device = self.drafter.device
         noise = self.drafter.block_embeds(self.embedding_weight, input_ids[:, -1]).to(device)
@@ -471,8 +546,10 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
         cur_len = input_ids.shape[1]
         tokens = torch.tensor([proposal.tokens[:length]], dtype=input_ids.dtype, device=input_ids.device)
         candidate_ids = torch.cat([input_ids, tokens], dim=-1)
+        cut = self._before_stop(candidate_ids, cur_len)
+        tokens, candidate_ids = tokens[:, :cut], candidate_ids[:, : cur_len + cut]
         logits = None
-        if self.do_sample:
+        if self.do_sample and tokens.shape[1]:
             vocab = self.lm_head.weight.shape[0]
             logits = torch.full((1, tokens.shape[1], vocab), float("-inf"), device=input_ids.device)
             logits.scatter_(-1, tokens[..., None], 0.0)
@@ -490,6 +567,18 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
             "drafter_ran": drafter_ran,
         }
         return candidate_ids, logits
+
+    def _before_stop(self, candidate_ids, cur_len: int) -> int:
+        """How many of the candidates after ``cur_len`` may be verified so that no stopping criterion can fire
+        inside the accepted chunk: the drafts before the first one whose prefix meets a criterion. transformers'
+        loop checks the criteria once, at the chunk's end (and cuts at EOS and max_length itself); if that draft is
+        right, the target's own bonus token completes the stop at the chunk's end, as plain decoding stops there."""
+        drafts = candidate_ids.shape[1] - cur_len
+        for j in range(1, drafts + 1) if self.stop_criteria else ():
+            prefix = candidate_ids[:, : cur_len + j]
+            if any(bool(criterion(prefix, None).any()) for criterion in self.stop_criteria):
+                return j - 1
+        return drafts
 
     def _propose(self, input_ids, drafted_logits, length):
         """Proposals and the q logits returned to the verifier.
@@ -640,10 +729,26 @@ def _refuse_call_knobs(generation_config, where: str) -> None:
         )
 
 
+def _wrap_get_stopping_criteria(original):
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def _get_stopping_criteria(self, *args, **kwargs):
+        criteria = original(self, *args, **kwargs)
+        # The call's own copy of the config: the candidate generator, built next, reads the criteria from it.
+        signature.bind(self, *args, **kwargs).arguments[
+            "generation_config"
+        ]._adaflash_stopping_criteria = criteria
+        return criteria
+
+    return _get_stopping_criteria
+
+
 _WRAPPERS = {
     "_get_candidate_generator": _wrap_get_candidate_generator,
     "_validate_generation_mode": _wrap_validate_generation_mode,
     "_prepare_generation_config": _wrap_prepare_generation_config,
+    "_get_stopping_criteria": _wrap_get_stopping_criteria,
 }
 
 

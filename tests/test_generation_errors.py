@@ -44,6 +44,26 @@ def watched(target_factory, drafter_factory):
         ({"adaflash_proposal": "beam"}, ValueError, r"adaflash_proposal: expected one of .*got 'beam'"),
         ({"adaflash_gamma": -1.0}, ValueError, r"adaflash_gamma: expected a number > 0, got -1.0"),
         ({"adaflash_min_len": 16}, ValueError, r"adaflash_min_len: expected an int in 0..15, got 16"),
+        (
+            {"num_assistant_tokens": 5},
+            ValueError,
+            r"^num_assistant_tokens: expected the default 20 .*got 5; use adaflash_length_mode='fixed'",
+        ),
+        (
+            {"num_assistant_tokens_schedule": "heuristic"},
+            ValueError,
+            r"^num_assistant_tokens_schedule: expected the default 'constant' .*use adaflash_length_mode",
+        ),
+        (
+            {"assistant_confidence_threshold": 0.9},
+            ValueError,
+            r"^assistant_confidence_threshold: expected the default 0.4 .*got 0.9; use adaflash_length_mode=",
+        ),
+        (
+            {"output_attentions": True, "return_dict_in_generate": True},
+            ValueError,
+            r"^output_attentions: expected False with an AdaFlash assistant",
+        ),
     ],
 )
 def test_unsupported_settings_raise_before_any_forward(watched, kwargs, error, match):
@@ -210,3 +230,27 @@ def test_last_stats_is_cleared_when_generate_goes_back_to_the_native_path(target
         assert drafter.last_stats is None
     finally:
         adaflash_hf.enable()
+
+
+def test_inputs_embeds_without_input_ids_is_named_before_any_forward(watched):
+    target, drafter, calls = watched
+    embeds = target.get_input_embeddings()(PROMPT)
+    calls.clear()
+    with pytest.raises(ValueError, match=r"^inputs_embeds: expected input_ids with an AdaFlash assistant"):
+        target.generate(inputs_embeds=embeds, assistant_model=drafter, max_new_tokens=5)
+    assert calls == []
+
+
+def test_a_target_outside_float32_is_warned_about_once_per_target(
+    target_factory, drafter_factory, monkeypatch, caplog
+):
+    import logging
+
+    target = target_factory("qwen3", dtype=torch.bfloat16)
+    drafter = drafter_factory(target)
+    monkeypatch.setattr(logging.getLogger("transformers"), "propagate", True)  # to caplog's root handler
+    with caplog.at_level(logging.WARNING):
+        for _ in range(2):
+            target.generate(PROMPT, assistant_model=drafter, max_new_tokens=3, adaflash_length_mode="fixed")
+    warned = [r.getMessage() for r in caplog.records if "target dtype torch.bfloat16" in r.getMessage()]
+    assert len(warned) == 1 and "float32" in warned[0]
