@@ -55,6 +55,7 @@ class CostModel:
     def profile(cls, target_seconds: dict[int, float], drafter_seconds: float = 0.0) -> CostModel:
         """A fixed cost model from known timings (tokens -> seconds of one target forward), for a machine profiled
         beforehand or a test; it learns nothing. Install it with ``use_cost_model``."""
+        _check_profile(target_seconds, drafter_seconds)
         model = cls(window=1)
         for tokens, seconds in target_seconds.items():
             model.observe_target(tokens, seconds)
@@ -183,6 +184,45 @@ class CostModel:
             "drafter": {str(r): statistics.median(v) for r, v in sorted(self.drafter.items())},
             "calibrated": self.calibrated,
         }
+
+
+def _check_profile(target_seconds, drafter_seconds) -> None:
+    """A profile prices every forward from its 1-token step: without it (or with seconds that are no forward's
+    cost) drafting would be judged against nothing, for good, since a profile learns nothing."""
+    if not isinstance(target_seconds, dict) or 1 not in target_seconds:
+        got = (
+            sorted(target_seconds, key=str)
+            if isinstance(target_seconds, dict)
+            else type(target_seconds).__name__
+        )
+        raise ValueError(
+            f"target_seconds: expected a dict of tokens -> seconds including 1 (the plain step), got {got!r}"
+        )
+    for tokens, seconds in target_seconds.items():
+        if not (isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= 1):
+            raise ValueError(f"target_seconds: expected int token counts >= 1 as keys, got {tokens!r}")
+        if not (
+            isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and math.isfinite(seconds)
+        ):
+            raise ValueError(f"target_seconds[{tokens}]: expected finite seconds > 0, got {seconds!r}")
+        if seconds <= 0:
+            raise ValueError(f"target_seconds[{tokens}]: expected finite seconds > 0, got {seconds!r}")
+    # Larger forwards may cost a little less than a 1-token one (a GEMM kernel can beat the GEMV one); far less is
+    # no measurement of the same forward.
+    floor = 0.8 * target_seconds[1]
+    for tokens, seconds in sorted(target_seconds.items()):
+        if seconds < floor:
+            raise ValueError(
+                f"target_seconds[{tokens}]: expected >= 0.8 x target_seconds[1] = {floor:.6g} (a forward of more "
+                f"tokens costs about as much as one token or more), got {seconds!r}"
+            )
+    if not (
+        isinstance(drafter_seconds, (int, float))
+        and not isinstance(drafter_seconds, bool)
+        and math.isfinite(drafter_seconds)
+        and drafter_seconds >= 0
+    ):
+        raise ValueError(f"drafter_seconds: expected finite seconds >= 0, got {drafter_seconds!r}")
 
 
 def _interpolate(sizes: list[int], values: list[float], n: int) -> float:

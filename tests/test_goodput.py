@@ -549,3 +549,31 @@ def test_the_engine_in_auto_mode_drafts_by_goodput_only_in_steps_where_no_reques
         pass
     assert sum(s.draft_tokens for s in engine.stats[before:]) > 0  # a sampling request: the adaptive rule
     assert engine.requests[greedy_id].output == expected[0]
+
+
+@pytest.mark.parametrize(
+    ("target_seconds", "drafter_seconds", "match"),
+    [
+        (
+            {},
+            0.0,
+            r"^target_seconds: expected a dict of tokens -> seconds including 1 \(the plain step\), got \[\]",
+        ),
+        ({4: 1.0, 8: 1.2}, 0.0, r"^target_seconds: expected .* including 1 .*got \[4, 8\]"),
+        ({1: 1.0, "16": 1.5}, 0.0, r"^target_seconds: expected int token counts >= 1 as keys, got '16'"),
+        ({1: 1.0, 0: 1.0}, 0.0, r"^target_seconds: expected int token counts >= 1 as keys, got 0"),
+        ({1: -1.0, 4: 1.0}, 0.0, r"^target_seconds\[1\]: expected finite seconds > 0, got -1.0"),
+        ({1: 1.0, 4: float("nan")}, 0.0, r"^target_seconds\[4\]: expected finite seconds > 0, got nan"),
+        (
+            {1: 1.0, 16: 0.5},
+            0.0,
+            r"^target_seconds\[16\]: expected >= 0.8 x target_seconds\[1\] = 0.8 .*got 0.5",
+        ),
+        ({1: 1.0, 4: 1.1}, -0.1, r"^drafter_seconds: expected finite seconds >= 0, got -0.1"),
+    ],
+)
+def test_a_profile_that_prices_no_plain_step_or_no_real_forward_is_refused(
+    target_seconds, drafter_seconds, match
+):
+    with pytest.raises(ValueError, match=match):
+        CostModel.profile(target_seconds, drafter_seconds=drafter_seconds)

@@ -143,6 +143,31 @@ def test_one_bad_prompt_queues_none_of_the_others(engine):
 
 
 @pytest.mark.parametrize(
+    ("prompts", "params", "match"),
+    [
+        ([[1, 2], [3, 99999]], None, r"^prompts\[1\]: prompt_ids: expected token ids in 0\.\.511"),
+        (
+            [[1, 2], [3]],
+            [SamplingParams(), SamplingParams(max_new_tokens=0)],
+            r"^params\[1\]: sampling params max_new_tokens",
+        ),
+        (
+            [[1, 2], [3]],
+            [SamplingParams(), "greedy"],
+            r"^params\[1\]: params: expected SamplingParams, got str",
+        ),
+        ([[1, 2], [3] * 600], None, r"^prompts\[1\]: prompt length \+ max_new_tokens: expected <= "),
+    ],
+)
+def test_a_bad_entry_queues_none_and_the_next_call_runs_only_its_own(engine, prompts, params, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        engine.generate(prompts, params)
+    assert not engine.requests and not engine.waiting
+    assert len(engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))) == 1
+    assert len(engine.requests) == 1
+
+
+@pytest.mark.parametrize(
     "prompt, got",
     [
         ("Hello there", "got str 'Hello there'"),

@@ -337,10 +337,18 @@ class AdaFlashEngine:
         self, prompt_ids, params: SamplingParams | None = None, request_id: str | None = None
     ) -> str:
         """Queue a request; everything about it is validated here, before any forward pass."""
+        request = self._new_request(prompt_ids, params, request_id)
+        self._queue(request)
+        return request.request_id
+
+    def _queue(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def _new_request(self, prompt_ids, params: SamplingParams | None, request_id: str | None) -> Request:
+        """A request built and validated, not yet queued."""
         params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params: expected SamplingParams, got {type(params).__name__}")
-        params.validate(self.vocab_size)
+        self._check_params(params)
         prompt = _prompt_tokens(prompt_ids)
         invalid = [t for t in prompt if not 0 <= t < self.vocab_size]
         if invalid:
@@ -376,9 +384,12 @@ class AdaFlashEngine:
             request.lookup_index = LookupIndex()
             request.lookup_index.extend(prompt)
         self.admission.check_request(request)
-        self.requests[request_id] = request
-        self.waiting.append(request)
-        return request_id
+        return request
+
+    def _check_params(self, params) -> None:
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params: expected SamplingParams, got {type(params).__name__}")
+        params.validate(self.vocab_size)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now (between steps); returns False if it had already finished."""
@@ -407,8 +418,8 @@ class AdaFlashEngine:
 
     def generate(self, prompts: Sequence, params: SamplingParams | Sequence[SamplingParams] | None = None):
         """Run ``prompts`` (a list of prompts, or a [N, L] tensor of N) to completion; returns each request's
-        generated token ids, in order. ``params``: one SamplingParams for all, or one per prompt. Every prompt is
-        validated before any is queued, so one bad prompt queues nothing."""
+        generated token ids, in order. ``params``: one SamplingParams for all, or one per prompt. Every prompt and
+        every params entry is validated before any is queued, so one bad entry queues nothing."""
         if isinstance(prompts, torch.Tensor) and prompts.dim() == 2:
             prompts = list(prompts)
         if not isinstance(prompts, (list, tuple)) or not prompts:
@@ -426,12 +437,20 @@ class AdaFlashEngine:
             params_list = list(params)
         else:
             params_list = [params] * len(prompts)
-        for i, prompt in enumerate(prompts):
+        for i, params_i in enumerate(params_list if isinstance(params, (list, tuple)) else []):
             try:
-                _prompt_tokens(prompt)
+                self._check_params(params_i)
+            except (TypeError, ValueError) as error:
+                raise type(error)(f"params[{i}]: {error}") from None
+        requests = []
+        for i, (prompt, params_i) in enumerate(zip(prompts, params_list)):
+            try:
+                requests.append(self._new_request(prompt, params_i, None))
             except (TypeError, ValueError) as error:
                 raise type(error)(f"prompts[{i}]: {error}") from None
-        ids = [self.add_request(p, s) for p, s in zip(prompts, params_list)]
+        for request in requests:
+            self._queue(request)
+        ids = [r.request_id for r in requests]
         for _ in self.stream():
             pass
         return [self.requests[i].output for i in ids]
