@@ -5,7 +5,7 @@
 #   nohup nice -n 19 experiments/run_long.sh experiments/configs/long_run.yaml > runs/long_run.log 2>&1 &
 # The config's pinned start (drafter_init: runs/starts/NAME) is restored from git history first
 # (experiments/restore_start.py). RESUME_FROM=FOLDER copies a weights-only checkpoint (weights and trainer state,
-# trainers/resume_point.py) into output_dir first, unless output_dir has a checkpoint at or after its step.
+# trainers/weights_only_checkpoint.py) into output_dir first, unless output_dir has a checkpoint at or after its step.
 # DRY_RUN=1 prints the commands instead of running them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,7 +20,7 @@ fi
 run() { if [ "${DRY_RUN:-0}" = 1 ]; then echo "$*"; else "$@"; fi; }
 run .venv/bin/python experiments/restore_start.py --config "$config"
 if [ -n "${RESUME_FROM:-}" ]; then
-    run .venv/bin/python -m adaflash_hf.trainers.resume_point restore "$RESUME_FROM" "$out"
+    run .venv/bin/python -m adaflash_hf.trainers.weights_only_checkpoint restore "$RESUME_FROM" "$out"
 fi
 # `accelerate launch` without --cpu sets OMP_NUM_THREADS=1 when it is unset: one core of a CPU-only machine. Every core
 # here (THREADS to choose), unless a GPU is present or OMP_NUM_THREADS is set.

@@ -271,16 +271,19 @@ def test_a_resumed_run_continues_the_step_count_the_lr_schedule_and_the_learning
     )
 
 
-def test_a_run_resumed_from_a_committed_resume_point_carries_on_the_step_weights_schedule_and_curve(
+def test_a_run_resumed_from_a_weights_only_checkpoint_carries_on_the_step_weights_schedule_and_curve(
     target_factory, drafter_factory, trainer_args, tmp_path
 ):
-    """A resume point (weights in bf16 and trainer_state.json, no optimizer or scheduler state: what a working
-    period commits) restored into a fresh output_dir: the run starts from its weights at its step, the LR follows the
+    """A weights-only checkpoint (weights in bf16 and trainer_state.json, no optimizer or scheduler state)
+    restored into a fresh output_dir: the run starts from its weights at its step, the LR follows the
     uninterrupted run's schedule after the ramp, and blocks seen and the curve carry on."""
     from safetensors.torch import load_file
 
-    from adaflash_hf.trainers.resume_point import restore_resume_point, save_resume_point
-    from adaflash_hf.trainers.train_drafter_trainer import carry_on_schedule, has_optimizer_state
+    from adaflash_hf.trainers.weights_only_checkpoint import (
+        carry_on_schedule,
+        restore_weights_only,
+        save_weights_only,
+    )
     from tests.test_learning_curve import corpus
 
     target = target_factory("llama")
@@ -307,20 +310,21 @@ def test_a_run_resumed_from_a_committed_resume_point_carries_on_the_step_weights
     straight = trainer("straight")
     straight.train()
     trainer("first", callbacks=[StopAt(4)]).train()
-    assert has_optimizer_state(str(tmp_path / "first" / "checkpoint-4"))
-    point = save_resume_point(tmp_path / "first" / "checkpoint-4", tmp_path / "committed")
-    assert point.name == "checkpoint-4" and not has_optimizer_state(str(point))
+    assert (tmp_path / "first" / "checkpoint-4" / "optimizer.pt").is_file()
+    point = save_weights_only(tmp_path / "first" / "checkpoint-4", tmp_path / "kept")
+    assert (
+        point.name == "checkpoint-4"
+        and not list(point.glob("optimizer.*"))
+        and not list(point.glob("scheduler.*"))
+    )
     assert not list(point.glob("*.py"))  # no copy of the modeling code
     assert {v.dtype for k, v in load_file(point / "model.safetensors").items() if v.is_floating_point()} == {
         torch.bfloat16
     }
     assert (
-        restore_resume_point(tmp_path / "committed", tmp_path / "second")
-        == tmp_path / "second" / "checkpoint-4"
+        restore_weights_only(tmp_path / "kept", tmp_path / "second") == tmp_path / "second" / "checkpoint-4"
     )
-    assert (
-        restore_resume_point(tmp_path / "committed", tmp_path / "second") is None
-    )  # already there: not again
+    assert restore_weights_only(tmp_path / "kept", tmp_path / "second") is None  # already there: not again
     resumed = trainer("second")
     resumed.train(resume_from_checkpoint=str(tmp_path / "second" / "checkpoint-4"))
 
@@ -329,7 +333,7 @@ def test_a_run_resumed_from_a_committed_resume_point_carries_on_the_step_weights
         {e["step"]: e["learning_rate"] for e in t.state.log_history if "learning_rate" in e}
         for t in (straight, resumed)
     ]
-    assert list(rates[1]) == list(range(1, 9))  # steps 1-4: the log kept in the resume point's trainer state
+    assert list(rates[1]) == list(range(1, 9))  # steps 1-4: the log kept in the checkpoint's trainer state
     assert [rates[1][s] for s in (1, 2, 3, 4)] == pytest.approx(
         [rates[0][s] for s in (1, 2, 3, 4)], rel=1e-12
     )
@@ -340,7 +344,7 @@ def test_a_run_resumed_from_a_committed_resume_point_carries_on_the_step_weights
     assert [p["step"] for p in points] == [6, 8]
     assert [p["blocks_seen"] for p in points] == [p["blocks_seen"] for p in straight_points[2:]] == [144, 192]
 
-    # The start was the resume point's weights (bf16-rounded), not the drafter the trainer was built with.
+    # The start was the kept checkpoint's weights (bf16-rounded), not the drafter the trainer was built with.
     started = trainer("check")
     started._load_from_checkpoint(str(point))
     saved = load_file(point / "model.safetensors")
@@ -352,21 +356,23 @@ def test_a_run_resumed_from_a_committed_resume_point_carries_on_the_step_weights
         carry_on_schedule(object(), 4, 1)
 
 
-def test_a_resume_point_needs_a_step_and_blocks_seen(tmp_path, target_factory, drafter_factory, trainer_args):
-    from adaflash_hf.trainers.resume_point import resume_point_state, save_resume_point
+def test_a_weights_only_checkpoint_needs_a_step_and_blocks_seen(
+    tmp_path, target_factory, drafter_factory, trainer_args
+):
+    from adaflash_hf.trainers.weights_only_checkpoint import save_weights_only, weights_only_state
 
     drafter_factory(target_factory("llama")).save_pretrained(tmp_path / "drafter")
     with pytest.raises(FileNotFoundError, match="trainer_state.json"):
-        save_resume_point(tmp_path / "drafter", tmp_path / "point")
+        save_weights_only(tmp_path / "drafter", tmp_path / "point")
     with pytest.raises(ValueError, match="max_steps: expected an integer >= 1600, got 1000"):
-        resume_point_state(1600, 345252, 1000, 10, 400, 2)
+        weights_only_state(1600, 345252, 1000, 10, 400, 2)
     with pytest.raises(ValueError, match="log_history: expected an entry with blocks_seen"):
-        save_resume_point(
+        save_weights_only(
             tmp_path / "drafter", tmp_path / "point", state={"global_step": 3, "log_history": []}
         )
     assert not (tmp_path / "point").exists()
-    state = resume_point_state(3, 48, 8, 1, 4, 2, eval_steps=500)
-    written = save_resume_point(tmp_path / "drafter", tmp_path / "point", state=state)
+    state = weights_only_state(3, 48, 8, 1, 4, 2, eval_steps=500)
+    written = save_weights_only(tmp_path / "drafter", tmp_path / "point", state=state)
     # A run carries on from the hand-written state through its next checkpoint saves (steps 4 and 8).
     target = target_factory("llama")
     args = trainer_args(
@@ -385,18 +391,18 @@ def test_a_resume_point_needs_a_step_and_blocks_seen(tmp_path, target_factory, d
     ]
 
 
-def test_resume_point_dir_holds_the_newest_checkpoint_after_every_save(
+def test_weights_only_checkpoint_dir_holds_the_newest_checkpoint_after_every_save(
     tmp_path, target_factory, drafter_factory, trainer_args
 ):
-    """A run with resume_point_dir leaves its newest checkpoint there at each save (a run killed after step 4 leaves
-    step 4), and a run restored from that point alone carries on at its step."""
+    """A run with weights_only_checkpoint_dir leaves its newest checkpoint there at each save (a run killed after
+    step 4 leaves step 4), and a run restored from that copy alone carries on at its step."""
     from safetensors.torch import load_file
 
-    from adaflash_hf.trainers.resume_point import complete_checkpoints, restore_resume_point
+    from adaflash_hf.trainers.weights_only_checkpoint import complete_checkpoints, restore_weights_only
 
     target = target_factory("llama")
     point_dir = tmp_path / "repo" / "resume"
-    common = dict(max_steps=8, logging_steps=1, save_steps=4, resume_point_dir=str(point_dir))
+    common = dict(max_steps=8, logging_steps=1, save_steps=4, weights_only_checkpoint_dir=str(point_dir))
     args = trainer_args(output_dir=str(tmp_path / "run"), **common)
     killed = DrafterTrainer(
         model=drafter_factory(target),
@@ -413,7 +419,7 @@ def test_resume_point_dir_holds_the_newest_checkpoint_after_every_save(
             assert saved[name].dtype == torch.bfloat16
             torch.testing.assert_close(saved[name], value.to(torch.bfloat16), atol=0, rtol=0)
 
-    restore_resume_point(point_dir, tmp_path / "fresh")
+    restore_weights_only(point_dir, tmp_path / "fresh")
     resumed = DrafterTrainer(
         model=drafter_factory(target),
         args=trainer_args(output_dir=str(tmp_path / "fresh"), **common),
@@ -689,7 +695,9 @@ def test_the_example_training_config_parses_and_writes_under_runs(monkeypatch):
     config = root / "examples" / "configs" / "train_smollm2.yaml"
     (args,) = make_parser().parse_args_and_config(["--config", str(config)])
     assert args.drafter_layers == 1 and args.draft_vocab_size == 8192 and args.num_anchors == 512
-    assert args.output_dir.startswith("runs/") and args.learning_curve_dir is None  # nothing over committed files
+    assert (
+        args.output_dir.startswith("runs/") and args.learning_curve_dir is None
+    )  # nothing over committed files
 
 
 def test_offline_and_online_training_declare_the_drafter_arguments_once():

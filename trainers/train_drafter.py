@@ -10,8 +10,8 @@ that ``adaflash corpus`` wrote (``corpus_dir``, the one corpus builder: the targ
 build or load the drafter, then train with ``DrafterTrainer``; checkpoints every ``save_steps``,
 ``--max_train_seconds`` for a time budget and ``--resume_from_checkpoint`` as any Trainer, or
 ``--resume_from_checkpoint last``: the newest complete checkpoint in ``output_dir``, or a fresh start when there is none
-(what a run spread over working periods passes every time). The final drafter is saved to ``output_dir`` (safetensors
-+ remote code).
+(what a run restarted many times passes each time). The final drafter is saved to ``output_dir`` (safetensors +
+remote code).
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from adaflash_hf.launch import warn_if_cpu_threads_idle
 from adaflash_hf.modeling import AdaFlashDrafter
 from adaflash_hf.trainers.corpus import drop_prompt_twins, read_corpus
 from adaflash_hf.trainers.drafter_setup import add_config_option, build_drafter
-from adaflash_hf.trainers.resume_point import complete_checkpoints
 from adaflash_hf.trainers.train_drafter_config import DrafterTrainingConfig
 from adaflash_hf.trainers.train_drafter_trainer import DrafterTrainer
+from adaflash_hf.trainers.weights_only_checkpoint import complete_checkpoints
 
 logger = logging.get_logger(__name__)
 
@@ -87,7 +87,7 @@ def main(args: DrafterTrainingConfig) -> AdaFlashDrafter:
     resume = args.resume_from_checkpoint
     if resume == "last":
         resume = last_complete_checkpoint(args.output_dir)
-        # A warning, so that a run resumed across working periods says in its log where it started.
+        # A warning, so that a run restarted many times says in its log where each start began.
         logger.warning(f"resume_from_checkpoint last: {resume or 'no complete checkpoint, a fresh start'}")
     trainer.train(resume_from_checkpoint=resume)
     if args.eval_prompts_per_domain > 0 or (args.heldout_corpus_dir and not args.curve_points_per_decade):

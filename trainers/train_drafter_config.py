@@ -150,22 +150,22 @@ class DrafterTrainingConfig(DrafterArguments, TrainingArguments):
             "max_steps. None: stop at max_steps only."
         },
     )
-    resume_point_dir: str | None = field(
+    weights_only_checkpoint_dir: str | None = field(
         default=None,
         metadata={
-            "help": "After every checkpoint save, also write it as a resume point here (bf16 weights, config and "
-            "trainer state, no optimizer: trainers/resume_point.py), replacing the previous one. Point it inside "
-            "the repository (examples/results/<run>/resume) so that a working period cut off mid-run still leaves "
-            "its newest checkpoint in the working tree, where runs/ is lost. None: none written."
+            "help": "After every checkpoint save, also write it weights-only here (bf16 weights, config and trainer "
+            "state, no optimizer: trainers/weights_only_checkpoint.py), replacing the previous one: a small copy of "
+            "the newest checkpoint, to keep where output_dir does not last (scratch space, a preemptible machine). "
+            "--resume_from_checkpoint on it carries the run on. None: none written."
         },
     )
     resume_rewarmup_steps: int = field(
         default=50,
         metadata={
             "help": "Resuming from a weights-only checkpoint (model.safetensors and trainer_state.json, no optimizer "
-            "or scheduler state: a resume point committed between working periods, trainers/resume_point.py): the "
-            "LR schedule is carried on at the checkpoint's step, ramped linearly from 0 over this many steps while "
-            "AdamW's fresh moments settle. 0: no ramp."
+            "or scheduler state: trainers/weights_only_checkpoint.py): the LR schedule is carried on at the "
+            "checkpoint's step, ramped linearly from 0 over this many steps while AdamW's fresh moments settle. "
+            "0: no ramp."
         },
     )
     length_head_loss_weight: float = field(default=1.0, metadata={"help": "Weight of the length head's MSE."})

@@ -6,19 +6,17 @@ for the logits. Overridden hooks: ``compute_loss`` (``dflash_recipe.recipe_loss`
 autocast when ``args.bf16``, CPU included), ``create_optimizer`` (drafter and length head in two AdamW
 groups), ``_clip_grad_norm`` (each group clipped on its own, so the head never shrinks the drafter's update),
 ``evaluate`` (tau of real speculative generation on held-out prompts), ``log`` (recipe metrics) and ``train`` (the
-held-out learning curve is claimed first: ``LearningCurve.claim``).
+held-out learning curve is claimed first: ``LearningCurve.claim``). A resumed run carries on through the
+``CarryOnAfterResume`` callback (``weights_only_checkpoint.py``), a public hook, not the Trainer's private loader.
 """
 
 from __future__ import annotations
 
-import os
 import time
-import warnings
 from collections import defaultdict
 
 import torch
-from transformers import GenerationConfig, Trainer, TrainerCallback, TrainerState
-from transformers.trainer_callback import ExportableState
+from transformers import GenerationConfig, Trainer, TrainerCallback
 from transformers.utils import logging
 
 from adaflash_hf.modeling import AdaFlashDrafter
@@ -27,7 +25,6 @@ from adaflash_hf.trainers.corpus import read_corpus
 from adaflash_hf.trainers.dflash_recipe import recipe_loss, sample_anchors
 from adaflash_hf.trainers.learning_curve import LearningCurve, heldout_acceptance
 from adaflash_hf.trainers.optim import clip_each_group, split_drafter_and_head, two_group_adamw
-from adaflash_hf.trainers.resume_point import save_resume_point
 from adaflash_hf.trainers.target_features import (
     SequenceCollator,
     TargetFeatures,
@@ -35,6 +32,7 @@ from adaflash_hf.trainers.target_features import (
     sequence_features,
     soft_targets_error,
 )
+from adaflash_hf.trainers.weights_only_checkpoint import CarryOnAfterResume, SaveWeightsOnly
 
 logger = logging.get_logger(__name__)
 
@@ -66,8 +64,8 @@ class LogSpacedEvaluation(TrainerCallback):
 
 class TimeBudget(TrainerCallback):
     """Stop once ``seconds`` of training have passed, logging, saving a checkpoint and (``evaluate``) adding a
-    learning-curve point at that step: a run spread over working periods, or a GPU run with a fixed budget, ends
-    resumable with its blocks-seen count exact. The learning-rate schedule still spans ``max_steps``."""
+    learning-curve point at that step: a run on a machine lent for a fixed time, or a GPU run with a fixed budget,
+    ends resumable with its blocks-seen count exact. The learning-rate schedule still spans ``max_steps``."""
 
     def __init__(self, seconds: float, evaluate: bool = False):
         self.seconds = seconds
@@ -82,52 +80,6 @@ class TimeBudget(TrainerCallback):
             control.should_training_stop = control.should_log = control.should_save = True
             control.should_evaluate = control.should_evaluate or self.evaluate
         return control
-
-
-class ResumePointOnSave(TrainerCallback):
-    """Writes each checkpoint the Trainer saves as the run's resume point in ``dest`` (``save_resume_point``: bf16
-    weights and trainer state, replacing the previous point whole), so that the newest checkpoint survives a working
-    period that ends mid-run."""
-
-    def __init__(self, dest: str):
-        self.dest = dest
-
-    def on_save(self, args, state, control, **kwargs):
-        if state.is_world_process_zero:
-            checkpoint = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-            logger.info(f"resume point: {save_resume_point(checkpoint, self.dest)}")
-
-
-def has_optimizer_state(checkpoint: str) -> bool:
-    """Whether a checkpoint folder holds the optimizer and scheduler states a full Trainer resume restores."""
-    return any(
-        os.path.isfile(os.path.join(checkpoint, name)) for name in ("optimizer.pt", "optimizer.bin")
-    ) and (os.path.isfile(os.path.join(checkpoint, "scheduler.pt")))
-
-
-def carry_on_schedule(scheduler, step: int, rewarmup_steps: int) -> None:
-    """Put a freshly created ``LambdaLR`` (or an accelerate wrapper of one) at ``step`` of its schedule, the learning
-    rate ramped linearly from ``1 / (rewarmup_steps + 1)`` of the schedule's value to all of it over ``rewarmup_steps``
-    steps (fresh AdamW moments make the first updates sign-like, ``lr`` in every weight). A later checkpoint saves the
-    schedule's step; a resume from it rebuilds the plain schedule, the ramp being long over by then."""
-    scheduler = getattr(scheduler, "scheduler", scheduler)
-    if not hasattr(scheduler, "lr_lambdas"):
-        raise TypeError(
-            f"lr_scheduler: expected a LambdaLR (the Trainer's get_scheduler) to carry on at step {step}, "
-            f"got {type(scheduler).__name__}"
-        )
-
-    def ramped(schedule):
-        def lr_lambda(current: int) -> float:
-            return schedule(current) * min(1.0, (current - step + 1) / (rewarmup_steps + 1))
-
-        return lr_lambda
-
-    scheduler.lr_lambdas = [ramped(schedule) for schedule in scheduler.lr_lambdas]
-    scheduler.last_epoch = step - 1
-    with warnings.catch_warnings():  # "lr_scheduler.step() before optimizer.step()": intended here
-        warnings.simplefilter("ignore", UserWarning)
-        scheduler.step()
 
 
 class DrafterTrainer(Trainer):
@@ -161,8 +113,9 @@ class DrafterTrainer(Trainer):
             self._load_heldout(model)
             if args.curve_points_per_decade and args.eval_strategy == "no":
                 self.add_callback(LogSpacedEvaluation(args.curve_points_per_decade))
-        if args.resume_point_dir:
-            self.add_callback(ResumePointOnSave(args.resume_point_dir))
+        self.add_callback(CarryOnAfterResume(self.callback_handler, args.resume_rewarmup_steps))
+        if args.weights_only_checkpoint_dir:
+            self.add_callback(SaveWeightsOnly(args.weights_only_checkpoint_dir))
         if args.max_train_seconds is not None:
             self.add_callback(
                 TimeBudget(args.max_train_seconds, evaluate=bool(eval_prompts or args.heldout_corpus_dir))
@@ -232,40 +185,6 @@ class DrafterTrainer(Trainer):
             groups = split_drafter_and_head(self.accelerator.unwrap_model(self.model))
             self.optimizer = two_group_adamw(groups, self.args)
         return self.optimizer
-
-    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        super()._load_optimizer_and_scheduler(checkpoint)
-        if checkpoint is None:
-            return
-        # The Trainer takes logging / eval / save intervals from the checkpoint's state; a run resumed across working
-        # periods follows its config instead (a changed save_steps applies, a hand-written state cannot set them).
-        kept = {kind: getattr(self.state, f"{kind}_steps") for kind in ("logging", "eval", "save")}
-        self.state.compute_steps(self.args, self.state.max_steps)
-        changed = {
-            k: (v, getattr(self.state, f"{k}_steps"))
-            for k, v in kept.items()
-            if v != getattr(self.state, f"{k}_steps")
-        }
-        if changed:
-            logger.warning(
-                f"resume_from_checkpoint {checkpoint}: intervals from the config, not the checkpoint: {changed}"
-            )
-        # A trainer state written by hand (trainers/resume_point.py) has no stateful_callbacks: without an entry per
-        # exportable callback the Trainer's next checkpoint save fails, after the whole interval's work.
-        for callback in [*self.callback_handler.callbacks, self.control]:
-            if isinstance(callback, ExportableState):
-                self.state.stateful_callbacks.setdefault(type(callback).__name__, callback.state())
-        if has_optimizer_state(checkpoint):
-            return
-        # A weights-only checkpoint (a resume point committed between working periods): the model and the step count
-        # came from it; AdamW starts with fresh moments and the schedule carries on at the checkpoint's step.
-        step = TrainerState.load_from_json(os.path.join(checkpoint, "trainer_state.json")).global_step
-        logger.warning(
-            f"resume_from_checkpoint {checkpoint}: weights and step {step} only (no optimizer.pt / scheduler.pt); "
-            f"fresh AdamW moments, the LR schedule carried on at step {step} with a "
-            f"{self.args.resume_rewarmup_steps}-step ramp"
-        )
-        carry_on_schedule(self.lr_scheduler, step, self.args.resume_rewarmup_steps)
 
     def _clip_grad_norm(self, model):
         groups = split_drafter_and_head(self.accelerator.unwrap_model(model))
