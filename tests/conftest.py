@@ -145,3 +145,27 @@ def oracle_factory():
     """``oracle_factory(target, reference, seed=0, max_right=None)``: an OracleDrafter right for a random
     0..max_right rows of each block, then wrong, against the ``reference`` sequence."""
     return make_oracle
+
+
+def make_word_tokenizer(vocab_size: int = TINY_VOCAB):
+    """A tokenizer for the tiny targets whose token i is the word ``w{i}`` (0-3 are the special tokens <pad>,
+    <eos>, <user>, <assistant>), with a chat template: text is words joined by spaces."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import PreTrainedTokenizerFast
+
+    special = ["<pad>", "<eos>", "<user>", "<assistant>"]
+    vocab = {w: i for i, w in enumerate(special)} | {f"w{i}": i for i in range(len(special), vocab_size)}
+    backend = Tokenizer(WordLevel(vocab, unk_token="<pad>"))
+    backend.pre_tokenizer = WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>")
+    tokenizer.add_special_tokens({"additional_special_tokens": special[2:]})
+    tokenizer.chat_template = "{% for m in messages %}<user> {{ m['content'] }} {% endfor %}<assistant>"
+    return tokenizer
+
+
+@pytest.fixture(scope="session")
+def word_tokenizer():
+    """``make_word_tokenizer()``: a word-level tokenizer with a chat template for the tiny targets."""
+    return make_word_tokenizer()

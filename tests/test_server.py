@@ -12,10 +12,6 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 import torch
-from tokenizers import Tokenizer
-from tokenizers.models import WordLevel
-from tokenizers.pre_tokenizers import WhitespaceSplit
-from transformers import PreTrainedTokenizerFast
 
 from adaflash_hf.serving.server import BackgroundServer, build_engine, create_app
 from adaflash_hf.serving.worker import EngineWorker
@@ -32,21 +28,8 @@ PROMPTS = [
 ]
 
 
-def word_tokenizer(vocab_size=512):
-    """Token i is the word ``w{i}`` (0-3 are special: pad, eos, user, assistant); text is words joined by spaces."""
-    special = ["<pad>", "<eos>", "<user>", "<assistant>"]
-    vocab = {w: i for i, w in enumerate(special)} | {f"w{i}": i for i in range(len(special), vocab_size)}
-    backend = Tokenizer(WordLevel(vocab, unk_token="<pad>"))
-    backend.pre_tokenizer = WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>")
-    tokenizer.add_special_tokens({"additional_special_tokens": special[2:]})
-    tokenizer.chat_template = "{% for m in messages %}<user> {{ m['content'] }} {% endfor %}<assistant>"
-    return tokenizer
-
-
-def running_server(target, drafter, max_waiting=64, **engine_options):
+def running_server(target, drafter, tokenizer, max_waiting=64, **engine_options):
     """The app over ``build_engine(target, drafter, **engine_options)``, served on a free loopback port."""
-    tokenizer = word_tokenizer()
     worker = EngineWorker(build_engine(target, drafter, **engine_options), tokenizer, max_waiting=max_waiting)
     server = BackgroundServer(create_app(worker, tokenizer, "tiny", default_max_tokens=16))
     server.target, server.tokenizer = target, tokenizer
@@ -60,8 +43,8 @@ def target(target_factory):
 
 
 @pytest.fixture(scope="module")
-def server(target, drafter_factory):
-    with running_server(target, drafter_factory(target)) as running:
+def server(target, drafter_factory, word_tokenizer):
+    with running_server(target, drafter_factory(target), word_tokenizer) as running:
         yield running
 
 
@@ -261,8 +244,8 @@ def test_models_health_and_metrics(server):
     assert values["adaflash_generated_tokens_total"] > 0
 
 
-def test_overload_answers_429_with_retry_after_and_every_accepted_request_completes(target):
-    with running_server(target, None, max_waiting=1, max_running=1) as busy:
+def test_overload_answers_429_with_retry_after_and_every_accepted_request_completes(target, word_tokenizer):
+    with running_server(target, None, word_tokenizer, max_waiting=1, max_running=1) as busy:
         accepted = [
             client(busy).chat.completions.create(
                 model="tiny",

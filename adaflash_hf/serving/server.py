@@ -80,7 +80,6 @@ def create_app(
     learner=None,
 ) -> FastAPI:
     """The ASGI app over a worker (started and stopped by the app's lifespan) and an optional learner."""
-    engine = worker.engine
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -99,43 +98,13 @@ def create_app(
     async def openai_error(request, error: api.OpenAIError):
         return _error(error)
 
-    async def complete(request: Request, chat: bool):
-        body = api.parse_body(
-            await request.body(), api.ChatCompletionRequest if chat else api.CompletionRequest
-        )
-        api.check_model(body, model_name)
-        stop = api.stop_strings(body)
-        if chat:
-            prompt_field, prompt = "messages", api.chat_prompt_ids(tokenizer, body)
-        else:
-            prompt_field, prompt = "prompt", api.completion_prompt_ids(tokenizer, body, engine.vocab_size)
-        params = api.sampling_params(
-            body, len(prompt), engine.max_positions, default_max_tokens, prompt_field
-        )
-        try:
-            handle = worker.submit(prompt, params, stop, prefix="chatcmpl" if chat else "cmpl")
-        except QueueFull as error:
-            busy = api.OpenAIError(str(error), status=429, code="server_busy")
-            return _error(busy, headers={"Retry-After": str(error.retry_after)})
-        except ShuttingDown as error:
-            return _error(api.OpenAIError(str(error), status=503, code="shutting_down"))
-        first = await handle.queue.get()
-        if first.kind == "failed":  # refused by the engine (its budgets), or the engine thread failed
-            status = 400 if isinstance(first.error, (ValueError, TypeError)) else 500
-            return _error(api.OpenAIError(str(first.error), param=prompt_field, status=status))
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            writer = api.ChunkWriter(chat, handle.request_id, model_name, include_usage)
-            return StreamingResponse(_stream(worker, handle, writer), media_type="text/event-stream")
-        return await _whole(worker, handle, request, chat, model_name)
-
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await complete(request, chat=True)
+        return await _complete(request, True, worker, tokenizer, model_name, default_max_tokens)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await complete(request, chat=False)
+        return await _complete(request, False, worker, tokenizer, model_name, default_max_tokens)
 
     @app.get("/v1/models")
     async def models():
@@ -153,6 +122,41 @@ def create_app(
         return PlainTextResponse(metrics_text(worker, learner), media_type="text/plain; version=0.0.4")
 
     return app
+
+
+async def _complete(
+    request: Request, chat: bool, worker, tokenizer, model_name: str, default_max_tokens: int
+):
+    """One chat or completion request: parse and check it, submit it, then stream it or answer it whole."""
+    engine = worker.engine
+    body = api.parse_body(await request.body(), api.ChatCompletionRequest if chat else api.CompletionRequest)
+    api.check_model(body, model_name)
+    stop = api.stop_strings(body)
+    if chat:
+        prompt_field, prompt = "messages", api.chat_prompt_ids(tokenizer, body)
+    else:
+        prompt_field, prompt = "prompt", api.completion_prompt_ids(tokenizer, body, engine.vocab_size)
+    params = api.sampling_params(body, len(prompt), engine.max_positions, default_max_tokens, prompt_field)
+    try:
+        handle = worker.submit(prompt, params, stop, prefix="chatcmpl" if chat else "cmpl")
+    except QueueFull as error:
+        busy = api.OpenAIError(str(error), status=429, code="server_busy")
+        return _error(busy, headers={"Retry-After": str(error.retry_after)})
+    except ShuttingDown as error:
+        return _error(api.OpenAIError(str(error), status=503, code="shutting_down"))
+    try:
+        first = await handle.queue.get()
+    except asyncio.CancelledError:
+        worker.abort(handle.request_id)
+        raise
+    if first.kind == "failed":  # refused by the engine (its budgets), or the engine thread failed
+        status = 400 if isinstance(first.error, (ValueError, TypeError)) else 500
+        return _error(api.OpenAIError(str(first.error), param=prompt_field, status=status))
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        writer = api.ChunkWriter(chat, handle.request_id, model_name, include_usage)
+        return StreamingResponse(_stream(worker, handle, writer), media_type="text/event-stream")
+    return await _whole(worker, handle, request, chat, model_name)
 
 
 async def _whole(worker, handle, request: Request, chat: bool, model_name: str):
@@ -250,7 +254,7 @@ def metrics_text(worker: EngineWorker, learner=None) -> str:
         lines += [
             f"# HELP {name} {help_text}",
             f"# TYPE {name} {kind}",
-            f"{name} {snapshot.get(key or name, 0)}",
+            f"{name} {_number(snapshot.get(key or name, 0))}",
         ]
     lines += ["# HELP adaflash_requests_finished_total Finished requests by finish reason"]
     lines += ["# TYPE adaflash_requests_finished_total counter"]
@@ -259,8 +263,12 @@ def metrics_text(worker: EngineWorker, learner=None) -> str:
             f'adaflash_requests_finished_total{{reason="{reason}"}} {snapshot.get(f"finished_{reason}", 0)}'
         )
     for name, value in (learner.metrics() if learner is not None else {}).items():
-        lines += [f"# TYPE adaflash_{name} gauge", f"adaflash_{name} {value}"]
+        lines += [f"# TYPE adaflash_{name} gauge", f"adaflash_{name} {_number(value)}"]
     return "\n".join(lines) + "\n"
+
+
+def _number(value) -> str:
+    return "NaN" if value != value else str(value)  # Prometheus spells not-a-number NaN
 
 
 # ------------------------------------------------------------------------------------------------------- running
