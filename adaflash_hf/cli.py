@@ -21,12 +21,19 @@ import importlib
 import importlib.util
 import inspect
 import json
-import os
 import subprocess
 import sys
 
 import adaflash_hf
-from adaflash_hf.launch import CONFIG_HELP, launch_command, parse_args_with_config, trainer_script
+from adaflash_hf.launch import (
+    CONFIG_HELP,
+    error_line,
+    launch_command,
+    parse_args_with_config,
+    show_tracebacks,
+    trainer_script,
+    user_error,
+)
 
 # Heavy modules (torch, transformers, the interop and hub code) are imported by the handlers that need them, and
 # adaflash_hf.install() runs only once a command is chosen: `adaflash --help` stays an argparse program.
@@ -49,9 +56,6 @@ TRAINER_SCRIPTS = {
     "opd": ("opd.py", "online on-policy distillation of a drafter (accelerate launch)"),
 }
 UNAVAILABLE = 2
-# Raised by our checks of the user's input, files and environment: one line on stderr, exit status 1. Anything else is
-# a bug and keeps its traceback; ADAFLASH_DEBUG=1 shows the traceback of these too.
-USER_ERRORS = (ValueError, OSError, ImportError, NotImplementedError)
 
 
 def module_available(name: str) -> bool:
@@ -343,28 +347,16 @@ def _run(parser: argparse.ArgumentParser, argv: list[str]) -> int:
     return args.handler(args)
 
 
-def _user_error(error: Exception) -> Exception | None:
-    """The error to show as one line (our checks of the user's input, files and environment), or None for a bug."""
-    if isinstance(error, USER_ERRORS):
-        return error
-    # A config validator's error, wrapped by the strict dataclass.
-    from huggingface_hub.errors import StrictDataclassError
-
-    if isinstance(error, StrictDataclassError) and isinstance(error.__cause__, USER_ERRORS):
-        return error.__cause__
-    return None
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         return _run(make_parser(), argv)
     except Exception as error:
-        shown = _user_error(error)
-        if shown is None or os.environ.get("ADAFLASH_DEBUG", "") not in ("", "0"):
+        shown = user_error(error)
+        if shown is None or show_tracebacks():
             raise
         command = " ".join(["adaflash", *argv[: 2 if argv[:1] == ["bench"] else 1]])
-        print(f"{command}: error: {' '.join(str(shown).split()) or type(shown).__name__}", file=sys.stderr)
+        print(error_line(command, shown), file=sys.stderr)
         return 1
 
 

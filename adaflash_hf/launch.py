@@ -16,9 +16,50 @@ import os
 import sys
 from pathlib import Path
 
+# Raised by our checks of the user's input, files and environment: one line on stderr, exit status 1. Anything else is
+# a bug and keeps its traceback; ADAFLASH_DEBUG=1 shows the traceback of these too.
+USER_ERRORS = (ValueError, OSError, ImportError, NotImplementedError)
+
 CONFIG_HELP = (
     "YAML file of this command's options (keys: option names, e.g. target_config); the command line wins"
 )
+
+
+def int_at_least(minimum: int):
+    """An argparse ``type``: an int >= ``minimum``. A bad value is a usage error while the arguments are parsed
+    (``argument --repeats: expected an int >= 1, got 0``, exit status 2), before anything loads."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an int >= {minimum}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an int >= {minimum}, got {value}")
+        return value
+
+    parse.__name__ = f"an int >= {minimum}"  # what a --config file's error says is expected
+    return parse
+
+
+def number_in(low: float, high: float | None = None, *, open_low: bool = False):
+    """An argparse ``type``: a float >= ``low`` (> with ``open_low``) and <= ``high`` when given; refused as
+    ``int_at_least`` refuses."""
+    expected = f"a number {'>' if open_low else '>='} {low:g}"
+    if high is not None:
+        expected = f"a number in {'(' if open_low else '['}{low:g}, {high:g}]"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        if not (value > low if open_low else value >= low) or (high is not None and not value <= high):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {value:g}")
+        return value
+
+    parse.__name__ = expected
+    return parse
 
 
 def _load_option_file(path: str) -> dict:
@@ -159,6 +200,40 @@ def parse_args_with_config(
     return args
 
 
+# ------------------------------------------------------------------------------------------------- errors
+def user_error(error: Exception) -> Exception | None:
+    """The error to show as one line (our checks of the user's input, files and environment), or None for a bug."""
+    if isinstance(error, USER_ERRORS):
+        return error
+    # A config validator's error, wrapped by the strict dataclass.
+    from huggingface_hub.errors import StrictDataclassError
+
+    if isinstance(error, StrictDataclassError) and isinstance(error.__cause__, USER_ERRORS):
+        return error.__cause__
+    return None
+
+
+def show_tracebacks() -> bool:
+    return os.environ.get("ADAFLASH_DEBUG", "") not in ("", "0")
+
+
+def error_line(command: str, error: Exception) -> str:
+    return f"{command}: error: {' '.join(str(error).split()) or type(error).__name__}"
+
+
+def run_command(command: str, run):
+    """``run()`` as a script's entry point: an error in the input (``user_error``) is one line ``command: error: ...``
+    on stderr and exit status 1, as in ``adaflash``; a bug, or any error with ADAFLASH_DEBUG=1, keeps its traceback."""
+    try:
+        return run()
+    except Exception as error:
+        shown = user_error(error)
+        if shown is None or show_tracebacks():
+            raise
+        print(error_line(command, shown), file=sys.stderr)
+        raise SystemExit(1) from None
+
+
 # ------------------------------------------------------------------------------------- training scripts
 
 
@@ -178,10 +253,12 @@ def launch_command(script: Path, launcher_args: argparse.Namespace, script_args:
 
     The script's ``--help`` runs it with plain Python: printing options needs no processes, and accelerate would open
     the help with its warning about the process count it picked (0 on a CPU-only machine without a config).
+    ``--quiet``: a script that fails has said why (one line for an input error, ``run_command``); accelerate would add
+    a traceback of its own.
     """
     if {"-h", "--help"} & set(script_args):
         return [sys.executable, str(script), *script_args]
-    command = [sys.executable, "-m", "accelerate.commands.launch"]
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--quiet"]
     if launcher_args.accelerate_config:
         command += ["--config_file", launcher_args.accelerate_config]
     if launcher_args.num_processes is not None:

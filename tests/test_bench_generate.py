@@ -1,6 +1,7 @@
 """`adaflash bench generate`: every method lossless, τ accounted the same way for all, outputs written, failures loud."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -158,7 +159,7 @@ def offline_main(tiny_pair, tmp_path, monkeypatch):
     monkeypatch.setattr("adaflash_hf.data.prompt_ids", lambda tokenizer, row: PROMPTS["chat"][0][1])
     monkeypatch.setattr(
         "adaflash_hf.data.load_domain",
-        lambda domain, split, n: [{"id": f"{domain}-{i}", "prompt": "p"} for i in range(n)],
+        lambda domain, split, n=None: [{"id": f"{domain}-{i}", "prompt": "p"} for i in range(n or 8)],
     )
 
     def run(*extra):
@@ -193,6 +194,50 @@ def test_main_writes_json_table_and_plots(offline_main):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     adaptive = [r for r in results["summary"] if r["method"] == "adaflash_adaptive"]
     assert all(sum(r["k_hat_histogram"]) > 0 for r in adaptive)
+
+
+@pytest.fixture
+def no_target(monkeypatch):
+    """load_target fails the test: what is checked here must be refused before the target loads."""
+
+    def load_target(name):
+        raise AssertionError("the target loaded before the options were checked")
+
+    monkeypatch.setattr("adaflash_hf.assets.load_target", load_target)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--prompts-per-domain", "0"], "argument --prompts-per-domain: expected an int >= 1, got 0"),
+        (["--repeats", "0"], "argument --repeats: expected an int >= 1, got 0"),
+        (["--max-new-tokens", "1"], "argument --max-new-tokens: expected an int >= 2, got 1"),
+        (["--gamma", "0"], "argument --gamma: expected a number > 0, got 0"),
+        (["--lookup-min-prob", "2"], r"argument --lookup-min-prob: expected a number in \[0, 1\], got 2"),
+        (
+            ["--methods", "adaflash_fixed"],
+            r"--methods: expected a list including plain .*got \['adaflash_fixed'\]",
+        ),
+    ],
+)
+def test_bad_options_are_usage_errors_before_the_target_loads(no_target, capsys, flags, message):
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--quick", *flags])
+    assert exit_info.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_more_prompts_than_a_held_out_set_holds_are_refused_before_the_target_loads(no_target):
+    with pytest.raises(
+        ValueError,
+        match=r"--prompts-per-domain: expected at most \d+ \(the held-out math prompts\), got 100000",
+    ):
+        bench.main(["--methods", "plain", "--domains", "math", "--prompts-per-domain", "100000"])
+
+
+def test_a_missing_drafter_folder_is_refused_before_the_target_loads(no_target, tmp_path):
+    with pytest.raises(FileNotFoundError, match="expected an existing drafter folder"):
+        bench.main(["--quick", "--drafter", str(tmp_path / "missing")])
 
 
 def test_main_exits_nonzero_when_an_output_differs(offline_main, monkeypatch):

@@ -54,7 +54,7 @@ def test_eval_prompts_are_never_served_by_the_traffic():
 def test_eval_prompts_refuse_to_overlap_a_small_traffic_domain():
     config = {"seed": 0, "max_prompt_tokens": 4096, "prompts_per_domain": 161, "domains": ["code"]}
     with pytest.raises(
-        ValueError, match=r"eval_prompts_per_domain: expected at most 3 for traffic domain code"
+        ValueError, match=r"--eval-prompts-per-domain: expected at most 3 for traffic domain code"
     ):
         opd.eval_prompts(tiny_tokenizer(), config, per_domain=8)
 
@@ -190,6 +190,22 @@ def test_bad_replay_settings_of_the_replay_variant_fail_before_any_run(tmp_path,
     with pytest.raises(ValueError, match=message):
         opd.main([*_bench_config(tmp_path), "--variants", "adaflash", "replay", *flags])
     assert launched == []
+
+
+@pytest.mark.parametrize("flag", ["--eval-prompts-per-domain", "--eval-max-new-tokens", "--threads"])
+def test_a_count_below_one_is_a_usage_error(tmp_path, capsys, flag):
+    with pytest.raises(SystemExit) as exit_info:
+        opd.main([*_bench_config(tmp_path), flag, "0"])
+    assert exit_info.value.code == 2
+    assert f"argument {flag}: expected an int >= 1, got 0" in capsys.readouterr().err
+
+
+def test_more_evaluation_prompts_than_a_held_out_set_holds_are_refused_before_the_target_loads(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setattr("adaflash_hf.assets.load_target", lambda *a, **k: pytest.fail("loaded the target"))
+    with pytest.raises(ValueError, match=r"--eval-prompts-per-domain: expected 1\.\.\d+ for \w+, got 100000"):
+        opd.main([*_bench_config(tmp_path), "--eval-prompts-per-domain", "100000"])
 
 
 def test_the_bench_refuses_an_evaluation_set_that_overlaps_the_traffic_before_any_run(

@@ -75,3 +75,18 @@ def test_cli_runs_bench_train(capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["bench", "train", "--help"])
     assert exit_info.value.code == 0 and "--quick" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--steps", "0"], "argument --steps: expected an int >= 1, got 0"),
+        (["--warmup", "-1"], "argument --warmup: expected an int >= 0, got -1"),
+        (["--threads", "0"], "argument --threads: expected an int >= 1, got 0"),
+    ],
+)
+def test_bad_counts_are_usage_errors_before_any_step(capsys, flags, message):
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--quick", *flags])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err

@@ -83,6 +83,22 @@ def test_answers_shorter_than_a_block_are_refused(setup):
         calibrate_length_head(drafter, short, [features[0][:4]], target)
 
 
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--domains", "bogus"], "argument --domains: invalid choice: 'bogus'"),
+        (["--steps", "0"], "argument --steps: expected an int >= 1, got 0"),
+        (["--learning-rate", "-1"], "argument --learning-rate: expected a number > 0, got -1"),
+    ],
+)
+def test_bad_options_are_usage_errors_before_anything_loads(tmp_path, capsys, flags, message):
+    # the drafter folder does not exist: loading anything would fail with another error
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--drafter", str(tmp_path / "missing"), "--output-dir", str(tmp_path), *flags])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
 def test_cli_calibrates_the_shipped_drafter_on_the_offline_target(tmp_path):
     """Integration: the real target answers 2 prompts per domain, the shipped drafter's re-initialised head is fitted
     on its realised acceptance, and the calibrated drafter is saved and loads."""

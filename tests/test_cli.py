@@ -3,6 +3,7 @@ modules and accelerate-launched trainer scripts, and 'not available' for parts t
 
 import ast
 import importlib.machinery
+import os
 import subprocess
 import sys
 import types
@@ -150,6 +151,7 @@ def test_train_launches_the_script_through_accelerate(monkeypatch, tmp_path):
             sys.executable,
             "-m",
             "accelerate.commands.launch",
+            "--quiet",
             "--config_file",
             "acc.yaml",
             "--num_processes",
@@ -166,8 +168,25 @@ def test_train_dry_run_prints_the_command(monkeypatch, tmp_path, capsys):
     assert (
         capsys.readouterr()
         .out.strip()
-        .endswith(f"accelerate.commands.launch {tmp_path / 'opd.py'} --config opd.yaml")
+        .endswith(f"accelerate.commands.launch --quiet {tmp_path / 'opd.py'} --config opd.yaml")
     )
+
+
+def test_an_input_error_of_a_launched_trainer_is_one_line_without_a_traceback(tmp_path):
+    missing = tmp_path / "checkpoint-7"
+    argv = ["train", "--output_dir", str(tmp_path / "out"), "--resume_from_checkpoint", str(missing)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env.pop("ADAFLASH_DEBUG", None)
+    result = subprocess.run(
+        [sys.executable, "-m", "adaflash_hf.cli", *argv], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if "error" in line.lower()]
+    assert errors == [
+        f"train_drafter.py: error: resume_from_checkpoint: expected 'last' or an existing checkpoint folder, got "
+        f"'{missing}', which does not exist"
+    ]
 
 
 def test_missing_trainer_script_is_not_available(monkeypatch, capsys):
@@ -287,7 +306,7 @@ def test_a_cpu_launch_uses_every_usable_core_unless_the_user_chose(monkeypatch, 
     plain = launch_command(
         script, argparse.Namespace(accelerate_config=None, num_processes=None), ["--x", "1"]
     )
-    assert plain[3:] == ["--num_cpu_threads_per_process", str(cores), str(script), "--x", "1"]
+    assert plain[3:] == ["--quiet", "--num_cpu_threads_per_process", str(cores), str(script), "--x", "1"]
     configured = launch_command(
         script, argparse.Namespace(accelerate_config="acc.yaml", num_processes=None), []
     )

@@ -125,7 +125,10 @@ def test_every_config_command_converts_values_with_the_option_type(tmp_path, com
     option = "--" + name.replace("_", "-")
     assert getattr(_parse(command, _yaml(tmp_path, f'{name}: "7"\n')), name) == 7
     for bad in ("seven", "7.5", "true"):
-        with pytest.raises(ValueError, match=rf"c.yaml: {name}: expected int \(as {option} takes\), got"):
+        expected = r"(int|an int >= \d+)"  # a count's type names its lower bound
+        with pytest.raises(
+            ValueError, match=rf"c.yaml: {name}: expected {expected} \(as {option} takes\), got"
+        ):
             _parse(command, _yaml(tmp_path, f"{name}: {bad}\n"))
 
 
@@ -289,3 +292,10 @@ def test_publish_with_the_hub_down_not_offline_says_it_is_unreachable(drafter_fo
     assert cli.main(["publish", str(drafter_folder), "me/test-drafter"]) == 1
     line = _one_error_line(capsys, "publish")
     assert "the Hub is unreachable, nothing was uploaded to me/test-drafter" in line and "--dry-run" in line
+
+
+def test_a_config_count_below_its_bound_is_refused_as_on_the_command_line(tmp_path):
+    with pytest.raises(
+        ValueError, match=r"c.yaml: repeats: expected an int >= 1 \(as --repeats takes\), got 0"
+    ):
+        _parse("bench generate", _yaml(tmp_path, "repeats: 0\n"))

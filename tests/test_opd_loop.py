@@ -77,6 +77,20 @@ def test_phase_prompts_need_one_positive_count_per_domain(counts):
         OPDScriptArguments(domains=["chat", "translate"], phase_prompts=counts)
 
 
+def test_the_script_refuses_resume_from_checkpoint_before_the_target_loads(tmp_path, monkeypatch):
+    from adaflash_hf.trainers import opd
+
+    monkeypatch.setattr(opd, "load_target", lambda name: pytest.fail("the target loaded before the check"))
+    config = Path(__file__).resolve().parents[1] / "examples" / "configs" / "opd_tiny.yaml"
+    parsed = opd.make_parser().parse_args_and_config(
+        ["--config", str(config), "--output_dir", str(tmp_path), "--resume_from_checkpoint", "runs/x"]
+    )
+    with pytest.raises(
+        ValueError, match=r"resume_from_checkpoint: expected none \(an online run resumes .*got 'runs/x'"
+    ):
+        opd.main(*parsed)
+
+
 class SlowTraining(TrainerCallback):
     """Slows every optimizer step and counts the engine steps served while a train() call runs."""
 

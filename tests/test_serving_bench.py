@@ -1,6 +1,7 @@
 """``adaflash bench serve`` on tiny random models: every mode at every level, lossless, and all three outputs."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -42,3 +43,34 @@ def test_modes_without_plain_are_refused_before_loading_anything(tmp_path, capsy
         main(["--modes", "dflash", "--output-dir", str(tmp_path)])
     assert exit_.value.code == 2
     assert "--modes: expected a list including plain" in capsys.readouterr().err
+
+
+@pytest.fixture
+def no_target(monkeypatch):
+    monkeypatch.setattr(
+        "adaflash_hf.assets.load_target", lambda name: pytest.fail("the target loaded before the check")
+    )
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--concurrency", "1", "0"], "argument --concurrency: expected an int >= 1, got 0"),
+        (["--requests-per-level", "0"], "argument --requests-per-level: expected an int >= 1, got 0"),
+        (["--threads", "0"], "argument --threads: expected an int >= 1, got 0"),
+        (
+            ["--lookup-min-prob", "-0.5"],
+            r"argument --lookup-min-prob: expected a number in \[0, 1\], got -0.5",
+        ),
+    ],
+)
+def test_bad_options_are_usage_errors_before_the_target_loads(no_target, tmp_path, capsys, flags, message):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--quick", "--output-dir", str(tmp_path), *flags])
+    assert exit_.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_a_missing_drafter_folder_is_refused_before_the_target_loads(no_target, tmp_path):
+    with pytest.raises(FileNotFoundError, match="expected an existing drafter folder"):
+        main(["--quick", "--drafter", str(tmp_path / "missing"), "--output-dir", str(tmp_path)])

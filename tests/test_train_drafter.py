@@ -767,6 +767,23 @@ def test_the_script_needs_a_corpus_and_says_how_to_build_one(tmp_path):
         main(args)
 
 
+def test_a_missing_resume_folder_is_refused_before_the_corpus_or_the_target_loads(tmp_path):
+    from adaflash_hf.trainers.train_drafter import main
+
+    missing = str(tmp_path / "checkpoint-7")
+    args = DrafterTrainingConfig(
+        output_dir=str(tmp_path),
+        corpus_dir=str(tmp_path / "no-corpus"),
+        resume_from_checkpoint=missing,
+        report_to="none",
+    )
+    with pytest.raises(
+        FileNotFoundError,
+        match=rf"resume_from_checkpoint: expected 'last' or an existing checkpoint folder, got '{missing}'",
+    ):
+        main(args)
+
+
 def _write_corpus(folder: Path, per_domain: int, offset: int) -> None:
     """A corpus of every domain, as `adaflash corpus` writes it, whose prompts use token ids of their own:
     ``offset + 100 * d`` onwards for the d-th of chat, code, math."""

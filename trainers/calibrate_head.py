@@ -215,7 +215,8 @@ def _scored_on(report: dict) -> str:
 
 # ----------------------------------------------------------------------------------------------------------- CLI
 def make_parser() -> argparse.ArgumentParser:
-    from adaflash_hf.launch import CONFIG_HELP
+    from adaflash_hf.data import ALL_DOMAINS
+    from adaflash_hf.launch import CONFIG_HELP, int_at_least, number_in
 
     parser = argparse.ArgumentParser(
         prog="adaflash calibrate-head", description=__doc__.splitlines()[0].rstrip(":")
@@ -238,19 +239,22 @@ def make_parser() -> argparse.ArgumentParser:
         "recorded while generating",
     )
     parser.add_argument(
-        "--max-sequences", type=int, default=None, help="use at most this many corpus answers (evenly spaced)"
+        "--max-sequences",
+        type=int_at_least(1),
+        default=None,
+        help="use at most this many corpus answers (evenly spaced)",
     )
-    parser.add_argument("--domains", nargs="+", default=["chat", "code", "math"])
-    parser.add_argument("--prompts-per-domain", type=int, default=16)
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--learning-rate", type=float, default=1e-3)
-    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--domains", nargs="+", choices=ALL_DOMAINS, default=["chat", "code", "math"])
+    parser.add_argument("--prompts-per-domain", type=int_at_least(1), default=16)
+    parser.add_argument("--max-new-tokens", type=int_at_least(1), default=128)
+    parser.add_argument("--steps", type=int_at_least(1), default=300)
+    parser.add_argument("--learning-rate", type=number_in(0, open_low=True), default=1e-3)
+    parser.add_argument("--batch-size", type=int_at_least(1), default=256)
     parser.add_argument("--holdout-fraction", type=float, default=0.25)
     parser.add_argument(
         "--reinit-head", action="store_true", help="start from a fresh head (to measure calibration)"
     )
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--threads", type=int_at_least(1), default=None, help="torch CPU threads")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--config", metavar="FILE", help=CONFIG_HELP)
     return parser
@@ -273,9 +277,6 @@ def _check_args(args) -> None:
             )
     if not 0 <= args.holdout_fraction < 1:
         raise ValueError(f"--holdout-fraction: expected 0 <= value < 1, got {args.holdout_fraction}")
-    for name in ("prompts_per_domain", "max_new_tokens", "steps"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')}: expected an int >= 1, got {getattr(args, name)}")
     if args.corpus_dir is None:
         sequences = args.prompts_per_domain * len(args.domains)
         if args.max_sequences is not None:
@@ -380,5 +381,7 @@ def summary_line(report: dict) -> str:
 
 
 if __name__ == "__main__":
+    from adaflash_hf.launch import run_command
+
     logging.set_verbosity_info()
-    print(summary_line(main()))
+    print(summary_line(run_command("calibrate_head.py", main)))

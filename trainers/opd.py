@@ -25,7 +25,7 @@ from transformers.utils import logging
 from trl import ModelConfig, TrlParser
 
 from adaflash_hf.assets import load_target
-from adaflash_hf.launch import warn_if_cpu_threads_idle
+from adaflash_hf.launch import run_command, warn_if_cpu_threads_idle
 from adaflash_hf.online.config import OnlineConfig
 from adaflash_hf.online.loop import MetricsLogger, TrafficSource, run_online
 from adaflash_hf.online.weights import load_state, publishable_state
@@ -85,7 +85,7 @@ def lora_config(model_args: ModelConfig, drafter):
     )
 
 
-def _check_launch(state: PartialState, script_args: OPDScriptArguments) -> None:
+def _check_launch(state: PartialState, script_args: OPDScriptArguments, training_args: OPDConfig) -> None:
     """What the online loop cannot run with, refused before the target loads."""
     if state.num_processes != 1:
         raise ValueError(
@@ -96,6 +96,11 @@ def _check_launch(state: PartialState, script_args: OPDScriptArguments) -> None:
         raise ValueError(
             "serving_mode: expected 'adaflash' or 'dflash' (plain decoding drafts nothing), got 'plain'"
         )
+    if training_args.resume_from_checkpoint is not None:
+        raise ValueError(
+            "resume_from_checkpoint: expected none (an online run resumes from the newest complete checkpoint in "
+            f"<output_dir>/checkpoints; --resume false starts afresh), got {training_args.resume_from_checkpoint!r}"
+        )
 
 
 def main(
@@ -105,7 +110,7 @@ def main(
     model_args: ModelConfig,
 ) -> list[dict]:
     state = PartialState()
-    _check_launch(state, script_args)
+    _check_launch(state, script_args, training_args)
     warn_if_cpu_threads_idle(logger, state.device)
     output_dir = Path(training_args.output_dir)
     target, tokenizer = load_target(script_args.target_model)
@@ -185,4 +190,4 @@ def make_parser(subparsers=None) -> TrlParser:
 
 
 if __name__ == "__main__":
-    main(*make_parser().parse_args_and_config())
+    run_command(Path(__file__).name, lambda: main(*make_parser().parse_args_and_config()))

@@ -24,7 +24,7 @@ from trl import TrlParser
 
 from adaflash_hf.assets import load_target
 from adaflash_hf.data import load_domain, prompt_ids
-from adaflash_hf.launch import warn_if_cpu_threads_idle
+from adaflash_hf.launch import run_command, warn_if_cpu_threads_idle
 from adaflash_hf.modeling import AdaFlashDrafter
 from adaflash_hf.trainers.corpus import drop_prompt_twins, read_corpus
 from adaflash_hf.trainers.drafter_setup import add_config_option, build_drafter
@@ -44,6 +44,12 @@ def last_complete_checkpoint(output_dir: str | Path) -> str | None:
 
 def main(args: DrafterTrainingConfig) -> AdaFlashDrafter:
     warn_if_cpu_threads_idle(logger, args.device, args.world_size)
+    resume = args.resume_from_checkpoint
+    if resume not in (None, "last") and not Path(resume).is_dir():
+        raise FileNotFoundError(
+            f"resume_from_checkpoint: expected 'last' or an existing checkpoint folder, got {resume!r}, which does "
+            "not exist"
+        )
     if not args.corpus_dir:
         raise ValueError(
             "corpus_dir: expected a corpus written by `adaflash corpus --out-dir DIR` (the training sequences), "
@@ -84,7 +90,6 @@ def main(args: DrafterTrainingConfig) -> AdaFlashDrafter:
         train_dataset=train_dataset,
         eval_prompts=eval_prompts,
     )
-    resume = args.resume_from_checkpoint
     if resume == "last":
         resume = last_complete_checkpoint(args.output_dir)
         # A warning, so that a run restarted many times says in its log where each start began.
@@ -119,5 +124,4 @@ def make_parser(subparsers=None) -> TrlParser:
 
 
 if __name__ == "__main__":
-    (training_args,) = make_parser().parse_args_and_config()
-    main(training_args)
+    run_command(Path(__file__).name, lambda: main(*make_parser().parse_args_and_config()))

@@ -53,7 +53,7 @@ from transformers.utils import logging
 import adaflash_hf
 from adaflash_hf import AdaFlashDrafter
 from adaflash_hf.bench.machine import cpu_flags, plot_cost_curve
-from adaflash_hf.launch import CONFIG_HELP, parse_args_with_config
+from adaflash_hf.launch import CONFIG_HELP, int_at_least, number_in, parse_args_with_config
 from adaflash_hf.modeling.length_head_adaflash import length_head_error, realised_acceptance
 from adaflash_hf.stats import tau_of
 
@@ -649,30 +649,38 @@ def make_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--prompts-per-domain",
-        type=int,
+        type=int_at_least(1),
         help=f"held-out prompts per domain (default {FULL['prompts_per_domain']})",
     )
     parser.add_argument(
-        "--max-new-tokens", type=int, help=f"new tokens per call (default {FULL['max_new_tokens']})"
+        "--max-new-tokens",
+        type=int_at_least(2),
+        help=f"new tokens per call (default {FULL['max_new_tokens']})",
     )
     parser.add_argument(
-        "--repeats", type=int, help=f"timed calls per prompt and method (default {FULL['repeats']})"
+        "--repeats",
+        type=int_at_least(1),
+        help=f"timed calls per prompt and method (default {FULL['repeats']})",
     )
     parser.add_argument(
-        "--threads", type=int, default=2, help="torch threads and OMP_NUM_THREADS (default 2)"
+        "--threads", type=int_at_least(1), default=2, help="torch threads and OMP_NUM_THREADS (default 2)"
     )
     parser.add_argument(
         "--methods", nargs="+", default=list(METHODS), choices=METHODS, help="subset; needs plain"
     )
     parser.add_argument(
-        "--gamma", type=float, help="adaflash_gamma for the AdaFlash methods (default: drafter's)"
+        "--gamma",
+        type=number_in(0, open_low=True),
+        help="adaflash_gamma for the AdaFlash methods (default: drafter's)",
     )
     parser.add_argument(
-        "--min-len", type=int, help="adaflash_min_len for the AdaFlash methods (default: drafter's)"
+        "--min-len",
+        type=int_at_least(0),
+        help="adaflash_min_len for the AdaFlash methods (default: drafter's)",
     )
     parser.add_argument(
         "--lookup-min-prob",
-        type=float,
+        type=number_in(0, 1),
         default=0.0,
         help="adaflash_lookup_min_prob of adaflash_hybrid (default 0)",
     )
@@ -688,39 +696,64 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    """The options with their defaults filled in, every check that needs no model done (usage errors exit 2)."""
     parser = make_parser()
     args = parse_args_with_config(parser, argv)
     defaults = QUICK if args.quick else FULL
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    needs_drafter = bool(set(args.methods) - {"plain", "prompt_lookup"})
-    if needs_drafter and args.drafter is None:
+    if "plain" not in args.methods:
+        parser.error(
+            f"--methods: expected a list including plain (every method is checked against it), got {args.methods}"
+        )
+    if not set(args.methods) - {"plain", "prompt_lookup"}:
+        args.drafter = None  # no method drafts with it
+    elif args.drafter is None:
         if not DEFAULT_DRAFTER.is_dir():
             parser.error(
                 f"--drafter: expected a drafter folder (the default {DEFAULT_DRAFTER} does not exist), got none"
             )
         args.drafter = DEFAULT_DRAFTER
+    return args
+
+
+def _heldout_rows(domains: list[str], per_domain: int) -> dict[str, list[dict]]:
+    """``per_domain`` held-out rows of each domain, refused (naming the option) beyond a domain's held-out set."""
+    from adaflash_hf.data import load_domain
+
+    rows = {}
+    for domain in domains:
+        available = len(load_domain(domain, "heldout"))
+        if per_domain > available:
+            raise ValueError(
+                f"--prompts-per-domain: expected at most {available} (the held-out {domain} prompts), got {per_domain}"
+            )
+        rows[domain] = list(load_domain(domain, "heldout", per_domain))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
     std_logging.basicConfig(level=std_logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     torch.set_num_threads(args.threads)
 
     from adaflash_hf.assets import load_target
-    from adaflash_hf.data import load_domain, prompt_ids
+    from adaflash_hf.data import prompt_ids
 
+    # The drafter and the prompts before the target: a bad folder or prompt count fails in seconds.
+    drafter = None if args.drafter is None else AdaFlashDrafter.from_pretrained(args.drafter).eval()
+    if drafter is not None and args.min_len is not None and args.min_len > drafter.config.block_size - 1:
+        raise ValueError(
+            f"--min-len: expected 0..{drafter.config.block_size - 1} (the drafter's block_size - 1), got {args.min_len}"
+        )
+    rows = _heldout_rows(args.domains, args.prompts_per_domain)
     target, tokenizer = load_target(args.target)
-    drafter = None
-    if needs_drafter:
-        dtype = next(target.parameters()).dtype
-        drafter = AdaFlashDrafter.from_pretrained(args.drafter).to(dtype).eval()
-    prompts = {
-        domain: [
-            (row["id"], prompt_ids(tokenizer, row))
-            for row in load_domain(domain, "heldout", args.prompts_per_domain)
-        ]
-        for domain in args.domains
-    }
+    if drafter is not None:
+        drafter = drafter.to(next(target.parameters()).dtype)
+    prompts = {domain: [(row["id"], prompt_ids(tokenizer, row)) for row in rows[domain]] for domain in rows}
     results = run_benchmark(
         target,
         drafter,

@@ -21,7 +21,7 @@ import torch
 
 from adaflash_hf.kernels.clipped_kl import clipped_distill_loss_reference, fused_clipped_distill_loss
 from adaflash_hf.kernels.verify_accept import verify_accept
-from adaflash_hf.launch import CONFIG_HELP, parse_args_with_config
+from adaflash_hf.launch import CONFIG_HELP, int_at_least, parse_args_with_config
 
 LOSS_IMPLS = {"naive": None, "fallback": "torch", "triton": "triton"}
 
@@ -175,19 +175,20 @@ def format_tables(results: dict) -> str:
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="adaflash bench kernels", description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--vocab", type=int, nargs="+", default=[49152, 151936])
+    count = int_at_least(1)
+    parser.add_argument("--vocab", type=count, nargs="+", default=[49152, 151936])
     parser.add_argument(
-        "--rows", type=int, nargs="+", help="N (default: 512 on cpu; 1024 4096 16384 on cuda)"
+        "--rows", type=count, nargs="+", help="N (default: 512 on cpu; 1024 4096 16384 on cuda)"
     )
-    parser.add_argument("--hidden", type=int, help="H (default: 576, SmolLM2, on cpu; 4096 on cuda)")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--hidden", type=count, help="H (default: 576, SmolLM2, on cpu; 4096 on cuda)")
+    parser.add_argument("--repeats", type=count, default=3)
     parser.add_argument(
-        "--accept-batches", type=int, nargs="*", help="B (default: 1 8 on cpu; 1..128 on cuda)"
+        "--accept-batches", type=count, nargs="*", help="B (default: 1 8 on cpu; 1..128 on cuda)"
     )
-    parser.add_argument("--accept-vocab", type=int, default=151936)
+    parser.add_argument("--accept-vocab", type=count, default=151936)
     parser.add_argument(
         "--threads",
-        type=int,
+        type=count,
         default=1,
         help="torch CPU threads (1: on 2 shared cores more threads measure noise)",
     )

@@ -63,6 +63,7 @@ from adaflash_hf.bench.opd_report import (
     plot_replay,
     plot_tau,
 )
+from adaflash_hf.launch import int_at_least
 from adaflash_hf.modeling.length_head_adaflash import realised_acceptance
 from adaflash_hf.serving import AdaFlashEngine, AdmissionConfig, SamplingParams
 from adaflash_hf.stats import tau_of
@@ -144,11 +145,11 @@ def eval_texts(config: dict, per_domain: int, domains: tuple[str, ...]) -> dict[
         split = load_domain(domain, "heldout")
         if per_domain < 1 or per_domain > len(split):
             raise ValueError(
-                f"eval_prompts_per_domain: expected 1..{len(split)} for {domain}, got {per_domain}"
+                f"--eval-prompts-per-domain: expected 1..{len(split)} for {domain}, got {per_domain}"
             )
         if served and served + per_domain > len(split):
             raise ValueError(
-                f"eval_prompts_per_domain: expected at most {len(split) - served} for traffic domain {domain} "
+                f"--eval-prompts-per-domain: expected at most {len(split) - served} for traffic domain {domain} "
                 f"({len(split)} held-out prompts, {served} served), got {per_domain}"
             )
         # The traffic's own call with every row: its first rows are exactly the ones served.
@@ -163,7 +164,7 @@ def eval_texts(config: dict, per_domain: int, domains: tuple[str, ...]) -> dict[
                 chosen.append(text)
         if len(chosen) < per_domain:
             raise ValueError(
-                f"eval_prompts_per_domain: expected at most {len(chosen)} for {domain} (distinct texts not served), "
+                f"--eval-prompts-per-domain: expected at most {len(chosen)} for {domain} (distinct texts not served), "
                 f"got {per_domain}"
             )
         texts[domain] = chosen
@@ -431,12 +432,19 @@ def make_parser() -> argparse.ArgumentParser:
         "(default: the config's replay_domains)",
     )
     parser.add_argument(
-        "--eval-prompts-per-domain", type=int, default=16, help="evaluation prompts per domain (default 16)"
+        "--eval-prompts-per-domain",
+        type=int_at_least(1),
+        default=16,
+        help="evaluation prompts per domain (default 16)",
     )
     parser.add_argument(
-        "--eval-max-new-tokens", type=int, help="tokens per evaluation request (default: the config's)"
+        "--eval-max-new-tokens",
+        type=int_at_least(1),
+        help="tokens per evaluation request (default: the config's)",
     )
-    parser.add_argument("--threads", type=int, default=2, help="torch threads for the evaluation (default 2)")
+    parser.add_argument(
+        "--threads", type=int_at_least(1), default=2, help="torch threads for the evaluation (default 2)"
+    )
     parser.add_argument("--output-dir", type=Path, default=Path("runs/bench_opd"), help="where outputs go")
     parser.add_argument(
         "--launch-args",
@@ -549,6 +557,9 @@ def main(argv: list[str] | None = None) -> int:
     flags = {run: [*launch_args, *run_own] for run, run_own in own.items()}
     settings = {run: run_settings(args.config, run_flags_) for run, run_flags_ in flags.items()}
     config = next(iter(settings.values()))  # the traffic and serving settings, the same in every run
+    eval_texts(
+        config, args.eval_prompts_per_domain, evaluation_domains(config)
+    )  # its counts, before the target
     from adaflash_hf.assets import load_target
 
     target, tokenizer = load_target(config["target_model"])

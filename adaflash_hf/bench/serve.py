@@ -44,7 +44,7 @@ from transformers.utils import logging
 
 from adaflash_hf import AdaFlashConfig, AdaFlashDrafter
 from adaflash_hf.bench.machine import cpu_flags, plot_cost_curve
-from adaflash_hf.launch import CONFIG_HELP, parse_args_with_config
+from adaflash_hf.launch import CONFIG_HELP, int_at_least, number_in, parse_args_with_config
 from adaflash_hf.serving import MODES as ENGINE_MODES
 from adaflash_hf.serving import AdaFlashEngine, AdmissionConfig, SamplingParams
 from adaflash_hf.stats import tau_of
@@ -313,7 +313,8 @@ def heldout_prompts(tokenizer, count: int, max_prompt_tokens: int) -> list[torch
     ]
     if len(prompts) < count:
         raise ValueError(
-            f"max_prompt_tokens: only {len(prompts)} held-out prompts fit in {max_prompt_tokens}"
+            f"--max-prompt-tokens: expected a length {count} held-out prompts fit in (the requests of the highest "
+            f"level), got {max_prompt_tokens}, which {len(prompts)} fit in"
         )
     return prompts
 
@@ -332,25 +333,32 @@ def make_parser() -> argparse.ArgumentParser:
         "--drafter",
         help=f"AdaFlash drafter folder (default: {DEFAULT_DRAFTER}, when it exists), or 'random' (untrained)",
     )
-    parser.add_argument("--concurrency", type=int, nargs="+", help=f"levels (default {FULL['concurrency']})")
+    parser.add_argument(
+        "--concurrency", type=int_at_least(1), nargs="+", help=f"levels (default {FULL['concurrency']})"
+    )
     parser.add_argument(
         "--requests-per-level",
-        type=int,
+        type=int_at_least(1),
         help=f"requests per level, at least the concurrency (default {FULL['requests_per_level']})",
     )
-    parser.add_argument("--max-new-tokens", type=int, help=f"per request (default {FULL['max_new_tokens']})")
     parser.add_argument(
-        "--max-prompt-tokens", type=int, default=384, help="skip longer prompts (default 384)"
+        "--max-new-tokens", type=int_at_least(2), help=f"per request (default {FULL['max_new_tokens']})"
     )
     parser.add_argument(
-        "--repeats", type=int, help=f"timed runs per level and mode (default {FULL['repeats']})"
+        "--max-prompt-tokens", type=int_at_least(1), default=384, help="skip longer prompts (default 384)"
+    )
+    parser.add_argument(
+        "--repeats", type=int_at_least(1), help=f"timed runs per level and mode (default {FULL['repeats']})"
     )
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES, help="subset; needs plain")
     parser.add_argument(
-        "--lookup-min-prob", type=float, default=0.0, help="the hybrid mode's lookup_min_prob (default 0)"
+        "--lookup-min-prob",
+        type=number_in(0, 1),
+        default=0.0,
+        help="the hybrid mode's lookup_min_prob (default 0)",
     )
     parser.add_argument(
-        "--threads", type=int, default=2, help="torch threads and OMP_NUM_THREADS (default 2)"
+        "--threads", type=int_at_least(1), default=2, help="torch threads and OMP_NUM_THREADS (default 2)"
     )
     parser.add_argument("--output-dir", type=Path, default=Path("runs/bench_serve"), help="where outputs go")
     parser.add_argument(
@@ -362,21 +370,23 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _load_drafter(args, parser, target) -> AdaFlashDrafter | None:
-    if args.modes == ["plain"]:
+def _load_drafter(args, parser) -> AdaFlashDrafter | None:
+    """The drafter of ``--drafter`` (None for plain alone and for 'random', which needs the target), loaded before
+    the target so that a bad folder fails in seconds."""
+    if args.modes == ["plain"] or args.drafter == "random":
         return None
-    dtype = next(target.parameters()).dtype
-    if args.drafter == "random":
-        torch.manual_seed(0)
-        config = AdaFlashConfig.for_target(target.config, num_hidden_layers=2)
-        return AdaFlashDrafter(config).to(dtype).eval()
     if args.drafter is None:
         if not DEFAULT_DRAFTER.is_dir():
             parser.error(
                 f"--drafter: expected a drafter folder (the default {DEFAULT_DRAFTER} does not exist)"
             )
         args.drafter = str(DEFAULT_DRAFTER)
-    return AdaFlashDrafter.from_pretrained(args.drafter).to(dtype).eval()
+    return AdaFlashDrafter.from_pretrained(args.drafter).eval()
+
+
+def _random_drafter(target) -> AdaFlashDrafter:
+    torch.manual_seed(0)
+    return AdaFlashDrafter(AdaFlashConfig.for_target(target.config, num_hidden_layers=2)).eval()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -393,8 +403,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from adaflash_hf.assets import load_target
 
+    drafter = _load_drafter(args, parser)
     target, tokenizer = load_target(args.target)
-    drafter = _load_drafter(args, parser, target)
+    if args.drafter == "random" and args.modes != ["plain"]:
+        drafter = _random_drafter(target)
+    if drafter is not None:
+        drafter = drafter.to(next(target.parameters()).dtype)
     prompts = heldout_prompts(
         tokenizer, max(max(args.concurrency), args.requests_per_level), args.max_prompt_tokens
     )

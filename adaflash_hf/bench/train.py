@@ -35,7 +35,7 @@ import time
 import torch
 from transformers import LlamaConfig
 
-from adaflash_hf.launch import CONFIG_HELP, parse_args_with_config
+from adaflash_hf.launch import CONFIG_HELP, int_at_least, parse_args_with_config
 from adaflash_hf.modeling import AdaFlashConfig, AdaFlashDrafter
 from adaflash_hf.modeling.configuration_adaflash import build_target_layer_ids
 from adaflash_hf.trainers.dflash_recipe import IGNORE, SoftTargets, recipe_loss, sample_anchors
@@ -324,11 +324,13 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS), help="default: all"
     )
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per variant (after the warm-up)")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    parser.add_argument(
+        "--steps", type=int_at_least(1), default=3, help="timed steps per variant (after the warm-up)"
+    )
+    parser.add_argument("--warmup", type=int_at_least(0), default=1, help="untimed steps first")
     parser.add_argument(
         "--threads",
-        type=int,
+        type=int_at_least(1),
         default=1,
         help="torch CPU threads (1: on 2 shared cores more threads measure noise)",
     )
@@ -348,8 +350,6 @@ def make_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args_with_config(make_parser(), argv)
-    if args.steps < 1:
-        raise SystemExit(f"--steps: expected >= 1, got {args.steps}")
     torch.set_num_threads(args.threads)
     results = run(args)
     print(format_table(results))
