@@ -10,8 +10,9 @@
 
 Subcommands backed by modules or scripts missing from this installation are listed as "not available in this version"
 and exit with status 2. ``adaflash <command> --help`` describes each. ``--config FILE`` (YAML) supplies a command's
-options, each checked as on the command line. An error in the input is one line ``adaflash <command>: error: ...`` on
-stderr with exit status 1; ``ADAFLASH_DEBUG=1`` shows its traceback.
+options, each checked as on the command line. A usage error (an unknown option, a value an option refuses while the
+command line is parsed) is argparse's usage and ``error: ...``, exit status 2; any other error in the input is one line
+``adaflash <command>: error: ...`` on stderr with exit status 1; ``ADAFLASH_DEBUG=1`` shows its traceback.
 """
 
 from __future__ import annotations
@@ -309,7 +310,8 @@ def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="adaflash",
         description="AdaFlash adaptive-length speculative decoding drafters: convert, publish, benchmark, train.",
-        epilog="An error in the input is one line on stderr (exit status 1); ADAFLASH_DEBUG=1 shows its traceback.",
+        epilog="A usage error (an unknown option, a value an option refuses) exits with status 2, as argparse does; "
+        "any other error in the input is one line on stderr (exit status 1); ADAFLASH_DEBUG=1 shows its traceback.",
     )
     parser.add_argument("--version", action="version", version=f"adaflash-hf {adaflash_hf.__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)

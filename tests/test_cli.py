@@ -189,6 +189,22 @@ def test_an_input_error_of_a_launched_trainer_is_one_line_without_a_traceback(tm
     ]
 
 
+def test_a_usage_error_exits_2_and_any_other_input_error_exits_1_with_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", "generate", "--repeats", "0"])
+    assert exit_info.value.code == 2
+    assert "error: argument --repeats: expected an int >= 1, got 0" in capsys.readouterr().err
+    assert cli.main(["import", str(tmp_path / "missing"), str(tmp_path / "out")]) == 1
+    assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_the_help_and_the_readme_state_both_exit_statuses(capsys):
+    epilog = " ".join(_help(capsys).split())
+    assert "exits with status 2" in epilog and "(exit status 1)" in epilog
+    readme = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().split())
+    assert "exit status 2" in readme and "exit status 1" in readme
+
+
 def test_missing_trainer_script_is_not_available(monkeypatch, capsys):
     monkeypatch.setattr(cli, "trainer_script", lambda filename: None)
     assert cli.main(["opd", "--config", "x.yaml"]) == cli.UNAVAILABLE
