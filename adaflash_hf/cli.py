@@ -3,7 +3,8 @@
     adaflash export --format dflash PATH OUT    drafter -> z-lab DFlash layout for SGLang/vLLM (+ length-head sidecar)
     adaflash import PATH OUT                    z-lab DFlash / official AdaFlash / Muse-Glimmer / exported -> ours
     adaflash publish PATH REPO_ID               upload with a model card in one commit (``--dry-run`` to preview)
-    adaflash bench NAME ...                     run ``adaflash_hf.bench.NAME:main`` (kernels, generate, serve, opd, train)
+    adaflash serve [--learn]                    OpenAI-compatible HTTP server, optionally learning from its traffic
+    adaflash bench NAME ...                     run ``adaflash_hf.bench.NAME:main`` (kernels, generate, serve, opd, train, http)
     adaflash train ... / adaflash opd ...       ``accelerate launch`` the trainer scripts shipped in adaflash_hf.trainers
     adaflash corpus ...                         regenerate the drafter training corpus (``trainers/corpus.py``)
     adaflash calibrate-head ...                 fit only the length head from realised acceptance (``trainers/calibrate_head.py``)
@@ -29,7 +30,9 @@ import adaflash_hf
 from adaflash_hf.launch import (
     CONFIG_HELP,
     error_line,
+    int_at_least,
     launch_command,
+    number_in,
     parse_args_with_config,
     show_tracebacks,
     trainer_script,
@@ -51,6 +54,10 @@ BENCH_MODULES = {
     "serve": ("adaflash_hf.bench.serve", "throughput of the batched serving engine under concurrency"),
     "opd": ("adaflash_hf.bench.opd", "online distillation experiment: τ per domain over OPD rounds per loss"),
     "train": ("adaflash_hf.bench.train", "blocks/s and peak memory of one offline drafter-training step"),
+    "http": (
+        "adaflash_hf.bench.http",
+        "tokens/s, time to first token and inter-token latency of adaflash serve",
+    ),
 }
 TRAINER_SCRIPTS = {
     "train": ("train_drafter.py", "train a drafter from scratch for a causal LM (accelerate launch)"),
@@ -129,6 +136,26 @@ def _run_publish(args) -> int:
     else:
         print(f"published {args.repo_id}@{args.revision or 'main'}: {getattr(result, 'commit_url', result)}")
     return 0
+
+
+def _run_serve(args) -> int:
+    from adaflash_hf.serving.server import serve
+
+    factory = None
+    if args.learn:
+        from adaflash_hf.trainers.opd_live import live_learner
+
+        def factory(engine, target, tokenizer):
+            return live_learner(
+                engine,
+                target,
+                tokenizer,
+                args.learn_dir,
+                args.opd_config,
+                train_threshold=args.train_threshold,
+            )
+
+    return serve(args, factory)
 
 
 def _run_bench(name: str, argv: list[str]) -> int:
@@ -259,6 +286,62 @@ def _add_publish(commands) -> None:
     publish.set_defaults(handler=_run_publish)
 
 
+def _add_serve(commands) -> None:
+    serve = commands.add_parser(
+        "serve",
+        help="an OpenAI-compatible HTTP server (chat and completions, streamed or not) that can keep learning",
+        description="Serve TARGET with DRAFTER over HTTP: /v1/chat/completions, /v1/completions, /v1/models, "
+        "/health, /metrics (Prometheus). With no options: the offline SmolLM2 target and the shipped drafter on "
+        "http://127.0.0.1:8000/v1. SIGTERM stops it gracefully (exit status 0).",
+    )
+    serve.add_argument(
+        "--target", default="smollm2-135m-instruct", help="target (adaflash_hf.assets.load_target)"
+    )
+    serve.add_argument(
+        "--drafter", help="drafter folder or repo id (default: the shipped SmolLM2 drafter); none = plain"
+    )
+    serve.add_argument(
+        "--draft-source", choices=("diffusion", "hybrid"), default="diffusion", help="drafts from"
+    )
+    serve.add_argument(
+        "--length-mode",
+        choices=("auto", "adaptive", "fixed", "goodput"),
+        help="draft lengths (default auto; adaptive with --learn, the feedback OPD learns from)",
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    serve.add_argument(
+        "--port", type=int_at_least(0), default=8000, help="port (default 8000; 0 = a free one, printed)"
+    )
+    serve.add_argument(
+        "--max-running", type=int_at_least(1), default=16, help="requests in the engine's batch (default 16)"
+    )
+    serve.add_argument(
+        "--max-waiting",
+        type=int_at_least(0),
+        default=64,
+        help="accepted requests waiting beyond those; more get 429 (default 64)",
+    )
+    serve.add_argument(
+        "--default-max-tokens", type=int_at_least(1), default=256, help="max_tokens when a request has none"
+    )
+    serve.add_argument("--served-model-name", help="the model id clients send (default: the target's name)")
+    serve.add_argument(
+        "--grace-period", type=number_in(0), default=30.0, help="seconds running requests get at SIGTERM"
+    )
+    serve.add_argument(
+        "--learn", action="store_true", help="train the drafter on the traffic and hot-reload it"
+    )
+    serve.add_argument(
+        "--learn-dir", default="runs/serve", help="--learn: weights/ and checkpoints/ (resumed)"
+    )
+    serve.add_argument(
+        "--train-threshold", type=int_at_least(1), help="--learn: finished requests per training round (128)"
+    )
+    serve.add_argument("--opd-config", metavar="FILE", help="--learn: OPD trainer and buffer settings (YAML)")
+    serve.add_argument("--config", metavar="FILE", help=CONFIG_HELP)
+    serve.set_defaults(handler=_run_serve)
+
+
 def _add_pass_through(commands) -> None:
     """Commands whose arguments go to a module's or script's own parser (described here, parsed there)."""
     bench = commands.add_parser(
@@ -317,6 +400,7 @@ def make_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_export(commands)
     _add_publish(commands)
+    _add_serve(commands)
     _add_pass_through(commands)
     parser.commands = commands.choices  # name -> subparser, for --config defaults
     return parser

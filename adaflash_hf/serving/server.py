@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 import socket
 import threading
@@ -237,7 +238,17 @@ METRICS = {  # name -> (type, help, snapshot key)
     "adaflash_verify_rounds_total": ("counter", "Verify rounds of finished requests", "verify_rounds"),
     "adaflash_accepted_drafts_total": ("counter", "Accepted drafts of finished requests", "accepted_drafts"),
     "adaflash_requests_rejected_total": ("counter", "Requests answered 429 (queue full)", "rejected_busy"),
+    "process_resident_memory_bytes": ("gauge", "Resident memory of the server process", None),
 }
+
+
+def resident_memory_bytes() -> int:
+    """The process's resident set (Linux /proc; 0 where it is not available)."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+    return pages * os.sysconf("SC_PAGE_SIZE")
 
 
 def metrics_text(worker: EngineWorker, learner=None) -> str:
@@ -248,6 +259,7 @@ def metrics_text(worker: EngineWorker, learner=None) -> str:
         "adaflash_requests_running": running,
         "adaflash_requests_waiting": max(0, worker.accepted - running),
         "adaflash_drafter_weights_version": int(getattr(worker.engine.drafter, "weights_version", 0) or 0),
+        "process_resident_memory_bytes": resident_memory_bytes(),
     }
     lines = []
     for name, (kind, help_text, key) in METRICS.items():

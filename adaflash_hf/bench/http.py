@@ -1,0 +1,375 @@
+"""Load generator for ``adaflash serve`` (or any OpenAI-compatible server on this machine): N concurrent streaming
+chat clients, closed loop, through the official ``openai`` client.
+
+    adaflash serve --drafter none --port 8001 &   adaflash serve --port 8002 &   adaflash serve --draft-source hybrid --port 8003 &
+    adaflash bench http --server plain=http://127.0.0.1:8001/v1 --server adaflash=http://127.0.0.1:8002/v1 \\
+        --server hybrid=http://127.0.0.1:8003/v1 --concurrency 1 4 16 --requests 32 --max-tokens 128
+    adaflash bench http --server learn=http://127.0.0.1:8000/v1 --domains translate --concurrency 4 \\
+        --requests 1000 --learning-curve                      # a shifted workload against `adaflash serve --learn`
+    adaflash bench http --concurrency 16 --duration-s 120 --requests 100000 --disconnect-prob 0.3   # a soak
+
+Per server and concurrency level, ``--requests`` requests (held-out prompts of ``--domains`` in turn, each a user
+turn) are kept ``c`` at a time in flight until they are done or ``--duration-s`` has passed. Every server runs each
+level in turn before the next level, so they share the machine's state. Reported per (server, level): generated
+tokens/s (completion tokens over the level's wall time), time to first token and inter-token latency (the gap
+between two streamed chunks, what a client sees) p50/p99, τ from the responses' ``adaflash`` statistics (servers
+that do not send them show none), 429s, other errors, the drafter weights version and the server's resident memory
+(``/metrics``) before and after. With ``--disconnect-prob p`` a client drops its stream after a random number of
+chunks with probability p (the server must abort it and go on). ``--learning-curve`` plots τ per request against
+requests served for the first server, with a 95% bootstrap interval per window of ``--window`` requests.
+
+Only loopback servers are driven (127.0.0.0/8, ::1, localhost). Outputs in ``--output-dir``: ``results.json``,
+``table.md``, ``tokens_per_s.png`` and, with ``--learning-curve``, ``tau_vs_requests.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import json
+import random
+import re
+import statistics
+import sys
+import time
+import urllib.parse
+import urllib.request
+from collections import deque
+from pathlib import Path
+
+from transformers.utils import logging
+
+from adaflash_hf.launch import CONFIG_HELP, int_at_least, number_in, parse_args_with_config
+from adaflash_hf.stats import tau_of
+
+logger = logging.get_logger(__name__)
+
+DEFAULT_SERVER = "adaflash=http://127.0.0.1:8000/v1"
+
+
+def check_loopback(url: str) -> str:
+    """``url`` when its host is this machine's loopback; the load generator drives nothing else."""
+    host = urllib.parse.urlparse(url).hostname or ""
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        raise ValueError(f"--server: expected a loopback URL (127.0.0.1, ::1 or localhost), got {url!r}")
+    return url.rstrip("/")
+
+
+def parse_servers(values: list[str]) -> dict[str, str]:
+    servers = {}
+    for value in values:
+        label, sep, url = value.partition("=")
+        if not sep or not label or label in servers:
+            raise ValueError(f"--server: expected a new LABEL=URL, got {value!r}")
+        servers[label] = check_loopback(url)
+    return servers
+
+
+def load_prompts(domains: list[str], split: str, count: int, seed: int, max_chars: int) -> list[str]:
+    """``count`` prompt texts of ``domains`` in turn (each domain's rows shuffled with ``seed``, cycled if short)."""
+    from adaflash_hf.data import load_domain
+
+    texts = {d: [row["prompt"][-max_chars:] for row in load_domain(d, split, seed=seed)] for d in domains}
+    return [
+        texts[domains[i % len(domains)]][(i // len(domains)) % len(texts[domains[i % len(domains)]])]
+        for i in range(count)
+    ]
+
+
+def scrape(url: str) -> dict[str, float]:
+    """The server's ``/metrics`` as name -> value ({} for a server without it)."""
+    try:
+        text = urllib.request.urlopen(url.removesuffix("/v1") + "/metrics", timeout=10).read().decode()
+    except OSError:
+        return {}
+    return {name: float(value) for name, value in re.findall(r"^([^#\s]\S*) (\S+)$", text, re.M)}
+
+
+# ------------------------------------------------------------------------------------------------------- clients
+async def one_request(client, model: str, prompt: str, max_tokens: int, drop_after: int | None) -> dict:
+    """One streamed chat request; ``drop_after`` chunks (None: never) before the client hangs up."""
+    import openai
+
+    record = {"status": "ok", "chunk_times": [], "tokens": 0, "finish_reason": None, "adaflash": None}
+    started = time.perf_counter()
+    try:
+        stream = await client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": prompt}],
+            max_tokens=max_tokens,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                record["chunk_times"].append(time.perf_counter() - started)
+            if chunk.choices and chunk.choices[0].finish_reason:
+                record["finish_reason"] = chunk.choices[0].finish_reason
+                record["adaflash"] = (chunk.model_extra or {}).get("adaflash")
+            if chunk.usage is not None:
+                record["tokens"] = chunk.usage.completion_tokens
+            if drop_after is not None and len(record["chunk_times"]) >= drop_after:
+                await stream.close()
+                record["status"] = "dropped"
+                break
+    except openai.RateLimitError:
+        record["status"] = "429"
+    except openai.OpenAIError as error:
+        record["status"], record["error"] = "error", repr(error)[:200]
+    record["seconds"] = time.perf_counter() - started
+    return record
+
+
+async def run_level(
+    url: str,
+    model: str,
+    prompts: list[str],
+    concurrency: int,
+    max_tokens: int,
+    duration_s: float,
+    disconnect_prob: float = 0.0,
+    seed: int = 0,
+) -> tuple[list[dict], float]:
+    """Every prompt, ``concurrency`` in flight, until done or ``duration_s``; the records and the wall seconds."""
+    import openai
+
+    rng = random.Random(seed)
+    queue = deque(enumerate(prompts))
+    records: list[dict] = []
+    client = openai.AsyncOpenAI(base_url=url, api_key="none", max_retries=0, timeout=600)
+    started = time.perf_counter()
+
+    async def worker():
+        while queue and time.perf_counter() - started < duration_s:
+            index, prompt = queue.popleft()
+            drop = rng.randint(1, max(1, max_tokens // 2)) if rng.random() < disconnect_prob else None
+            record = await one_request(client, model, prompt, max_tokens, drop)
+            records.append(record | {"index": index})
+
+    try:
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    finally:
+        await client.close()
+    return sorted(records, key=lambda r: r["index"]), time.perf_counter() - started
+
+
+def _quantile(values: list[float], q: float) -> float | None:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else None
+
+
+def request_tau(record: dict) -> float | None:
+    stats = record.get("adaflash") or {}
+    rounds = stats.get("verify_rounds")
+    return tau_of(stats["accepted_drafts"] + rounds, rounds) if rounds else None
+
+
+def summarise(
+    label: str, concurrency: int, records: list[dict], seconds: float, before: dict, after: dict
+) -> dict:
+    done = [r for r in records if r["status"] == "ok"]
+    ttft = [r["chunk_times"][0] for r in done if r["chunk_times"]]
+    itl = [b - a for r in done for a, b in zip(r["chunk_times"], r["chunk_times"][1:])]
+    rounds = sum((r["adaflash"] or {}).get("verify_rounds", 0) for r in done)
+    accepted = sum((r["adaflash"] or {}).get("accepted_drafts", 0) for r in done)
+    memory = "process_resident_memory_bytes"
+    return {
+        "server": label,
+        "concurrency": concurrency,
+        "requests": len(records),
+        "completed": len(done),
+        "dropped": sum(r["status"] == "dropped" for r in records),
+        "rejected_429": sum(r["status"] == "429" for r in records),
+        "errors": sum(r["status"] == "error" for r in records),
+        "seconds": seconds,
+        "tokens_per_s": sum(r["tokens"] for r in done) / seconds if seconds > 0 else 0.0,
+        "ttft_p50": _quantile(ttft, 0.5),
+        "ttft_p99": _quantile(ttft, 0.99),
+        "itl_p50": _quantile(itl, 0.5),
+        "itl_p99": _quantile(itl, 0.99),
+        "tau": tau_of(accepted + rounds, rounds) if rounds else None,
+        "drafter_version": [
+            before.get("adaflash_drafter_weights_version"),
+            after.get("adaflash_drafter_weights_version"),
+        ],
+        "memory_mb": [m / 2**20 if m is not None else None for m in (before.get(memory), after.get(memory))],
+    }
+
+
+def run_benchmark(
+    servers: dict[str, str], model: str | None, prompts: list[str], concurrency: list[int], **level
+) -> dict:
+    """Every server at every level (servers interleaved per level); ``level``: ``run_level``'s keyword settings."""
+    summary, records = [], {}
+    for c in concurrency:
+        for label, url in servers.items():
+            name = model or _served_model(url)
+            before = scrape(url)
+            level_records, seconds = asyncio.run(run_level(url, name, prompts, c, **level))
+            summary.append(summarise(label, c, level_records, seconds, before, scrape(url)))
+            records[f"{label}@{c}"] = level_records
+            row = summary[-1]
+            logger.info(
+                f"{label} c={c}: {row['tokens_per_s']:.1f} tok/s, {row['completed']} done, {row['errors']} errors"
+            )
+    return {"summary": summary, "records": records}
+
+
+def _served_model(url: str) -> str:
+    with urllib.request.urlopen(url + "/models", timeout=10) as response:
+        return json.loads(response.read())["data"][0]["id"]
+
+
+# ------------------------------------------------------------------------------------------------------- reports
+def markdown_table(results: dict) -> str:
+    def ms(value):
+        return "n/a" if value is None else f"{1000 * value:.0f}"
+
+    lines = [
+        "| server | concurrency | tokens/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | τ | done | 429 | errors | memory MB |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in results["summary"]:
+        tau = "n/a" if r["tau"] is None else f"{r['tau']:.2f}"
+        memory = " → ".join("n/a" if m is None else f"{m:.0f}" for m in r["memory_mb"])
+        lines.append(
+            f"| {r['server']} | {r['concurrency']} | {r['tokens_per_s']:.1f} | {ms(r['ttft_p50'])} / {ms(r['ttft_p99'])} | "
+            f"{ms(r['itl_p50'])} / {ms(r['itl_p99'])} | {tau} | {r['completed']} | {r['rejected_429']} | {r['errors']} | "
+            f"{memory} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def learning_curve(records: list[dict], window: int, seed: int = 0) -> list[dict]:
+    """τ per window of ``window`` completed requests (in order served): the mean and a 95% bootstrap interval."""
+    taus = [t for t in map(request_tau, records) if t is not None]
+    rng = random.Random(seed)
+    rows = []
+    for start in range(0, len(taus) - window + 1, window):
+        chunk = taus[start : start + window]
+        means = sorted(statistics.fmean(rng.choices(chunk, k=len(chunk))) for _ in range(1000))
+        rows.append(
+            {"requests": start + window, "tau": statistics.fmean(chunk), "low": means[25], "high": means[974]}
+        )
+    return rows
+
+
+def plot_throughput(results: dict, path: Path) -> None:
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(6, 4))
+    axes = figure.subplots()
+    for label in dict.fromkeys(r["server"] for r in results["summary"]):
+        rows = [r for r in results["summary"] if r["server"] == label]
+        axes.plot(
+            [r["concurrency"] for r in rows], [r["tokens_per_s"] for r in rows], marker="o", label=label
+        )
+    axes.set_xscale("log", base=2)
+    axes.set_xlabel("concurrent streaming clients")
+    axes.set_ylabel("generated tokens/s over HTTP")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def plot_learning_curve(rows: list[dict], path: Path, label: str) -> None:
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(6, 4))
+    axes = figure.subplots()
+    x = [r["requests"] for r in rows]
+    axes.plot(x, [r["tau"] for r in rows], marker="o", label=f"{label}: mean τ per window")
+    axes.fill_between(
+        x, [r["low"] for r in rows], [r["high"] for r in rows], alpha=0.3, label="95% bootstrap interval"
+    )
+    axes.set_xlabel("requests served")
+    axes.set_ylabel("τ (committed tokens per verify round)")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def write_outputs(results: dict, output_dir: Path, window: int | None) -> None:
+    output_dir.mkdir(parents=True, exist_ok=True)
+    if window:
+        first = next(iter(results["records"]))
+        results["learning_curve"] = learning_curve(results["records"][first], window)
+        plot_learning_curve(results["learning_curve"], output_dir / "tau_vs_requests.png", first)
+    (output_dir / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    (output_dir / "table.md").write_text(markdown_table(results))
+    plot_throughput(results, output_dir / "tokens_per_s.png")
+
+
+# ----------------------------------------------------------------------------------------------------------- CLI
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="adaflash bench http", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--server", action="append", help=f"LABEL=URL, repeatable (default {DEFAULT_SERVER})")
+    parser.add_argument("--model", help="model id to send (default: each server's first /v1/models entry)")
+    parser.add_argument(
+        "--concurrency", type=int_at_least(1), nargs="+", default=[1, 4, 16], help="levels (default 1 4 16)"
+    )
+    parser.add_argument(
+        "--requests", type=int_at_least(1), default=32, help="requests per server and level (default 32)"
+    )
+    parser.add_argument(
+        "--max-tokens", type=int_at_least(1), default=128, help="max_tokens per request (default 128)"
+    )
+    parser.add_argument(
+        "--duration-s",
+        type=number_in(0, open_low=True),
+        default=600.0,
+        help="time cap per server and level (600)",
+    )
+    parser.add_argument(
+        "--domains", nargs="+", default=["chat", "code", "math"], help="prompt domains in turn"
+    )
+    parser.add_argument("--split", default="heldout", choices=("heldout", "train"), help="prompt split")
+    parser.add_argument(
+        "--max-prompt-chars", type=int_at_least(1), default=1500, help="longer prompts keep their end"
+    )
+    parser.add_argument(
+        "--disconnect-prob", type=number_in(0, 1), default=0.0, help="chance a client drops its stream"
+    )
+    parser.add_argument(
+        "--learning-curve", action="store_true", help="plot τ against requests (first server)"
+    )
+    parser.add_argument(
+        "--window", type=int_at_least(1), default=100, help="requests per learning-curve point (default 100)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="prompt shuffle and disconnect draws")
+    parser.add_argument("--output-dir", type=Path, default=Path("runs/bench_http"), help="where outputs go")
+    parser.add_argument("--config", metavar="FILE", help=CONFIG_HELP)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args_with_config(make_parser(), argv)
+    servers = parse_servers(args.server or [DEFAULT_SERVER])
+    prompts = load_prompts(args.domains, args.split, args.requests, args.seed, args.max_prompt_chars)
+    results = run_benchmark(
+        servers,
+        args.model,
+        prompts,
+        args.concurrency,
+        max_tokens=args.max_tokens,
+        duration_s=args.duration_s,
+        disconnect_prob=args.disconnect_prob,
+        seed=args.seed,
+    )
+    results["settings"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()} | {
+        "servers": servers,
+        "command": " ".join(["adaflash bench http", *(sys.argv[1:] if argv is None else argv)]),
+    }
+    write_outputs(results, args.output_dir, args.window if args.learning_curve else None)
+    print(markdown_table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
