@@ -4,7 +4,9 @@
 (``method: "dflash"``) load: ``config.json`` in z-lab's Qwen3 schema and ``model.safetensors`` with ``layers.*``,
 ``fc``, ``hidden_norm`` and ``norm``. What z-lab's layout cannot hold goes beside it:
 
-- the length head (and its gamma/min_len) in ``adaflash_length_head.safetensors`` + ``adaflash_length_head.json``;
+- the length head (and its gamma/min_len) in ``adaflash/length_head.safetensors`` + ``adaflash_length_head.json``: in
+  a subfolder, because vLLM and SGLang load every ``*.safetensors`` file of the root as draft weights (vLLM refuses
+  unknown tensors there; SGLang's DFlash loader skips them), so the folder loads in both as written;
 - a learned mask embedding also as ``mask_embedding.pt`` (a bare ``[hidden]`` tensor), which vLLM's DFlash loader
   reads in place of the target's mask-token row. Engines that ignore the file draft from the placeholder row.
 
@@ -131,9 +133,14 @@ def load_drafter(source: AdaFlashDrafter | str | os.PathLike, revision: str | No
 
 # ---------------------------------------------------------------------------------------------- writing
 def check_out_folder(out: str | os.PathLike, overwrite: bool, hint: str = "overwrite=True") -> None:
-    """Raise unless ``out`` is new, an empty folder, or ``overwrite`` is set (``hint`` names that switch)."""
+    """Raise unless ``out`` is new, an empty folder, or a folder and ``overwrite`` is set (``hint`` names that switch):
+    a file is never replaced."""
     out = Path(out)
-    if not overwrite and out.exists() and (not out.is_dir() or any(out.iterdir())):
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(
+            f"out: expected a folder to write (new, empty, or with {hint} a folder), got the file {out}"
+        )
+    if not overwrite and out.exists() and any(out.iterdir()):
         raise FileExistsError(f"out: expected a new or empty folder (or {hint}), got the non-empty {out}")
 
 
@@ -248,6 +255,7 @@ def export_dflash(
         config_dict = dflash_config_dict(config, dtype, format)
         (staging / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
         if sidecar_tensors:
+            (staging / SIDECAR_WEIGHTS).parent.mkdir()
             save_file(sidecar_tensors, staging / SIDECAR_WEIGHTS, metadata={"format": "pt"})
         meta = {
             "format_version": SIDECAR_FORMAT_VERSION,

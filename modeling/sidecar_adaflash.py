@@ -1,9 +1,11 @@
 """What an exported drafter keeps beside z-lab's weights, and reading it back (remote code, like its siblings).
 
 z-lab's DFlash layout has no slot for the length head or a learned mask embedding. ``adaflash export --format dflash``
-(``adaflash_hf.interop``) writes them beside it: the head's tensors in ``adaflash_length_head.safetensors`` with its
+(``adaflash_hf.interop``) writes them beside it: the head's tensors in ``adaflash/length_head.safetensors`` with its
 settings in ``adaflash_length_head.json`` (the sidecar), and a learned mask embedding also as ``mask_embedding.pt`` (a
-bare tensor, which vLLM's DFlash loader reads). ``AdaFlashDrafter.from_pretrained`` reads them back here, from a
+bare tensor, which vLLM's DFlash loader reads). The tensors sit in a subfolder because vLLM and SGLang load every
+``*.safetensors`` file of the folder's root as draft weights; exports that kept them in the root
+(``adaflash_length_head.safetensors``) still load here. ``AdaFlashDrafter.from_pretrained`` reads them back here, from a
 folder or a Hub repo, so an exported folder loads exactly as the drafter it came from.
 
 This file imports only ``.configuration_adaflash``: ``modeling_adaflash.py`` imports it with a single dot, so
@@ -23,7 +25,8 @@ from transformers.utils import cached_file
 
 from .configuration_adaflash import TARGET_FINGERPRINT
 
-SIDECAR_WEIGHTS = "adaflash_length_head.safetensors"
+SIDECAR_WEIGHTS = "adaflash/length_head.safetensors"
+ROOT_SIDECAR_WEIGHTS = "adaflash_length_head.safetensors"  # where older exports kept them
 SIDECAR_CONFIG = "adaflash_length_head.json"
 SIDECAR_FORMAT_VERSION = 1
 MASK_EMBEDDING_FILE = "mask_embedding.pt"
@@ -82,7 +85,9 @@ def read_sidecar(pretrained, kwargs: dict) -> tuple[dict, dict[str, torch.Tensor
                 f"{SIDECAR_CONFIG}: format_version expected {SIDECAR_FORMAT_VERSION}, got {meta.get('format_version')!r}"
             )
         overrides = {field: meta[field] for field in SIDECAR_CONFIG_FIELDS if field in meta}
-        weights = _optional_file(pretrained, SIDECAR_WEIGHTS, kwargs)
+        weights = _optional_file(pretrained, SIDECAR_WEIGHTS, kwargs) or _optional_file(
+            pretrained, ROOT_SIDECAR_WEIGHTS, kwargs
+        )
         if weights is not None:
             tensors = _read_safetensors(weights)
     mask_file = _optional_file(pretrained, MASK_EMBEDDING_FILE, kwargs)

@@ -258,4 +258,42 @@ def test_export_and_import_folders_follow_the_umask(drafter, tmp_path):
         os.umask(previous)
     for folder in (exported, imported):
         assert stat.S_IMODE(folder.stat().st_mode) == 0o755, folder
-        assert all(stat.S_IMODE(f.stat().st_mode) == 0o644 for f in folder.iterdir()), folder
+        for path in folder.rglob("*"):
+            assert stat.S_IMODE(path.stat().st_mode) == (0o755 if path.is_dir() else 0o644), path
+
+
+def test_the_export_root_holds_only_the_zlab_weights_as_safetensors(
+    target_factory, drafter_factory, tmp_path
+):
+    # vLLM and SGLang load every *.safetensors of the root as draft weights; vLLM refuses the head's tensors there.
+    drafter = drafter_factory(target_factory("llama"), learned_mask_embedding=True)
+    out = export_dflash(drafter, tmp_path / "dflash")
+    assert [p.name for p in out.glob("*.safetensors")] == ["model.safetensors"]
+    assert all(key.startswith(ZLAB_PREFIXES) for key in _keys(out / "model.safetensors"))
+    assert _keys(out / SIDECAR_WEIGHTS) == {*drafter.length_head_parameter_names(), "mask_embedding"}
+    _assert_same_drafter(drafter, load_drafter(out))
+
+
+def test_an_export_with_its_head_tensors_in_the_root_still_loads(drafter, tmp_path):
+    from adaflash_hf.modeling.sidecar_adaflash import ROOT_SIDECAR_WEIGHTS
+
+    out = export_dflash(drafter, tmp_path / "dflash")
+    (out / SIDECAR_WEIGHTS).rename(out / ROOT_SIDECAR_WEIGHTS)
+    (out / SIDECAR_WEIGHTS).parent.rmdir()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fresh-head warning: the head was found
+        _assert_same_drafter(drafter, load_drafter(out))
+
+
+@pytest.mark.parametrize("command", ["export", "import"])
+def test_overwrite_replaces_a_folder_never_a_file(drafter, tmp_path, capsys, command):
+    from adaflash_hf.cli import main
+
+    drafter.save_pretrained(tmp_path / "drafter")
+    out = tmp_path / "out"
+    out.write_text("not a folder")
+    with pytest.raises(FileExistsError, match=f"out: expected a folder to write .*got the file {out}"):
+        (export_dflash if command == "export" else import_checkpoint)(drafter, out, overwrite=True)
+    assert main([command, str(tmp_path / "drafter"), str(out), "--overwrite"]) == 1
+    assert "got the file" in capsys.readouterr().err
+    assert out.read_text() == "not a folder"
