@@ -144,7 +144,7 @@ def check_loaded_tensors(model: nn.Module, path, problems_on_load: dict, info: d
         problems.append(f"errors {info['error_msgs']}")
     if problems:
         raise ValueError(
-            f"checkpoint {path}: expected exactly the tensors of a {model.config.source_layout} drafter "
+            f"checkpoint {path}: expected exactly the tensors of the {model.config.source_layout!r} layout "
             f"(plus {SIDECAR_WEIGHTS} / {MASK_EMBEDDING_FILE} beside an export), got " + "; ".join(problems)
         )
     if fresh_head:

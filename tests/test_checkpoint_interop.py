@@ -196,6 +196,13 @@ def test_loading_a_checkpoint_with_an_unexpected_tensor_raises(tmp_path, qwen3_t
         AdaFlashDrafter.from_pretrained(tmp_path)
 
 
+def test_the_strict_loading_error_names_the_layout_it_expected(tmp_path, qwen3_target, drafter_factory):
+    path = saved_checkpoint(tmp_path, qwen3_target, drafter_factory)
+    edit_tensors(path, lambda t: t.__setitem__("layers.0.extra.weight", torch.zeros(3)))
+    with pytest.raises(ValueError, match=r"expected exactly the tensors of the 'adaflash' layout \(plus "):
+        AdaFlashDrafter.from_pretrained(tmp_path)
+
+
 def test_loading_a_checkpoint_with_a_wrong_shaped_tensor_raises(tmp_path, qwen3_target, drafter_factory):
     path = saved_checkpoint(tmp_path, qwen3_target, drafter_factory)
     edit_tensors(path, lambda t: t.__setitem__("fc.weight", torch.zeros(64, 64)))

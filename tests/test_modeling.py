@@ -289,3 +289,18 @@ def test_align_dtype_casts_the_drafter_to_the_targets_dtype_once(qwen3_target, d
     drafter.align_dtype(qwen3_target)
     assert next(drafter.parameters()).dtype == next(qwen3_target.parameters()).dtype
     drafter.check_target(qwen3_target)
+
+
+@pytest.mark.parametrize("relative", [False, True])
+def test_a_weights_file_instead_of_its_folder_is_refused_naming_the_folder(
+    qwen3_target, drafter_factory, tmp_path, monkeypatch, relative
+):
+    drafter_factory(qwen3_target).save_pretrained(tmp_path)
+    path = str(tmp_path / "model.safetensors")
+    if relative:
+        monkeypatch.chdir(tmp_path)
+        path = "model.safetensors"
+    with pytest.raises(ValueError, match="expected a drafter folder") as error:
+        AdaFlashDrafter.from_pretrained(path)
+    assert f"got the file '{path}'; pass its folder '{tmp_path}'" in str(error.value)
+    assert "Repo id" not in str(error.value)

@@ -40,9 +40,16 @@ def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> lis
     return [start + round(i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
 
 
+def hidden_state_ids(layer_ids) -> list[int]:
+    """The ``hidden_states`` indices of the outputs of target decoder layers ``layer_ids``: ``id + 1`` each (index 0
+    holds the embeddings), as ``output_hidden_states=`` takes them."""
+    return [i + 1 for i in layer_ids]
+
+
 def check_local_path(pretrained_model_name_or_path) -> None:
     """Raise FileNotFoundError for a missing local path: a path object, or a name no Hub repo id can be (``./x``,
-    ``/x``, ``~/x``, ``a/b/c``, a backslash), instead of the Hub's "Repo id must be in the form ..." later."""
+    ``/x``, ``~/x``, ``a/b/c``, a backslash), and ValueError for a file (``model.safetensors``), instead of the Hub's
+    "Repo id must be in the form ..." later."""
     text = str(pretrained_model_name_or_path)
     path_like = (
         isinstance(pretrained_model_name_or_path, os.PathLike)
@@ -54,6 +61,12 @@ def check_local_path(pretrained_model_name_or_path) -> None:
         raise FileNotFoundError(
             f"pretrained_model_name_or_path: expected an existing drafter folder or an 'org/name' Hub repo id, "
             f"got {text!r}, which does not exist"
+        )
+    if os.path.isfile(text):
+        raise ValueError(
+            f"pretrained_model_name_or_path: expected a drafter folder (config.json beside the weights) or an "
+            f"'org/name' Hub repo id, got the file {text!r}; pass its folder "
+            f"{os.path.dirname(os.path.abspath(text))!r}"
         )
 
 
@@ -276,6 +289,11 @@ class AdaFlashConfig(PreTrainedConfig):
     @property
     def num_context_features(self) -> int:
         return len(self.target_layer_ids or ())
+
+    @property
+    def target_hidden_state_ids(self) -> list[int]:
+        """The target's ``hidden_states`` the drafter reads, as ``output_hidden_states=`` takes them."""
+        return hidden_state_ids(self.target_layer_ids or ())
 
     @classmethod
     def for_target(cls, target_config: PreTrainedConfig, **overrides: Any) -> AdaFlashConfig:
