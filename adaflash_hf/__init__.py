@@ -2,9 +2,10 @@
 
 ``import adaflash_hf`` registers ``AdaFlashConfig``/``AdaFlashDrafter`` with the Auto classes and installs the
 narrow ``generate(..., assistant_model=drafter)`` hook (``adaflash_hf.generation``; ``enable()``/``disable()``): that
-costs torch, transformers and the drafter's modules. The other public names (the serving engine and its kernels)
-load on first use. The ``adaflash`` console script defers even the hook to the command it runs (``install()``), so
-``adaflash --help`` imports neither torch nor transformers.
+costs torch, transformers and the drafter's modules. The other public names (the serving engine and its kernels,
+``prepare_target``: bf16 where this CPU has bf16 dot products, with a batch-invariant forward) load on first use.
+The ``adaflash`` console script defers even the hook to the command it runs (``install()``), so ``adaflash --help``
+imports neither torch nor transformers.
 """
 
 __version__ = "0.1.0"
@@ -22,6 +23,7 @@ _PUBLIC = {
     "AdaFlashConfig": "adaflash_hf.modeling",
     "AdaFlashDrafter": "adaflash_hf.modeling",
     "AdaFlashDrafterOutput": "adaflash_hf.modeling",
+    "prepare_target": "adaflash_hf.prepare",
     "register": "adaflash_hf.registration",
     "AdaFlashEngine": "adaflash_hf.serving",
     "SamplingParams": "adaflash_hf.serving",

@@ -14,7 +14,10 @@ the attention function receives the new keys/values of the layer, scatters them 
 each request's queries to that request's own slot (prefix + causal within its new tokens) with
 ``adaflash_hf.kernels.verify_attention.slot_verify_attention``: on CUDA a Triton kernel that reads each request's
 keys from its slot; on CPU the verify requests are one padded SDPA call ([requests, max k̂+1] queries against
-[requests, max length] keys) and each prefill is its own call (``kernels/verify_packing.py``).
+[requests, max length] keys) and each prefill is its own call (``kernels/verify_packing.py``). A target prepared with
+the batch-invariant forward (``adaflash_hf.prepare_target``) runs ``slot_invariant_attention`` instead: each request
+through the attention ``generate`` runs on that target, so its rows are bitwise the same batched, served alone or
+decoded by ``generate``.
 
 Drafter. ``DrafterSlotCache`` is the ``Cache`` given to the drafter's batched forward ([requests, block]
 queries): it writes each request's new context K/V at its positions and its block K/V right after them (block
@@ -24,14 +27,16 @@ rows are scratch: the next round's context overwrites them), and returns the pad
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache
 
+from adaflash_hf.kernels.invariant_attention import slot_invariant_attention
 from adaflash_hf.kernels.verify_attention import slot_verify_attention
 from adaflash_hf.kernels.verify_packing import SlotPacking
+from adaflash_hf.prepare import is_prepared
 
 ATTENTION_NAME = "ada_ragged"
 
@@ -92,11 +97,13 @@ class RaggedBatch:
 
     Request i contributes ``lengths[i]`` tokens at positions ``starts[i] ..`` of slot ``slots[i]``. Requests with at
     most ``group_width`` new tokens (verifies) share one padded attention call on the torch path; longer ones
-    (prefills) get one call each.
+    (prefills) get one call each. ``invariant``: attend with ``slot_invariant_attention`` instead (set by
+    ``packed_target_forward`` for a prepared target).
     """
 
     store: SlotKVStore
     packing: SlotPacking
+    invariant: bool = False
 
     @classmethod
     def build(cls, store, slots, starts, lengths, group_width: int, device) -> RaggedBatch:
@@ -121,9 +128,8 @@ def ragged_attention_forward(module, query, key, value, attention_mask, scaling=
     store.write(
         layer, key[0].transpose(0, 1), value[0].transpose(0, 1), packing.token_slots, packing.token_positions
     )
-    out = slot_verify_attention(
-        query[0].transpose(0, 1), store.keys[layer], store.values[layer], packing, scaling
-    )
+    attention = slot_invariant_attention if ragged.invariant else slot_verify_attention
+    out = attention(query[0].transpose(0, 1), store.keys[layer], store.values[layer], packing, scaling)
     return out[None], None
 
 
@@ -137,8 +143,12 @@ def packed_target_forward(target, input_ids: torch.Tensor, batch: RaggedBatch, *
     """Run ``target`` on the packed row ``input_ids [1, T]`` with the ragged attention.
 
     The attention implementation is switched only for this call, so the same target keeps working with
-    ``generate`` and any other caller between engine steps.
+    ``generate`` and any other caller between engine steps. A target prepared with the batch-invariant forward
+    gets the invariant attention here too.
     """
+    prepared = is_prepared(target)
+    if prepared is not None and prepared.invariant:
+        batch = replace(batch, invariant=True)
     config = target.config
     original = config._attn_implementation
     config._attn_implementation = register_ragged_attention()

@@ -1,0 +1,98 @@
+"""The batch-invariant forward of a prepared target, installed on the model itself so that every caller runs it:
+plain ``generate``, assisted decoding, the serving engine's packed forward and the cost model's timing forwards.
+
+``install_invariant_forward(target)`` makes every row of a forward bitwise what it would be among any other rows:
+
+- linears (q/k/v/o, the MLP, lm_head): every plain ``nn.Linear`` becomes ``InvariantLinear``
+  (``adaflash_hf.kernels.invariant_linear``, same parameters and state dict);
+- attention: ``"ada_invariant"``, registered with ``transformers.AttentionInterface`` (and transformers'
+  SDPA mask under the same name), calls ``adaflash_hf.kernels.invariant_attention.sequence_attention`` per
+  sequence. It reads the dynamic cache ``generate`` uses: the n new queries are the cache's last n positions.
+  The engine's packed forward switches to its own attention, which runs the same function per request
+  (``adaflash_hf.serving.cache``);
+- rotary embeddings: positions padded to a multiple of ``ROTARY_ROWS`` before cos/sin, so that every position's
+  cos/sin comes from the vectorised loop (a vector loop's scalar tail can round a transcendental differently);
+- RMSNorm, residual adds and the MLP activation need nothing: row-wise reductions below torch's parallel grain and
+  exact elementwise arithmetic (measured bitwise for 1..600 rows, fp32 and bf16, 1 and 2 threads). An elementwise
+  op split across a thread count that does not divide its rows could still give a tensor's chunk a scalar tail;
+  use a power-of-two thread count.
+
+Not covered: static caches (the query positions come from the dynamic cache's length), sliding-window layers
+beyond what transformers' mask says, and GPUs (untested; the row plans probe any device, but nothing here was
+measured on one).
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from adaflash_hf.kernels.invariant_attention import sequence_attention
+from adaflash_hf.kernels.invariant_linear import InvariantLinear
+
+ATTENTION_NAME = "ada_invariant"  # no "flash" in it: transformers would take it for a flash-attention kernel
+ROTARY_ROWS = 16
+
+
+def invariant_attention_forward(
+    module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs
+):
+    """``AttentionInterface`` function: query ``[B, Hq, n, D]``, key/value ``[B, Hkv, L, D]`` (the dynamic cache
+    after this forward's update) -> ``([B, n, Hq, D], None)``."""
+    if dropout:
+        raise ValueError(f"{ATTENTION_NAME} attention: expected dropout 0 (inference only), got {dropout}")
+    batch, heads, count, dim = query.shape
+    start = key.shape[2] - count
+    out = query.new_empty(batch, count, heads, dim)
+    for b in range(batch):
+        allowed = None
+        if attention_mask is not None:
+            mask = attention_mask[b if attention_mask.shape[0] > 1 else 0, 0]
+            allowed = mask if mask.dtype == torch.bool else mask == 0
+        out[b] = sequence_attention(query[b], key[b], value[b], start, scaling, allowed).transpose(0, 1)
+    return out, None
+
+
+def register_invariant_attention() -> str:
+    """Register the attention and its mask with transformers (idempotent); returns the name."""
+    AttentionInterface.register(ATTENTION_NAME, invariant_attention_forward)
+    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+    return ATTENTION_NAME
+
+
+def _padded_rotary_forward(self, x, position_ids):
+    count = position_ids.shape[-1]
+    missing = -count % ROTARY_ROWS
+    if missing:
+        tail = position_ids[..., -1:].expand(*position_ids.shape[:-1], missing)
+        position_ids = torch.cat([position_ids, tail], dim=-1)
+    cos, sin = type(self).forward(self, x, position_ids)
+    return cos[..., :count, :], sin[..., :count, :]
+
+
+def rotary_modules(target) -> list[torch.nn.Module]:
+    """The target's rotary embeddings (the modules holding an ``inv_freq`` buffer)."""
+    return [m for m in target.modules() if isinstance(getattr(m, "inv_freq", None), torch.Tensor)]
+
+
+def install_invariant_forward(target) -> None:
+    """Swap in the invariant linears, rotary padding and attention (idempotent); see the module docstring."""
+    for module in target.modules():
+        if type(module) is torch.nn.Linear:
+            module.__class__ = InvariantLinear
+    for module in rotary_modules(target):
+        if "forward" not in vars(module):
+            module.forward = types.MethodType(_padded_rotary_forward, module)
+    target.set_attn_implementation(register_invariant_attention())
+
+
+def runs_invariant_forward(target) -> bool:
+    """Whether ``target`` still runs the invariant forward (attention, every linear, every rotary embedding)."""
+    return (
+        target.config._attn_implementation == ATTENTION_NAME
+        and not any(type(m) is torch.nn.Linear for m in target.modules())
+        and all("forward" in vars(m) for m in rotary_modules(target))
+    )

@@ -1,0 +1,195 @@
+"""``prepare_target``: a target in the fastest dtype this CPU verifies in, with a batch-invariant forward, so that
+greedy speculative decoding equals plain greedy decoding of the same prepared target token for token.
+
+    import adaflash_hf
+    target = adaflash_hf.prepare_target(target)            # in place; returns the target
+    target.generate(ids, assistant_model=drafter)           # == target.generate(ids), bitwise, in bf16 too
+
+Why. On a CPU with bf16 dot products (``avx512_bf16``, ``amx_bf16``) a bf16 forward of 2..16 new tokens costs about
+what a 1-token one costs, so verification is nearly free; but a row's numerics depend on how many rows share the
+forward, so a bf16 target's speculative greedy text can differ from its plain greedy text. The invariant forward
+(``adaflash_hf.invariant_forward``) computes every row the same way whatever the row count, and plain decoding of the
+prepared target runs it too, so "lossless" compares like with like.
+
+Settings:
+
+- ``dtype``: ``"auto"`` (bf16 where the CPU reports a bf16 unit and torch has oneDNN, else fp32 with one logged line
+  naming the missing flags), ``"bf16"``/``torch.bfloat16`` or ``"fp32"``/``torch.float32``. Rotary frequencies stay
+  fp32.
+- ``invariant``: the invariant forward; default on for bf16 and off for fp32. Off for fp32 because MKL's 1-row GEMV
+  and its 4-row GEMM give a row different bits, so an invariant fp32 forward pads a 1-token step to 4 rows, which
+  costs about 1.4x a 1-token step on these CPUs: plain fp32 decoding would slow down by that much. (fp32 greedy
+  outputs have matched plain decoding in every benchmark so far; pass ``invariant=True`` to make it a guarantee.)
+- ``rows``: the check (``check=True``) runs forwards of n = 1..rows new tokens after a prefill and raises unless every
+  row's logits equal the same token decoded alone, bitwise; it is the proof on this machine, at this thread count.
+- ``bf16_units``: the CPU's bf16 flags, read from /proc/cpuinfo when None (``adaflash_hf.cpu.bf16_units``).
+
+``is_prepared(target)`` returns the settings (``TargetPreparation``) while the target still has them, else None.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+from transformers.utils import logging
+
+from adaflash_hf.cpu import BF16_UNITS, cpu_model
+from adaflash_hf.cpu import bf16_units as detect_bf16_units
+from adaflash_hf.invariant_forward import install_invariant_forward, rotary_modules, runs_invariant_forward
+from adaflash_hf.kernels.invariant_attention import KEY_BLOCK
+
+logger = logging.get_logger(__name__)
+
+DTYPES = {
+    "auto": None,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+}
+_ATTRIBUTE = "_adaflash_preparation"
+
+
+@dataclass(frozen=True)
+class TargetPreparation:
+    """What ``prepare_target`` did: the dtype, whether the forward is batch-invariant, why that dtype, the CPU's
+    bf16 flags, and the largest forward the check verified (0: not checked)."""
+
+    dtype: torch.dtype
+    invariant: bool
+    reason: str
+    bf16_units: tuple[str, ...]
+    checked_rows: int
+
+
+def _check_settings(
+    target, dtype, invariant, rows, check, bf16_units
+) -> tuple[torch.dtype | None, tuple | None]:
+    if not isinstance(target, PreTrainedModel) or target.get_output_embeddings() is None:
+        raise TypeError(
+            f"target: expected a transformers causal LM (a PreTrainedModel with an output embedding), "
+            f"got {type(target).__name__}"
+        )
+    key = dtype if isinstance(dtype, str) else {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(dtype)
+    if key not in DTYPES:
+        raise ValueError(
+            f"dtype: expected one of {list(DTYPES)}, torch.float32 or torch.bfloat16, got {dtype!r}"
+        )
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+        raise ValueError(f"rows: expected an int >= 1 (the largest forward the check verifies), got {rows!r}")
+    for name, value in (("invariant", invariant), ("check", check)):
+        if value is not None and not isinstance(value, bool):
+            raise TypeError(
+                f"{name}: expected a bool{' or None' if name == 'invariant' else ''}, got {value!r}"
+            )
+    if bf16_units is not None:
+        bf16_units = tuple(bf16_units)
+        unknown = [u for u in bf16_units if u not in BF16_UNITS]
+        if unknown:
+            raise ValueError(f"bf16_units: expected flags among {BF16_UNITS}, got {list(bf16_units)}")
+    return DTYPES[key], bf16_units
+
+
+def choose_dtype(device: torch.device, units: tuple[str, ...]) -> tuple[torch.dtype, str]:
+    """``dtype="auto"``: bf16 where the CPU has a bf16 unit and torch has oneDNN, else fp32; and why, in one line."""
+    if device.type != "cpu":
+        return torch.float32, f"fp32: bf16 detection covers CPUs, the target is on {device.type}; pass dtype"
+    missing = " nor ".join(u for u in BF16_UNITS if u not in units)
+    if not units:
+        return (
+            torch.float32,
+            f"fp32: this CPU has neither {missing}, so bf16 matrix products run slower than fp32",
+        )
+    if not torch.backends.mkldnn.is_available():
+        return torch.float32, f"fp32: this CPU has {', '.join(units)} but torch is built without oneDNN"
+    return torch.bfloat16, f"bf16: this CPU has {', '.join(units)}"
+
+
+def prepare_target(
+    target: PreTrainedModel,
+    dtype: str | torch.dtype = "auto",
+    invariant: bool | None = None,
+    rows: int = 16,
+    check: bool = True,
+    bf16_units: Iterable[str] | None = None,
+) -> PreTrainedModel:
+    """Cast ``target`` in place to the chosen dtype, install the batch-invariant forward and check it (module
+    docstring); returns ``target``. Settings are checked before anything changes; a target already prepared with
+    other settings is refused (its weights may have lost precision: prepare a fresh copy)."""
+    requested, units = _check_settings(target, dtype, invariant, rows, check, bf16_units)
+    units = detect_bf16_units() if units is None else units
+    device = next(target.parameters()).device
+    if requested is None:
+        chosen, reason = choose_dtype(device, units)
+        (logger.info if chosen == torch.bfloat16 else logger.warning)(f"prepare_target: {reason}")
+    else:
+        chosen, reason = requested, f"{'bf16' if requested == torch.bfloat16 else 'fp32'}: requested"
+    invariant = chosen == torch.bfloat16 if invariant is None else invariant
+    previous = getattr(target, _ATTRIBUTE, None)
+    if previous is not None:
+        if (previous.dtype, previous.invariant) == (chosen, invariant) and is_prepared(target) is not None:
+            return target
+        raise ValueError(
+            f"target: expected a target not yet prepared, got one prepared with dtype {previous.dtype}, "
+            f"invariant={previous.invariant}; prepare a fresh copy for dtype {chosen}, invariant={invariant}"
+        )
+    _cast(target, chosen)
+    if invariant:
+        install_invariant_forward(target)
+        if check:
+            check_batch_invariance(target, rows)
+    settings = TargetPreparation(chosen, invariant, reason, units, rows if invariant and check else 0)
+    setattr(target, _ATTRIBUTE, settings)
+    return target
+
+
+def _cast(target, dtype: torch.dtype) -> None:
+    """``target.to(dtype)`` with the rotary frequencies kept as they were (fp32): positions stay exact."""
+    kept = [
+        (m, {n: b for n, b in m.named_buffers(recurse=False) if "inv_freq" in n})
+        for m in rotary_modules(target)
+    ]
+    target.to(dtype)
+    for module, buffers in kept:
+        for name, buffer in buffers.items():
+            setattr(module, name, buffer)
+
+
+def is_prepared(target) -> TargetPreparation | None:
+    """The settings ``prepare_target`` gave ``target``, or None (never prepared, or since cast or re-patched)."""
+    settings = getattr(target, _ATTRIBUTE, None)
+    if settings is None or next(target.parameters()).dtype != settings.dtype:
+        return None
+    if settings.invariant and not runs_invariant_forward(target):
+        return None
+    return settings
+
+
+@torch.no_grad()
+def check_batch_invariance(target, rows: int = 16) -> None:
+    """Raise unless, after a prefill, every row of a forward of n = 2..rows new tokens has bitwise the logits of the
+    same token decoded alone. The windows straddle a key-block boundary (``KEY_BLOCK``)."""
+    device = next(target.parameters()).device
+    vocab = target.get_input_embeddings().weight.shape[0]
+    context = max(1, 2 * KEY_BLOCK - rows // 2)
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (1, context + rows), generator=generator).to(device)
+    cache = DynamicCache()
+    target(input_ids=ids[:, :context], cache=cache, use_cache=True, logits_to_keep=1)
+    alone = []
+    for i in range(context, context + rows):
+        alone.append(target(input_ids=ids[:, i : i + 1], cache=cache, use_cache=True).logits[0, -1])
+    cache.crop(-rows)
+    for count in range(2, rows + 1):
+        logits = target(input_ids=ids[:, context : context + count], cache=cache, use_cache=True).logits[0]
+        cache.crop(-count)
+        for row in range(count):
+            if not torch.equal(logits[row], alone[row]):
+                raise RuntimeError(
+                    f"prepare_target: the forward is not batch-invariant on this machine ({cpu_model()}, "
+                    f"{torch.get_num_threads()} threads): row {row} of a {count}-token forward differs from the same "
+                    "token decoded alone. Prepare a fresh copy with invariant=False."
+                )

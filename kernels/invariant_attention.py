@@ -1,0 +1,113 @@
+"""Batch-invariant causal attention over a growing cache: a query's result depends on its own position and the keys
+it sees, not on how many queries share the call nor on the masked keys after it.
+
+SDPA on CPU reduces a query's softmax and its probability-value product over the call's whole key length (with the
+masked tail), and picks its blocking from the query count, so a verified token's attention differs from the same
+token decoded alone. Here keys come in blocks of ``KEY_BLOCK`` positions, fixed in absolute position: a query at
+position p attends over exactly the keys ``0 .. (p // KEY_BLOCK + 1) * KEY_BLOCK - 1`` (keys after p masked, keys
+past the sequence zero), whatever the call. The queries of one key block (at most ``KEY_BLOCK`` per sequence) form
+one call ``softmax(mask(q k^T · scale)) v`` whose rows (query x head of the GQA group) go through a row plan
+(``adaflash_hf.kernels.row_plan``), so the GEMMs see only verified row counts. A masked key contributes an exact
+zero (probability 0 times a finite value) to the value sum, so whether the tail holds later tokens or padding does
+not change a bit.
+
+- ``sequence_attention(query [Hq, n, D], keys [Hkv, L, D], values, start, scale)``: one sequence whose n new
+  queries sit at positions ``start ..`` (``generate``'s dynamic cache: ``start = L - n``), with an optional extra
+  boolean mask ``[n, L]`` (padding).
+- ``slot_invariant_attention(query [T, Hq, D], key_pool, value_pool, packing, scale)``: the engine's packed row
+  (``adaflash_hf.kernels.verify_packing``), each request through ``sequence_attention`` on its own slot, so a
+  request's rows are the same served alone, batched, or decoded by ``generate``.
+
+Pure torch; softmax in float32 (as transformers' eager attention).
+"""
+
+import functools
+
+import torch
+
+from adaflash_hf.kernels.row_plan import plan_for
+from adaflash_hf.kernels.verify_packing import SlotPacking
+
+KEY_BLOCK = 64
+
+
+def block_attention(query, allowed, *, keys, values, scale: float) -> torch.Tensor:
+    """query ``[Hkv, R, D]`` rows over keys/values ``[Hkv, S, D]`` with ``allowed [R, S]`` -> ``[Hkv, R, D]``."""
+    scores = torch.matmul(query, keys.transpose(-1, -2)) * scale
+    probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1, dtype=torch.float32)
+    return torch.matmul(probs.to(query.dtype), values)
+
+
+def _sample(heads: int, dim: int, span: int, dtype, device, rows: int, generator: torch.Generator):
+    query = torch.randn(heads, rows, dim, generator=generator).to(device=device, dtype=dtype)
+    last = torch.randint(max(0, span - KEY_BLOCK), span, (rows, 1), generator=generator)
+    return query, (torch.arange(span)[None, :] <= last).to(device)
+
+
+def _keys_of_block(keys: torch.Tensor, span: int) -> torch.Tensor:
+    """``keys [Hkv, L, D]`` as a fresh ``[Hkv, span, D]``: its first ``span`` positions, zeros past ``L``."""
+    out = keys.new_empty(keys.shape[0], span, keys.shape[2])
+    available = min(span, keys.shape[1])
+    out[:, :available] = keys[:, :available]
+    out[:, available:] = 0
+    return out
+
+
+def sequence_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    start: int,
+    scale: float | None = None,
+    allowed: torch.Tensor | None = None,
+    key_block: int = KEY_BLOCK,
+) -> torch.Tensor:
+    """Causal attention of ``query [Hq, n, D]`` (positions ``start .. start + n - 1``) to ``keys/values [Hkv, L, D]``
+    (``L >= start + n``; ``allowed [n, L]``: extra mask, True = attend) -> ``[Hq, n, D]``. See the module docstring."""
+    heads, count, dim = query.shape
+    kv_heads = keys.shape[0]
+    group = heads // kv_heads
+    scale = dim**-0.5 if scale is None else scale
+    out = query.new_empty(heads, count, dim)
+    for block in range(start // key_block, (start + count - 1) // key_block + 1):
+        first = max(start, block * key_block) - start
+        last = min(start + count, (block + 1) * key_block) - start
+        rows, span = last - first, (block + 1) * key_block
+        positions = torch.arange(start + first, start + last, device=query.device)
+        mask = torch.arange(span, device=query.device)[None, :] <= positions[:, None]
+        if allowed is not None:
+            width = min(span, allowed.shape[1])
+            mask[:, :width] &= allowed[first:last, :width]
+        block_keys, block_values = _keys_of_block(keys, span), _keys_of_block(values, span)
+        op = functools.partial(block_attention, keys=block_keys, values=block_values, scale=scale)
+        key = ("attention", kv_heads, dim, span, query.dtype, query.device)
+        sample = functools.partial(_sample, kv_heads, dim, span, query.dtype, query.device)
+        plan = plan_for(key, op, sample, pads=(0.0, True))
+        # rows of the call: (head of the GQA group, query), the group's heads sharing their key/value head
+        block_query = query[:, first:last].reshape(kv_heads, group * rows, dim)
+        attended = plan.run(op, block_query, mask.repeat(group, 1))
+        out[:, first:last] = attended.reshape(heads, rows, dim)
+    return out
+
+
+def slot_invariant_attention(
+    query: torch.Tensor,
+    key_pool: torch.Tensor,
+    value_pool: torch.Tensor,
+    packing: SlotPacking,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """The packed row ``query [T, Hq, D]``, request i's rows to slot ``packing.slots[i]`` of the pools
+    ``[slots, capacity, Hkv, D]`` (this forward's keys already written) -> ``[T, Hq, D]``."""
+    out = torch.empty_like(query)
+    for slot, start, offset, length in zip(packing.slots, packing.starts, packing.offsets, packing.lengths):
+        end = start + length
+        attended = sequence_attention(
+            query[offset : offset + length].transpose(0, 1),
+            key_pool[slot, :end].transpose(0, 1),
+            value_pool[slot, :end].transpose(0, 1),
+            start,
+            scale,
+        )
+        out[offset : offset + length] = attended.transpose(0, 1)
+    return out

@@ -1,0 +1,172 @@
+"""Batch invariance: on a prepared target, row i of a forward of n new tokens has bitwise the logits of the same token
+decoded alone, for n = 1..M, whatever the rows after it hold, as the cache grows across key blocks; the kernels under
+it (row plans, the invariant linear and attention) keep a row's result independent of the call's row count; plain
+bf16 is the negative control that shows the effect on this CPU."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+from adaflash_hf.kernels.invariant_attention import sequence_attention
+from adaflash_hf.kernels.invariant_linear import invariant_linear
+from adaflash_hf.kernels.row_plan import RowPlan
+from adaflash_hf.prepare import prepare_target
+
+ROWS = 8
+
+
+@torch.no_grad()
+def row_mismatches(target, prompt=60, cache_lengths=(0, 3, 70), rows=ROWS, seed=0):
+    """``(cache growth, n, row)`` of every row whose logits in an n-row forward differ from the same token decoded
+    alone. After the prompt, the sequence is decoded token by token (the reference); then at each cache length, each
+    n-row forward holds the true tokens up to a random row and random tokens after it."""
+    vocab = target.get_input_embeddings().weight.shape[0]
+    generator = torch.Generator().manual_seed(seed)
+    total = prompt + max(cache_lengths) + rows
+    ids = torch.randint(0, vocab, (1, total), generator=generator)
+    cache = DynamicCache()
+    target(input_ids=ids[:, :prompt], cache=cache, use_cache=True, logits_to_keep=1)
+    alone = [
+        target(input_ids=ids[:, i : i + 1], cache=cache, use_cache=True).logits[0, -1]
+        for i in range(prompt, total)
+    ]
+    found = []
+    for grown in cache_lengths:
+        cache = DynamicCache()
+        target(input_ids=ids[:, : prompt + grown], cache=cache, use_cache=True, logits_to_keep=1)
+        for n in range(1, rows + 1):
+            window = ids[:, prompt + grown : prompt + grown + n].clone()
+            kept = int(torch.randint(0, n, (1,), generator=generator))
+            window[0, kept + 1 :] = torch.randint(0, vocab, (n - kept - 1,), generator=generator)
+            logits = target(input_ids=window, cache=cache, use_cache=True).logits[0]
+            cache.crop(-n)
+            found += [(grown, n, r) for r in range(kept + 1) if not torch.equal(logits[r], alone[grown + r])]
+    return found
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "llama"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rows_of_a_prepared_forward_equal_the_tokens_decoded_alone(kind, dtype, target_factory):
+    target = prepare_target(target_factory(kind), dtype=dtype, invariant=True)
+    assert row_mismatches(target) == []
+
+
+def test_plain_bf16_rows_depend_on_the_rows_in_the_forward(target_factory):
+    # The negative control: the same check on an unprepared bf16 target (transformers' default SDPA attention)
+    # must find rows that differ, where this CPU shows the effect at all.
+    found = row_mismatches(target_factory("qwen3", dtype=torch.bfloat16))
+    if not found:
+        pytest.skip("this CPU computes plain bf16 rows the same way at every row count: no effect to detect")
+    assert {n for _, n, _ in found} - {1}
+
+
+@pytest.mark.integration
+def test_rows_of_the_prepared_smollm2_equal_the_tokens_decoded_alone():
+    import copy
+
+    from adaflash_hf.assets import load_target
+
+    target = copy.deepcopy(load_target()[0])
+    prepare_target(target, dtype=torch.bfloat16, rows=ROWS)
+    assert row_mismatches(target, prompt=58, cache_lengths=(0, 9), rows=ROWS) == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(576, 192), (1536, 576), (64, 512)])
+def test_invariant_linear_rows_do_not_depend_on_the_row_count(dtype, shape):
+    features, out_features = shape
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(out_features, features, generator=generator).to(dtype)
+    x = torch.randn(300, features, generator=generator).to(dtype)
+    alone = torch.cat([invariant_linear(x[i : i + 1], weight) for i in range(0, 300, 7)])
+    for rows in (1, 2, 3, 5, 8, 13, 16, 17, 40, 300):
+        out = invariant_linear(x[:rows], weight)
+        assert torch.equal(out[::7], alone[: len(range(0, rows, 7))]), rows
+
+
+def test_plain_fp32_linear_rows_depend_on_the_row_count():
+    # What the row plan removes: MKL gives a row different bits at 1, 2-3 and 4+ rows (where this CPU does).
+    generator = torch.Generator().manual_seed(0)
+    weight, x = torch.randn(576, 576, generator=generator), torch.randn(8, 576, generator=generator)
+    results = [F.linear(x[:rows], weight)[0] for rows in range(1, 9)]
+    if all(torch.equal(r, results[0]) for r in results):
+        pytest.skip("this CPU's fp32 GEMM gives a row the same bits at every row count")
+    assert not all(torch.equal(r, results[0]) for r in results)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_rows_do_not_depend_on_the_query_count_or_the_masked_tail(dtype):
+    generator = torch.Generator().manual_seed(0)
+    heads, kv_heads, dim, length = 6, 2, 16, 150
+    keys = torch.randn(kv_heads, length, dim, generator=generator).to(dtype)
+    values = torch.randn(kv_heads, length, dim, generator=generator).to(dtype)
+    query = torch.randn(heads, length, dim, generator=generator).to(dtype)
+    position = (
+        100  # its key block is 64..127: keys 101..127 are masked, real in some calls and absent in others
+    )
+    alone = sequence_attention(
+        query[:, position : position + 1], keys[:, : position + 1], values[:, : position + 1], position
+    )
+    for first in (100, 97, 90, 64, 40):
+        for end in (101, 102, 110, 128, 150):
+            tail = keys.clone()
+            tail[:, position + 1 :] = torch.randn(
+                kv_heads, length - position - 1, dim, generator=generator
+            ).to(dtype)
+            out = sequence_attention(query[:, first:end], tail[:, :end], values[:, :end], first)
+            assert torch.equal(out[:, position - first], alone[:, 0]), (first, end)
+
+
+def _sample(rows, generator):
+    return (torch.randn(rows, 4, generator=generator),)
+
+
+def test_a_row_plan_pads_to_the_smallest_unit_that_verifies():
+    # An op whose rows come out the same only in calls of a multiple of 4 rows: the plan pads every call to one.
+    def op(x):
+        return x * 2 + (x.shape[-2] % 4) * 1e-3
+
+    plan = RowPlan("test", op, _sample, pads=(0.0,))
+    x = torch.randn(30, 4, generator=torch.Generator().manual_seed(1))
+    assert plan.unit == 4
+    assert torch.equal(plan.run(op, x[:3]), x[:3] * 2)
+    assert torch.equal(plan.run(op, x), x * 2)
+
+
+def test_a_row_plan_calls_an_op_that_differs_at_every_row_count_with_16_rows_always():
+    # The fixed-shape forward: one row count, padded to, or chunked into.
+    def op(x):
+        return x + x.shape[-2] * 1e-3
+
+    plan = RowPlan("test", op, _sample, pads=(0.0,))
+    x = torch.randn(40, 4, generator=torch.Generator().manual_seed(1))
+    assert plan.unit == 16
+    assert torch.equal(plan.run(op, x[:5]), x[:5] + 16e-3)
+    assert torch.equal(plan.run(op, x), x + 16e-3)
+    assert plan.sizes == [16]
+
+
+def test_a_row_plan_runs_one_row_per_call_when_a_rows_position_changes_it():
+    def op(x):
+        return x + torch.arange(x.shape[-2])[:, None] * 1e-3
+
+    plan = RowPlan("test", op, _sample, pads=(0.0,))
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(1))
+    assert (plan.unit, plan.sizes) == (1, [1])
+    assert torch.equal(plan.run(op, x), x)
+
+
+def test_a_row_plan_never_calls_a_size_whose_probe_fails():
+    calls = []
+
+    def op(x):
+        calls.append(x.shape[-2])
+        return x * 2 + (x.shape[-2] == 32) * 1e-3
+
+    plan = RowPlan("test", op, _sample, pads=(0.0,))
+    x = torch.randn(30, 4, generator=torch.Generator().manual_seed(1))
+    calls.clear()
+    assert torch.equal(plan.run(op, x), x * 2)
+    assert 32 not in plan.sizes and 48 in plan.sizes
+    assert calls[-1] == 48  # the probes tried 24, 32 (refused) and 48; the call ran at 48

@@ -1,0 +1,193 @@
+"""``prepare_target``: bf16 only where the CPU reports a bf16 unit (both answers injected), fp32 with one line naming
+the missing flags otherwise; bad settings are errors before any forward; and on the prepared bf16 target greedy
+AdaFlash equals plain greedy token for token, in generate (every length mode and draft source) and in the engine
+(batched == serial == plain)."""
+
+import logging
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+from adaflash_hf import prepare_target
+from adaflash_hf.cost_model import CostModel, use_cost_model
+from adaflash_hf.cpu import bf16_units, cpu_model
+from adaflash_hf.kernels.invariant_linear import InvariantLinear
+from adaflash_hf.prepare import is_prepared
+from adaflash_hf.serving import AdaFlashEngine, AdmissionConfig, SamplingParams
+from tests.test_serving_engine import greedy_reference, make_batched_oracle, random_prompts
+
+# 70 tokens: generation crosses the attention's key-block boundary at 128 only with longer runs; the prompt
+# itself spans two blocks.
+PROMPT = torch.randint(0, 500, (1, 70), generator=torch.Generator().manual_seed(3))
+CPUINFO = "processor\t: 0\nmodel name\t: AMD EPYC 9R14\nflags\t\t: fpu sse avx2 {}\n"
+
+
+def greedy(target, n, **kwargs):
+    return target.generate(
+        PROMPT, generation_config=GenerationConfig(max_new_tokens=n, do_sample=False, **kwargs)
+    )
+
+
+@pytest.fixture
+def forwards():
+    """Attach to a target: the list its forward pre-hook appends to (no forward: stays empty)."""
+    calls = []
+
+    def attach(target):
+        target.register_forward_pre_hook(lambda *args: calls.append(1))
+        return calls
+
+    return attach
+
+
+def test_bf16_units_are_read_from_the_cpu_flags():
+    assert bf16_units(CPUINFO.format("avx512f avx512_bf16 amx_tile amx_bf16")) == ("amx_bf16", "avx512_bf16")
+    assert bf16_units(CPUINFO.format("avx512f avx512_vnni")) == ()
+    assert bf16_units("") == ()
+    assert cpu_model(CPUINFO.format("")) == "AMD EPYC 9R14"
+
+
+def test_auto_casts_to_bf16_where_the_cpu_has_a_bf16_unit(target_factory):
+    target = prepare_target(target_factory("llama"), bf16_units=["avx512_bf16"], rows=4)
+    settings = is_prepared(target)
+    assert (settings.dtype, settings.invariant, settings.bf16_units) == (
+        torch.bfloat16,
+        True,
+        ("avx512_bf16",),
+    )
+    assert next(target.parameters()).dtype == torch.bfloat16
+    assert target.model.rotary_emb.inv_freq.dtype == torch.float32
+    assert isinstance(target.lm_head, InvariantLinear)
+
+
+def test_auto_keeps_fp32_without_a_bf16_unit_and_says_which_flags_are_missing(
+    target_factory, monkeypatch, caplog
+):
+    monkeypatch.setattr(logging.getLogger("transformers"), "propagate", True)  # to caplog's root handler
+    with caplog.at_level(logging.WARNING):
+        target = prepare_target(target_factory("llama"), bf16_units=[])
+    lines = [r.getMessage() for r in caplog.records if "prepare_target" in r.getMessage()]
+    assert len(lines) == 1 and "amx_bf16" in lines[0] and "avx512_bf16" in lines[0]
+    settings = is_prepared(target)
+    assert (settings.dtype, settings.invariant) == (torch.float32, False)
+    assert type(target.lm_head) is torch.nn.Linear
+
+
+@pytest.mark.parametrize(
+    "settings, error",
+    [
+        ({"dtype": "float16"}, "dtype: expected one of"),
+        ({"dtype": torch.float16}, "dtype: expected one of"),
+        ({"rows": 0}, "rows: expected an int >= 1"),
+        ({"rows": 2.0}, "rows: expected an int >= 1"),
+        ({"bf16_units": ["avx2"]}, "bf16_units: expected flags among"),
+        ({"invariant": "yes"}, "invariant: expected a bool or None"),
+    ],
+)
+def test_bad_settings_are_errors_before_any_forward(settings, error, target_factory, forwards):
+    target = target_factory("qwen3")
+    calls = forwards(target)
+    with pytest.raises((ValueError, TypeError), match=error):
+        prepare_target(target, **settings)
+    assert calls == [] and next(target.parameters()).dtype == torch.float32 and is_prepared(target) is None
+
+
+def test_a_target_that_is_not_a_causal_lm_is_refused(drafter_factory, target_factory):
+    with pytest.raises(TypeError, match="target: expected a transformers causal LM"):
+        prepare_target(torch.nn.Linear(4, 4))
+    with pytest.raises(TypeError, match="target: expected a transformers causal LM.*got AdaFlashDrafter"):
+        prepare_target(drafter_factory(target_factory("qwen3")))
+
+
+def test_preparing_again_returns_the_target_or_refuses_other_settings(target_factory):
+    target = prepare_target(target_factory("qwen3"), dtype="bf16", rows=4)
+    assert prepare_target(target, dtype=torch.bfloat16) is target
+    with pytest.raises(ValueError, match="target: expected a target not yet prepared"):
+        prepare_target(target, dtype="fp32")
+
+
+def test_a_prepared_target_cast_afterwards_is_no_longer_prepared(target_factory):
+    target = prepare_target(target_factory("qwen3"), dtype="bf16", rows=4)
+    target.to(torch.float32)
+    assert is_prepared(target) is None
+
+
+def test_the_check_refuses_a_forward_whose_rows_depend_on_the_row_count(target_factory):
+    class RowCountLinear(torch.nn.Linear):  # a subclass the preparation leaves alone
+        def forward(self, x):
+            return super().forward(x) * (1 + 1e-2 * x.shape[-2])
+
+    target = target_factory("qwen3")
+    old = target.model.layers[0].mlp.down_proj
+    target.model.layers[0].mlp.down_proj = RowCountLinear(old.in_features, old.out_features, bias=False)
+    with pytest.raises(RuntimeError, match="not batch-invariant on this machine"):
+        prepare_target(target, dtype="bf16", rows=4)
+
+
+def test_plain_generate_of_the_prepared_target_runs_the_invariant_attention(target_factory, monkeypatch):
+    import adaflash_hf.invariant_forward as invariant_forward
+
+    target = prepare_target(target_factory("qwen3"), dtype="bf16", rows=4)
+    calls = []
+    original = invariant_forward.sequence_attention
+    monkeypatch.setattr(
+        invariant_forward, "sequence_attention", lambda *a, **k: calls.append(1) or original(*a, **k)
+    )
+    greedy(target, 3)
+    assert len(calls) == 3 * target.config.num_hidden_layers
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama"])
+def prepared(request, target_factory):
+    target = prepare_target(target_factory(request.param), dtype="bf16")
+    return target, greedy(target, 60)
+
+
+@pytest.mark.parametrize("source", ["diffusion", "hybrid"])
+@pytest.mark.parametrize("length_mode", ["fixed", "adaptive", "goodput"])
+def test_greedy_adaflash_equals_plain_greedy_on_the_prepared_bf16_target(
+    length_mode, source, prepared, oracle_factory
+):
+    target, reference = prepared
+    if length_mode == "goodput":
+        use_cost_model(
+            target, "generate", CostModel.profile({1: 1.0, 16: 1.0})
+        )  # verification free: long drafts
+    oracle = oracle_factory(target, reference, seed=len(length_mode) + len(source))
+    knobs = {"adaflash_length_mode": length_mode, "adaflash_draft_source": source}
+    out = target.generate(
+        PROMPT,
+        assistant_model=oracle,
+        generation_config=GenerationConfig(max_new_tokens=60, do_sample=False, **knobs),
+    )
+    assert torch.equal(out, reference)
+    assert max(oracle.last_stats.verify_lengths) > 1 and sum(oracle.last_stats.accepted_lengths) > 0
+
+
+@pytest.mark.parametrize("length_mode", ["fixed", "adaptive"])
+def test_engine_batched_equals_serial_equals_plain_on_the_prepared_bf16_target(
+    length_mode, prepared, drafter_factory
+):
+    target, _ = prepared
+    prompts = random_prompts(5, seed=4, max_len=80)
+    expected = [greedy_reference(target, p, 16) for p in prompts]
+    oracle, weight = make_batched_oracle(target, drafter_factory(target))
+    oracle.to(torch.bfloat16)
+
+    def run(indices):
+        engine = AdaFlashEngine(
+            target, oracle, length_mode=length_mode, admission=AdmissionConfig(max_running=5)
+        )
+        references = {}
+        oracle.arm(engine, references, weight)
+        ids = {i: engine.add_request(prompts[i], SamplingParams(max_new_tokens=16)) for i in indices}
+        references.update({rid: prompts[i].tolist() + expected[i] for i, rid in ids.items()})
+        while engine.has_unfinished():
+            engine.step()
+        return engine, [engine.requests[ids[i]].output for i in indices]
+
+    engine, batched = run(range(len(prompts)))
+    assert batched == expected
+    assert max(s.running for s in engine.stats) > 1 and sum(s.accepted for s in engine.stats) > 0
+    assert [run([i])[1][0] for i in range(len(prompts))] == expected
