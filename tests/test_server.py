@@ -267,3 +267,25 @@ def test_overload_answers_429_with_retry_after_and_every_accepted_request_comple
         done = [list(stream)[-1].choices[0].finish_reason for stream in accepted]
         assert done == ["length", "length"]
         assert metrics(busy)["adaflash_requests_rejected_total"] == 4
+
+
+@pytest.mark.integration
+def test_the_real_target_with_the_shipped_drafter_answers_chat_as_plain_generate():
+    from adaflash_hf.assets import load_target
+    from adaflash_hf.serving.server import load_drafter_for
+
+    target, tokenizer = load_target()
+    messages = [{"role": "user", "content": "Name three primary colors."}]
+    worker = EngineWorker(build_engine(target, load_drafter_for(target, None)), tokenizer)
+    with BackgroundServer(create_app(worker, tokenizer, "smollm2")) as server:
+        answer = client(server).chat.completions.create(
+            model="smollm2", messages=messages, max_tokens=40, temperature=0, stop=["\n\n"]
+        )
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)[
+        "input_ids"
+    ]
+    plain = target.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False)[0, len(prompt) :]
+    text = tokenizer.decode(plain, skip_special_tokens=True)
+    assert answer.choices[0].message.content == text.split("\n\n")[0]
+    expected_reason = "stop" if "\n\n" in text or tokenizer.eos_token_id in plain.tolist() else "length"
+    assert answer.choices[0].finish_reason == expected_reason
