@@ -95,6 +95,14 @@ def test_card_body_has_usage_results_table_and_training_command(drafter):
     assert "adaflash opd --config opd.yaml" in text
 
 
+def test_card_installs_from_the_repository_and_marks_the_hub_example(drafter):
+    text = render_model_card(drafter.config, "org/x").text
+    usage = text[text.index("## How to use") : text.index("## Drafter")]
+    assert "pip install adaflash-hf" not in usage  # no package index serves it
+    assert "in a clone of it, `pip install -e .`" in usage
+    assert usage.index("With Hub access") < usage.index('AdaFlashDrafter.from_pretrained("org/x"')
+
+
 def test_card_without_bench_says_no_results_were_recorded(drafter):
     assert "No benchmark results were recorded" in render_model_card(drafter.config, "org/x").text
 

@@ -31,6 +31,21 @@ def test_shipped_drafter_is_small_safetensors_with_a_model_card():
     ).read_text()
 
 
+def test_shipped_cards_usage_is_the_template_as_drafter_card_renders_it():
+    from adaflash_hf.hub import drafter_card
+
+    def usage(text: str) -> str:
+        return text[text.index("## How to use") : text.index("## Drafter")]
+
+    shipped = ModelCard.load(SHIPPED / "README.md")
+    rendered = drafter_card(
+        AdaFlashDrafter.from_pretrained(SHIPPED),
+        "adaflash-hf/smollm2-135m-adaflash",
+        base_model=shipped.data.base_model,
+    )
+    assert usage(rendered.text) == usage(shipped.text)
+
+
 def test_shipped_drafter_fits_smollm2_and_generates_losslessly():
     target, tokenizer = load_target()
     drafter = AdaFlashDrafter.from_pretrained(SHIPPED, dtype=torch.float32).eval()
