@@ -4,7 +4,7 @@
     adaflash import PATH OUT                    z-lab DFlash / official AdaFlash / Muse-Glimmer / exported -> ours
     adaflash publish PATH REPO_ID               upload with a model card in one commit (``--dry-run`` to preview)
     adaflash serve [--learn]                    OpenAI-compatible HTTP server, optionally learning from its traffic
-    adaflash bench NAME ...                     run ``adaflash_hf.bench.NAME:main`` (kernels, generate, serve, opd, train, http)
+    adaflash bench NAME ...                     run ``adaflash_hf.bench.NAME:main`` (kernels, generate, serve, verify-cost, opd, train, http)
     adaflash train ... / adaflash opd ...       ``accelerate launch`` the trainer scripts shipped in adaflash_hf.trainers
     adaflash corpus ...                         regenerate the drafter training corpus (``trainers/corpus.py``)
     adaflash calibrate-head ...                 fit only the length head from realised acceptance (``trainers/calibrate_head.py``)
@@ -52,6 +52,10 @@ BENCH_MODULES = {
         "τ and speed-up of AdaFlash vs baselines with target.generate",
     ),
     "serve": ("adaflash_hf.bench.serve", "throughput of the batched serving engine under concurrency"),
+    "verify-cost": (
+        "adaflash_hf.bench.verify_cost",
+        "cost of a target forward of n = 1..16 tokens vs 1: fp32, bf16 and the prepared target",
+    ),
     "opd": ("adaflash_hf.bench.opd", "online distillation experiment: τ per domain over OPD rounds per loss"),
     "train": ("adaflash_hf.bench.train", "blocks/s and peak memory of one offline drafter-training step"),
     "http": (

@@ -1,0 +1,170 @@
+"""The price of a verify forward: seconds of a target forward of n = 1..16 new tokens after ~200 tokens of context,
+relative to a 1-token forward, for each way of running the target.
+
+    adaflash bench verify-cost [--target smollm2-135m-instruct] [--context 200] [--max-tokens 16] [--repeats 5]
+                               [--threads 1] [--arms fp32 bf16 prepared-bf16 prepared-fp32] [--output FILE.json]
+
+Arms: ``fp32`` and ``bf16`` are the target as transformers runs it (SDPA attention; bf16 by ``.to``);
+``prepared-bf16`` and ``prepared-fp32`` are ``adaflash_hf.prepare_target(dtype=..., invariant=True)`` (the
+batch-invariant forward, checked); ``prepared`` is ``prepare_target``'s own choice on this host (``dtype="auto"``).
+Each arm gets its own copy of the target. Per repeat and size, a 1-token forward is timed right before the n-token one
+on the same cropped dynamic cache (as ``generate`` verifies), so a neighbour's load hits both sides of the ratio; the
+record holds the median ratio, the median milliseconds per size, the CPU's model and bf16 flags, and the settings
+``prepare_target`` chose. Speculative decoding pays where this curve is flat: a τ-2 drafter needs c(k) well under 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from adaflash_hf.cpu import cpu_record
+from adaflash_hf.launch import CONFIG_HELP, int_at_least, parse_args_with_config
+
+ARMS = ("fp32", "bf16", "prepared-bf16", "prepared-fp32", "prepared")
+DEFAULT_ARMS = ("fp32", "bf16", "prepared-bf16", "prepared-fp32")
+
+
+def build_arm(target, arm: str):
+    """A copy of ``target`` run the way ``arm`` says (module docstring), and what ``prepare_target`` chose (or None)."""
+    from adaflash_hf.prepare import is_prepared, prepare_target
+
+    if arm not in ARMS:
+        raise ValueError(f"arm: expected one of {ARMS}, got {arm!r}")
+    copied = copy.deepcopy(target)
+    if arm in ("fp32", "bf16"):
+        return copied.to(torch.float32 if arm == "fp32" else torch.bfloat16), None
+    if arm == "prepared":
+        prepare_target(copied)
+    else:
+        prepare_target(copied, dtype=arm.removeprefix("prepared-"), invariant=True)
+    settings = is_prepared(copied)
+    return copied, {"dtype": str(settings.dtype), "invariant": settings.invariant, "reason": settings.reason}
+
+
+@torch.inference_mode()
+def measure_curve(target, max_tokens: int = 16, context: int = 200, repeats: int = 5) -> dict:
+    """Median seconds of forwards of 1..max_tokens new tokens after ``context`` tokens, and their median ratio to the
+    1-token forward timed just before each."""
+    from transformers import DynamicCache
+
+    device = next(target.parameters()).device
+    vocab = target.get_input_embeddings().weight.shape[0]
+    ids = torch.randint(0, vocab, (1, context + max_tokens), generator=torch.Generator().manual_seed(0)).to(
+        device
+    )
+    cache = DynamicCache()
+    target(input_ids=ids[:, :context], cache=cache, use_cache=True, logits_to_keep=1)
+
+    def forward(n: int) -> float:
+        started = time.perf_counter()
+        target(input_ids=ids[:, context : context + n], cache=cache, use_cache=True, logits_to_keep=n)
+        seconds = time.perf_counter() - started
+        cache.crop(-n)
+        return seconds
+
+    sizes = range(1, max_tokens + 1)
+    for n in sizes:
+        forward(n)  # warm-up: allocations, and the row plans' probes on a prepared target
+    seconds = {n: [] for n in sizes}
+    ratios = {n: [] for n in sizes}
+    for _ in range(repeats):
+        for n in sizes:
+            one, many = forward(1), forward(n)
+            seconds[n].append(many)
+            ratios[n].append(many / one)
+    return {
+        "one_token_ms": 1e3 * statistics.median(seconds[1]),
+        "ms": {n: 1e3 * statistics.median(s) for n, s in seconds.items()},
+        "relative": {n: statistics.median(r) for n, r in ratios.items()},
+    }
+
+
+def run_verify_cost(target, arms=DEFAULT_ARMS, max_tokens=16, context=200, repeats=5, progress=True) -> dict:
+    """The record: settings, the CPU, and per arm its curve and what ``prepare_target`` chose."""
+    if max_tokens < 1 or context < 1 or repeats < 1:
+        raise ValueError(
+            f"max_tokens, context, repeats: expected >= 1 each, got {max_tokens}, {context}, {repeats}"
+        )
+    results = {}
+    for arm in tqdm(arms, desc="verify cost", disable=not progress):
+        built, prepared = build_arm(target, arm)
+        results[arm] = {"prepared": prepared, **measure_curve(built, max_tokens, context, repeats)}
+        del built
+    return {
+        "settings": {"context": context, "max_tokens": max_tokens, "repeats": repeats},
+        "threads": torch.get_num_threads(),
+        "cpu": cpu_record(),
+        "torch": torch.__version__,
+        "arms": results,
+    }
+
+
+def markdown_table(record: dict) -> str:
+    """One row per size n: each arm's forward cost relative to its own 1-token forward; the 1-token ms first."""
+    cpu = record["cpu"]
+    arms = list(record["arms"])
+    lines = [
+        f"CPU: {cpu['model']}; bf16 units: {', '.join(cpu['bf16_units']) or 'none'} "
+        f"(missing: {', '.join(cpu['missing_bf16_units']) or 'none'}); torch ISA {cpu['torch_capability']}; "
+        f"{record['threads']} threads; {record['settings']['context']} tokens of context.",
+        "",
+        "| n | " + " | ".join(arms) + " |",
+        "|---:|" + "---:|" * len(arms),
+        "| 1-token ms | " + " | ".join(f"{record['arms'][a]['one_token_ms']:.1f}" for a in arms) + " |",
+    ]
+    for n in record["arms"][arms[0]]["relative"]:
+        lines.append(
+            f"| {n} | " + " | ".join(f"{record['arms'][a]['relative'][n]:.2f}x" for a in arms) + " |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="adaflash bench verify-cost",
+        description="Cost of a target forward of n = 1..16 new tokens relative to a 1-token forward: fp32 and bf16 "
+        "as transformers runs them, and the prepared (batch-invariant) target.",
+    )
+    parser.add_argument(
+        "--target", default="smollm2-135m-instruct", help="target (adaflash_hf.assets.load_target)"
+    )
+    parser.add_argument(
+        "--context", type=int_at_least(1), default=200, help="tokens before the forward (200)"
+    )
+    parser.add_argument(
+        "--max-tokens", type=int_at_least(1), default=16, help="largest forward, n = 1.. (16)"
+    )
+    parser.add_argument("--repeats", type=int_at_least(1), default=5, help="timed pairs per size (5)")
+    parser.add_argument("--threads", type=int_at_least(1), default=1, help="torch threads (default 1)")
+    parser.add_argument(
+        "--arms", nargs="+", default=list(DEFAULT_ARMS), choices=ARMS, help="ways to run the target"
+    )
+    parser.add_argument("--output", type=Path, help="write the record as JSON here")
+    parser.add_argument("--config", metavar="FILE", help=CONFIG_HELP)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args_with_config(make_parser(), argv)
+    torch.set_num_threads(args.threads)
+    from adaflash_hf.assets import load_target
+
+    target, _ = load_target(args.target)
+    record = run_verify_cost(target, args.arms, args.max_tokens, args.context, args.repeats)
+    print(markdown_table(record), end="")
+    if args.output is not None:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(json.dumps(record, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
