@@ -2,6 +2,7 @@
 
     adaflash bench generate [--drafter DIR] [--domains chat code math] [--prompts-per-domain 4]
                             [--max-new-tokens 256] [--repeats 3] [--threads 2] [--output-dir runs/bench_generate]
+                            [--dtype fp32|bf16|auto] [--prepared] [--plain-baselines fp32 bf16]
     python -m adaflash_hf.bench.generate --quick --drafter DIR      # smoke run: 1 prompt, 16 tokens, 1 repeat
 
 Methods, run on the same held-out prompts (``adaflash_hf.data``, chat template) in one run:
@@ -22,7 +23,13 @@ every method gets the same accounting: the forwards after the prefill are its ro
 round (plain: 1; prompt lookup also drafts inside its prefill, which this leaves out). For the AdaFlash methods the
 rounds must agree with ``drafter.last_stats`` (``stats_agree``). Speed-up = median plain seconds / median method
 seconds per prompt, geometric mean over a domain's prompts. Any lossless or stats_agree failure exits with status 1
-after the outputs are written.
+after the outputs are written; ``exact`` is the share of a method's prompts whose output equals plain's.
+
+The target runs in ``--dtype``, through ``adaflash_hf.prepare_target`` with ``--prepared``
+(``adaflash_hf.bench.targets``): "plain" is then plain decoding of the prepared target, what lossless compares with.
+``--plain-baselines`` time plain decoding as transformers runs it in fp32 and bf16 beside the methods; the faster in
+total is the fastest plain decoding on this host (``settings["fastest_plain"]``), what a user would otherwise run, and
+``speedup_vs_fastest_plain`` is every method's speed-up against it.
 
 Outputs in ``--output-dir``: ``results.json`` (``settings``, ``ok``, ``summary``: one row per domain and method,
 ``records``: one per domain, prompt and method), ``table.md`` and three plots: ``acceptance_per_position.png``
@@ -53,6 +60,8 @@ from transformers.utils import logging
 import adaflash_hf
 from adaflash_hf import AdaFlashDrafter
 from adaflash_hf.bench.machine import cpu_flags, plot_cost_curve
+from adaflash_hf.bench.targets import add_target_options, benchmarked_target, plain_baselines
+from adaflash_hf.cpu import cpu_model
 from adaflash_hf.launch import CONFIG_HELP, int_at_least, number_in, parse_args_with_config
 from adaflash_hf.modeling.length_head_adaflash import length_head_error, realised_acceptance
 from adaflash_hf.stats import tau_of
@@ -199,12 +208,16 @@ def run_benchmark(
     min_len: int | None = None,
     progress: bool = True,
     lookup_min_prob: float = 0.0,
+    baselines: dict | None = None,
 ) -> dict:
     """Run every method on every prompt ``repeats`` times, interleaved; return the results dict (see module doc).
 
     ``prompts`` maps a domain to ``(prompt id, input ids [1, L])`` pairs. ``drafter`` may be None when ``methods``
     holds no drafter method. ``gamma`` / ``min_len`` override the drafter's length-head settings for the AdaFlash
-    methods; ``lookup_min_prob`` is the hybrid method's ``adaflash_lookup_min_prob``.
+    methods; ``lookup_min_prob`` is the hybrid method's ``adaflash_lookup_min_prob``. ``baselines`` names the plain
+    decodings a user could run instead (``{"fp32": model, "bf16": model}``; None for ``target`` itself): each is timed
+    beside the methods, the one with the least total time is the fastest plain (``settings["fastest_plain"]``), and
+    every record and summary row gets ``speedup_vs_fastest_plain`` (none given: ``target``'s plain is the fastest).
     """
     _check_run(target, drafter, methods, repeats, max_new_tokens)
     methods = tuple(m for m in METHODS if m in methods)  # plain first: it is the reference
@@ -215,14 +228,17 @@ def run_benchmark(
     pad = target.generation_config.pad_token_id
     pad = pad if pad is not None else (eos[0] if isinstance(eos, list) else eos)
 
-    def call(method: str, input_ids: torch.Tensor, tokens: int) -> tuple[torch.Tensor, float]:
+    baselines = {"target": None} if not baselines else baselines
+    timed_baselines = [name for name, model in baselines.items() if model is not None]
+
+    def call(method: str, input_ids: torch.Tensor, tokens: int, model=None) -> tuple[torch.Tensor, float]:
         config = GenerationConfig(max_new_tokens=tokens, do_sample=False, pad_token_id=pad)
         if method in ADAFLASH_METHODS:
             config.adaflash_gamma, config.adaflash_min_len = gamma, min_len
             config.adaflash_lookup_min_prob = lookup_min_prob
         started = time.perf_counter()
         with torch.inference_mode():
-            output = RUNNERS[method](target, drafter, input_ids, config)
+            output = RUNNERS[method](target if model is None else model, drafter, input_ids, config)
         return output, time.perf_counter() - started
 
     recorder = ForwardRecorder(target)
@@ -231,7 +247,11 @@ def run_benchmark(
         first_ids = next(ids for pairs in prompts.values() for _, ids in pairs)
         for method in methods:
             call(method, first_ids, min(WARMUP_TOKENS, max_new_tokens))
-        total = sum(len(pairs) for pairs in prompts.values()) * repeats * len(methods)
+        for name in timed_baselines:
+            call("plain", first_ids, min(WARMUP_TOKENS, max_new_tokens), baselines[name])
+        total = (
+            sum(len(pairs) for pairs in prompts.values()) * repeats * (len(methods) + len(timed_baselines))
+        )
         with tqdm(total=total, desc="bench generate", disable=not progress) as bar:
             for domain, pairs in prompts.items():
                 for prompt_id, input_ids in pairs:
@@ -246,9 +266,11 @@ def run_benchmark(
                         prompt_id,
                         input_ids,
                         bar,
+                        {name: baselines[name] for name in timed_baselines},
                     )
     finally:
         recorder.remove()
+    fastest = _fastest_plain(records, baselines)
     summary = [
         _summarise([r for r in records if r["domain"] == domain and r["method"] == method])
         for domain in prompts
@@ -261,12 +283,32 @@ def run_benchmark(
         "settings": {
             **_settings(drafter, prompts, methods, max_new_tokens, repeats, gamma, min_len),
             "lookup_min_prob": lookup_min_prob,
+            "fastest_plain": fastest,
         },
         "cost_curve": {"1": cost.relative_curve(1)} if cost.target[0] else {},
         "ok": all(r["lossless"] and r["stats_agree"] is not False for r in records),
         "summary": summary,
         "records": records,
     }
+
+
+def _fastest_plain(records: list[dict], baselines: dict) -> dict:
+    """The baseline whose plain decoding takes the least total time over the prompts (a baseline None is the
+    benchmarked target's own ``plain``): sets every record's ``speedup_vs_fastest_plain`` against it; returns its
+    name and each baseline's total seconds."""
+    own = {(r["domain"], r["prompt_id"]): r["median_seconds"] for r in records if r["method"] == "plain"}
+
+    def seconds(record: dict, name: str) -> float:
+        if baselines[name] is None:
+            return own[record["domain"], record["prompt_id"]]
+        return record["plain_baseline_seconds"][name]
+
+    plains = [r for r in records if r["method"] == "plain"]
+    totals = {name: sum(seconds(r, name) for r in plains) for name in baselines}
+    fastest = min(totals, key=totals.get)
+    for record in records:
+        record["speedup_vs_fastest_plain"] = seconds(record, fastest) / record["median_seconds"]
+    return {"name": fastest, "total_seconds": totals}
 
 
 def _check_run(target, drafter, methods, repeats: int, max_new_tokens: int) -> None:
@@ -300,16 +342,19 @@ def _settings(drafter, prompts, methods, max_new_tokens: int, repeats: int, gamm
         "min_len": min_len,
         "threads": torch.get_num_threads(),
         "cpu": cpu_flags(),
+        "cpu_model": cpu_model(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
     }
 
 
 def _bench_prompt(
-    call, recorder, drafter, methods, repeats, max_new_tokens, domain, prompt_id, input_ids, bar
+    call, recorder, drafter, methods, repeats, max_new_tokens, domain, prompt_id, input_ids, bar, baselines
 ) -> list[dict]:
-    """One record per method for one prompt: ``repeats`` passes over the methods in turn, each output checked against
-    the first plain one; forward accounting and stats from the first pass."""
+    """One record per method for one prompt: ``repeats`` passes over the methods in turn, then the ``baselines``' plain
+    decoding (name -> model), each method's output checked against the first plain one; forward accounting and stats
+    from the first pass; every record holds the baselines' median seconds (``plain_baseline_seconds``)."""
+    baseline_seconds = {name: [] for name in baselines}
     records = {
         method: {
             "domain": domain,
@@ -336,8 +381,13 @@ def _bench_prompt(
             if repeat == 0:
                 _account(record, recorder.calls, prompt_length, output.shape[1], method, drafter)
             bar.update()
+        for name, model in baselines.items():
+            baseline_seconds[name].append(call("plain", input_ids, max_new_tokens, model)[1])
+            bar.update()
     plain_seconds = statistics.median(records["plain"]["seconds"])
+    medians = {name: statistics.median(seconds) for name, seconds in baseline_seconds.items()}
     for record in records.values():
+        record["plain_baseline_seconds"] = medians
         record["median_seconds"] = statistics.median(record["seconds"])
         record["tokens_per_s"] = record["new_tokens"] / record["median_seconds"]
         record["speedup"] = plain_seconds / record["median_seconds"]
@@ -401,6 +451,10 @@ def _summarise(records: list[dict]) -> dict:
         "tau_stats": None,
         "tokens_per_s": sum(r["new_tokens"] for r in records) / sum(r["median_seconds"] for r in records),
         "speedup": math.exp(statistics.fmean(math.log(r["speedup"]) for r in records)),
+        "speedup_vs_fastest_plain": math.exp(
+            statistics.fmean(math.log(r["speedup_vs_fastest_plain"]) for r in records)
+        ),
+        "exact_rate": statistics.fmean(r["lossless"] for r in records),
         "mean_verify_length": statistics.fmean(verified) if verified else None,
         "zero_length_share": verified.count(0) / len(verified) if verified else None,
         "acceptance_rate": sum(accepted) / sum(verified) if sum(verified) else None,
@@ -474,23 +528,29 @@ def _percent(share) -> str:
 def markdown_table(results: dict) -> str:
     """One row per (domain, method)."""
     settings = results["settings"]
+    fastest = settings["fastest_plain"]
     lines = [
         f"Greedy, {settings['max_new_tokens']} new tokens, median of {settings['repeats']} repeats, "
         f"{settings['threads']} threads; prompts per domain: {settings['prompts_per_domain']}.",
+        f"CPU: {settings['cpu_model']} ({settings['cpu']}); target {settings.get('target_dtype', '?')}, "
+        f"prepared: {settings.get('prepared')}. Speed-up: against plain decoding of this target; vs fastest plain: "
+        f"against {fastest['name']} plain decoding, the fastest of {sorted(fastest['total_seconds'])} here.",
         "",
-        "| domain | method | τ | τ (stats) | tokens/s | speed-up | mean verify len | k=0 rounds | drafter skipped "
-        "| acceptance | lookup rounds | lookup acceptance | length head mean abs(â - a*) | lossless |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| domain | method | τ | τ (stats) | tokens/s | speed-up | vs fastest plain | mean verify len | k=0 rounds "
+        "| drafter skipped | acceptance | lookup rounds | lookup acceptance | length head mean abs(â - a*) | lossless "
+        "| exact |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
     for row in results["summary"]:
         lines.append(
             f"| {row['domain']} | {row['method']} | {_fmt(row['tau'])} | {_fmt(row['tau_stats'])} | "
             f"{_fmt(row['tokens_per_s'], '.1f')} | {_fmt(row['speedup'], '.2f', 'x')} | "
+            f"{_fmt(row['speedup_vs_fastest_plain'], '.2f', 'x')} | "
             f"{_fmt(row['mean_verify_length'])} | {_percent(row.get('zero_length_share'))} | "
             f"{_percent(row.get('skipped_drafter_share'))} | {_fmt(row['acceptance_rate'])} | "
             f"{_percent(row['lookup_share'])} | "
             f"{_fmt(row['lookup_acceptance'])} | {_fmt(row.get('head_abs_error'))} | "
-            f"{'yes' if row['lossless'] else 'NO'} |"
+            f"{'yes' if row['lossless'] else 'NO'} | {_percent(row['exact_rate'])} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -665,6 +725,7 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--threads", type=int_at_least(1), default=2, help="torch threads and OMP_NUM_THREADS (default 2)"
     )
+    add_target_options(parser)
     parser.add_argument(
         "--methods", nargs="+", default=list(METHODS), choices=METHODS, help="subset; needs plain"
     )
@@ -750,7 +811,8 @@ def main(argv: list[str] | None = None) -> int:
             f"--min-len: expected 0..{drafter.config.block_size - 1} (the drafter's block_size - 1), got {args.min_len}"
         )
     rows = _heldout_rows(args.domains, args.prompts_per_domain)
-    target, tokenizer = load_target(args.target)
+    loaded, tokenizer = load_target(args.target)
+    target, prepared = benchmarked_target(loaded, args.dtype, args.prepared)
     if drafter is not None:
         drafter = drafter.to(next(target.parameters()).dtype)
     prompts = {domain: [(row["id"], prompt_ids(tokenizer, row)) for row in rows[domain]] for domain in rows}
@@ -764,10 +826,12 @@ def main(argv: list[str] | None = None) -> int:
         gamma=args.gamma,
         min_len=args.min_len,
         lookup_min_prob=args.lookup_min_prob,
+        baselines=plain_baselines(loaded, args.plain_baselines, target, prepared),
     )
     results["settings"].update(
         target=args.target,
         target_dtype=str(next(target.parameters()).dtype).removeprefix("torch."),
+        prepared=prepared,
         drafter=None if drafter is None else str(args.drafter),
         command=" ".join(["adaflash bench generate", *(sys.argv[1:] if argv is None else argv)]),
     )
