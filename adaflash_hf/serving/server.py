@@ -55,7 +55,7 @@ def build_engine(
     """The server's engine: plain decoding without a drafter, else AdaFlash with the given drafting settings."""
     block = drafter.config.block_size if drafter is not None else 16
     admission = AdmissionConfig(max_running=max_running, token_budget=max(2048, max_running * block))
-    if drafter is None:  # plain decoding; the engine's coming signature takes a missing drafter as plain
+    if drafter is None:  # plain decoding
         return AdaFlashEngine(target, mode="plain", admission=admission, seed=seed)
     return AdaFlashEngine(
         target,

