@@ -84,7 +84,11 @@ def test_demo_runs_and_checks_against_plain_greedy(capsys):
     spec.loader.exec_module(demo)
     assert demo.main(["--prompts-per-domain", "1", "--max-new-tokens", "24", "--threads", "1"]) == 0
     out = capsys.readouterr().out
-    assert out.count("--- identical to plain greedy: True") == 3
+    for mode in ("default", "hybrid"):  # side by side on every prompt, each checked against plain greedy
+        assert out.count(f"--- {mode + ':':8} identical to plain greedy: True") == 3
+    assert "All outputs identical to plain greedy: True" in out
+    assert "default  tau" in out and 'adaflash_length_mode="auto"' in out and "hybrid   tau" in out
+    assert "On this CPU (measured in this run) a 2-token verify forward costs" in out
 
 
 def test_shipped_remote_code_is_the_current_modeling_code():
