@@ -82,3 +82,34 @@ def test_an_unknown_dtype_is_a_usage_error_before_the_target_loads(no_target, ca
         bench.main(["--quick", "--dtype", "fp16"])
     assert exit_info.value.code == 2
     assert re.search(r"argument --dtype: invalid choice: 'fp16'", capsys.readouterr().err)
+
+
+def test_bench_serve_reports_the_prepared_target_against_the_fastest_plain_batched_decoding(
+    target_factory, drafter_factory
+):
+    from adaflash_hf.bench import serve
+
+    loaded = target_factory("llama")
+    target, prepared = benchmarked_target(loaded, "bf16", prepared=True)
+    baselines = plain_baselines(loaded, ["fp32", "bf16"], target, prepared)
+    prompts = [torch.randint(0, 500, (n,), generator=torch.Generator().manual_seed(n)) for n in (70, 9, 3)]
+    results = serve.run_benchmark(
+        target,
+        drafter_factory(target),
+        prompts,
+        [1, 2],
+        modes=("plain", "adaflash", "hybrid"),
+        requests_per_level=3,
+        max_new_tokens=8,
+        baselines=baselines,
+    )
+    assert results["ok"] and results["settings"]["plain_baselines"] == ["fp32", "bf16"]
+    for row in results["summary"]:
+        assert row["exact_rate"] == 1.0 and row["fastest_plain"] in ("fp32", "bf16")
+        fastest = row["plain_baseline_tokens_per_s"][row["fastest_plain"]]
+        assert fastest == max(row["plain_baseline_tokens_per_s"].values())
+        assert row["speedup_vs_fastest_plain"] == row["tokens_per_s"] / fastest
+    results["settings"].update(target_dtype="bfloat16", prepared=prepared)
+    assert "vs fastest plain" in serve.markdown_table(results) and cpu_model() in serve.markdown_table(
+        results
+    )

@@ -5,7 +5,8 @@ expected committed tokens per second on this machine, ``adaflash_hf.drafting``).
 
     adaflash bench serve [--drafter DIR|random] [--concurrency 1 2 4 8 16 32] [--requests-per-level 32]
                          [--max-new-tokens 128] [--modes plain dflash adaflash hybrid] [--repeats 1] [--threads 2]
-                         [--output-dir runs/bench_serve]
+                         [--output-dir runs/bench_serve] [--dtype fp32|bf16|auto] [--prepared]
+                         [--plain-baselines fp32 bf16]
     python -m adaflash_hf.bench.serve --quick          # smoke run: concurrency 1 2, 2 requests, 16 tokens
 
 Requests are held-out prompts (``adaflash_hf.data``: chat, code, math in turn, chat template, at most
@@ -20,7 +21,10 @@ Per concurrency and mode: throughput = generated tokens / wall seconds (median o
 over plain's at the same concurrency; τ = tokens committed per verify (accepted + 1); mean verify length =
 drafts verified per verify; acceptance rate = accepted / verified drafts; lookup share = verifies whose drafts came
 from lookup (hybrid), with their own acceptance rate. ``lossless`` checks every request's
-tokens against plain's. Goals: AdaFlash ≥ 1.0x plain at every concurrency, and ≥ 1.2x fixed-length
+tokens against plain's (``exact``: the share of requests equal). The target runs in ``--dtype``, through
+``adaflash_hf.prepare_target`` with ``--prepared`` (``adaflash_hf.bench.targets``); ``--plain-baselines`` time plain
+batched decoding of fp32 and bf16 copies as transformers runs them, and ``vs fastest plain`` is each mode's speed-up
+against the faster at that concurrency. Goals: AdaFlash ≥ 1.0x plain at every concurrency, and ≥ 1.2x fixed-length
 DFlash at concurrency ≥ 8; hybrid ahead of plain and AdaFlash at concurrency 8 and 16. Outputs in ``--output-dir``: ``results.json``, ``table.md`` and
 ``speedup_vs_concurrency.png`` (and ``cost_curve.png``, the goodput cost model's measured target-forward seconds by
 tokens per running-request bucket). Exit status 1 when a mode is not lossless.
@@ -44,6 +48,8 @@ from transformers.utils import logging
 
 from adaflash_hf import AdaFlashConfig, AdaFlashDrafter
 from adaflash_hf.bench.machine import cpu_flags, plot_cost_curve
+from adaflash_hf.bench.targets import add_target_options, benchmarked_target, plain_baselines
+from adaflash_hf.cpu import cpu_model
 from adaflash_hf.launch import CONFIG_HELP, int_at_least, number_in, parse_args_with_config
 from adaflash_hf.serving import MODES as ENGINE_MODES
 from adaflash_hf.serving import AdaFlashEngine, AdmissionConfig, SamplingParams
@@ -153,9 +159,14 @@ def run_benchmark(
     max_new_tokens: int = 128,
     repeats: int = 1,
     lookup_min_prob: float = 0.0,
+    baselines: dict | None = None,
 ) -> dict:
     """Every mode at every concurrency, interleaved per repeat; the results dict of the module docstring.
-    ``lookup_min_prob`` is the hybrid mode's engine setting."""
+    ``lookup_min_prob`` is the hybrid mode's engine setting. ``baselines`` names the plain batched decodings a user
+    could run instead (``{"fp32": model, "bf16": model}``; None for ``target`` itself), timed beside the modes; per
+    level the fastest is each row's ``fastest_plain`` and ``speedup_vs_fastest_plain`` is measured against it."""
+    baselines = {"target": None} if not baselines else baselines
+    timed_baselines = {name: model for name, model in baselines.items() if model is not None}
     if "plain" not in modes or not set(modes) <= set(MODES):
         raise ValueError(f"modes: expected a subset of {MODES} including 'plain', got {list(modes)}")
     if drafter is None and set(modes) != {"plain"}:
@@ -173,10 +184,13 @@ def run_benchmark(
     modes = tuple(m for m in MODES if m in modes)  # plain first: it is the reference
     for mode in modes:
         run_level(target, drafter, mode, prompts[:1], 1, WARMUP_TOKENS, lookup_min_prob)
+    for model in timed_baselines.values():
+        run_level(model, None, "plain", prompts[:1], 1, WARMUP_TOKENS)
     summary = []
     for level in concurrency:
         level_prompts = prompts[: max(requests_per_level, level)]
         runs = {mode: [] for mode in modes}
+        baseline_runs = {name: [] for name in timed_baselines}
         outputs = {}
         for _ in range(repeats):
             for mode in modes:
@@ -185,10 +199,29 @@ def run_benchmark(
                 )
                 runs[mode].append(run)
                 logger.info(f"c={level} {mode}: {run['generated'] / run['seconds']:.1f} tok/s")
+            for name, model in timed_baselines.items():
+                baseline_runs[name].append(
+                    run_level(model, None, "plain", level_prompts, level, max_new_tokens)[0]
+                )
         plain_tps = statistics.median(r["generated"] / r["seconds"] for r in runs["plain"])
+        baseline_tps = {
+            name: statistics.median(r["generated"] / r["seconds"] for r in baseline_runs[name])
+            if name in timed_baselines
+            else plain_tps
+            for name in baselines
+        }
+        fastest = max(baseline_tps, key=baseline_tps.get)
         for mode in modes:
             lossless = outputs[mode] == outputs["plain"]
-            summary.append(_summarise(level, mode, runs[mode], plain_tps, lossless, len(level_prompts)))
+            row = _summarise(level, mode, runs[mode], plain_tps, lossless, len(level_prompts))
+            exact = statistics.fmean(o == p for o, p in zip(outputs[mode], outputs["plain"]))
+            row.update(
+                fastest_plain=fastest,
+                plain_baseline_tokens_per_s=baseline_tps,
+                speedup_vs_fastest_plain=row["tokens_per_s"] / baseline_tps[fastest],
+                exact_rate=exact,
+            )
+            summary.append(row)
     return {
         "settings": {
             "modes": list(modes),
@@ -201,6 +234,8 @@ def run_benchmark(
             "lookup_min_prob": lookup_min_prob,
             "threads": torch.get_num_threads(),
             "cpu": cpu_flags(),
+            "cpu_model": cpu_model(),
+            "plain_baselines": list(baselines),
             "torch": torch.__version__,
             "transformers": transformers.__version__,
         },
@@ -249,16 +284,18 @@ def _goals(summary: list[dict]) -> dict:
 
 def markdown_table(results: dict) -> str:
     lines = [
-        "| concurrency | mode | tokens/s | speed-up vs plain | τ | mean verify length | k=0 verifies | drafter "
-        "skipped | acceptance | lookup share | lossless |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|:---:|",
+        "| concurrency | mode | tokens/s | speed-up vs plain | vs fastest plain | τ | mean verify length | k=0 "
+        "verifies | drafter skipped | acceptance | lookup share | lossless | exact |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|---:|",
     ]
     for r in results["summary"]:
         lines.append(
             f"| {r['concurrency']} | {r['mode']} | {r['tokens_per_s']:.1f} | {r['speedup_vs_plain']:.2f}x | "
+            f"{r['speedup_vs_fastest_plain']:.2f}x ({r['fastest_plain']}) | "
             f"{r['tau']:.2f} | {r['mean_verify_length']:.2f} | {100 * r.get('zero_length_share', 0):.0f}% | "
             f"{100 * r.get('skipped_drafter_share', 0):.0f}% | {r['acceptance_rate']:.2f} | "
-            f"{100 * r['lookup_share']:.0f}% | {'yes' if r['lossless'] else 'NO'} |"
+            f"{100 * r['lookup_share']:.0f}% | {'yes' if r['lossless'] else 'NO'} | "
+            f"{100 * r['exact_rate']:.0f}% |"
         )
     goals = ", ".join(f"{name}: {'met' if met else 'NOT met'}" for name, met in results["goals"].items())
     settings = results["settings"]
@@ -267,6 +304,9 @@ def markdown_table(results: dict) -> str:
         f"Greedy, {settings['max_new_tokens']} new tokens per request, max(requests_per_level="
         f"{settings['requests_per_level']}, concurrency) requests per level, {settings['repeats']} repeat(s), "
         f"{settings['threads']} thread(s). Goals: {goals or 'n/a'}.",
+        f"CPU: {settings['cpu_model']} ({settings['cpu']}); target {settings.get('target_dtype', '?')}, prepared: "
+        f"{settings.get('prepared')}. vs fastest plain: against the fastest of {settings['plain_baselines']} plain "
+        "batched decoding at that concurrency (named in brackets).",
     ]
     return "\n".join(lines) + "\n"
 
@@ -360,6 +400,7 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--threads", type=int_at_least(1), default=2, help="torch threads and OMP_NUM_THREADS (default 2)"
     )
+    add_target_options(parser)
     parser.add_argument("--output-dir", type=Path, default=Path("runs/bench_serve"), help="where outputs go")
     parser.add_argument(
         "--quick",
@@ -404,7 +445,8 @@ def main(argv: list[str] | None = None) -> int:
     from adaflash_hf.assets import load_target
 
     drafter = _load_drafter(args, parser)
-    target, tokenizer = load_target(args.target)
+    loaded, tokenizer = load_target(args.target)
+    target, prepared = benchmarked_target(loaded, args.dtype, args.prepared)
     if args.drafter == "random" and args.modes != ["plain"]:
         drafter = _random_drafter(target)
     if drafter is not None:
@@ -422,9 +464,12 @@ def main(argv: list[str] | None = None) -> int:
         max_new_tokens=args.max_new_tokens,
         repeats=args.repeats,
         lookup_min_prob=args.lookup_min_prob,
+        baselines=plain_baselines(loaded, args.plain_baselines, target, prepared),
     )
     results["settings"].update(
         target=args.target,
+        target_dtype=str(next(target.parameters()).dtype).removeprefix("torch."),
+        prepared=prepared,
         drafter=args.drafter,
         command=" ".join(["adaflash bench serve", *(sys.argv[1:] if argv is None else argv)]),
     )
