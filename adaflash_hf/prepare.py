@@ -80,11 +80,10 @@ def _check_settings(
         )
     if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
         raise ValueError(f"rows: expected an int >= 1 (the largest forward the check verifies), got {rows!r}")
-    for name, value in (("invariant", invariant), ("check", check)):
-        if value is not None and not isinstance(value, bool):
-            raise TypeError(
-                f"{name}: expected a bool{' or None' if name == 'invariant' else ''}, got {value!r}"
-            )
+    if invariant is not None and not isinstance(invariant, bool):
+        raise TypeError(f"invariant: expected a bool or None, got {invariant!r}")
+    if not isinstance(check, bool):
+        raise TypeError(f"check: expected a bool, got {check!r}")
     if bf16_units is not None:
         bf16_units = tuple(bf16_units)
         unknown = [u for u in bf16_units if u not in BF16_UNITS]

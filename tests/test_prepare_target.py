@@ -83,6 +83,7 @@ def test_auto_keeps_fp32_without_a_bf16_unit_and_says_which_flags_are_missing(
         ({"rows": 2.0}, "rows: expected an int >= 1"),
         ({"bf16_units": ["avx2"]}, "bf16_units: expected flags among"),
         ({"invariant": "yes"}, "invariant: expected a bool or None"),
+        ({"check": None}, "check: expected a bool"),
     ],
 )
 def test_bad_settings_are_errors_before_any_forward(settings, error, target_factory, forwards):
