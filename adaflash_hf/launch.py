@@ -20,9 +20,13 @@ from pathlib import Path
 # a bug and keeps its traceback; ADAFLASH_DEBUG=1 shows the traceback of these too.
 USER_ERRORS = (ValueError, OSError, ImportError, NotImplementedError)
 
-CONFIG_HELP = (
-    "YAML file of this command's options (keys: option names, e.g. target_config); the command line wins"
-)
+CONFIG_HELP = "YAML file of this command's options (keys: option names); the command line wins"
+
+
+def config_help(parser: argparse.ArgumentParser) -> str:
+    """``CONFIG_HELP`` with an example key: the first option of ``parser`` that takes a value."""
+    keys = [a.dest for a in parser._actions if a.option_strings and a.nargs != 0 and a.dest != "config"]
+    return CONFIG_HELP.replace("option names", f"option names, e.g. {keys[0]}") if keys else CONFIG_HELP
 
 
 def int_at_least(minimum: int):
@@ -182,6 +186,9 @@ def parse_args_with_config(
     the subcommand's parser that owns ``--config`` (default: ``parser`` itself).
     """
     owner = parser if config_parser is None else config_parser
+    for action in owner._actions:  # its --help names one of its own options (the parser is complete by now)
+        if action.dest == "config" and action.help == CONFIG_HELP:
+            action.help = config_help(owner)
     required = [a for a in owner._actions if a.option_strings and a.required]
     with _not_required(required):
         path = getattr(parser.parse_args(argv), "config", None)

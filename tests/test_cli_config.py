@@ -3,6 +3,7 @@ into one line ``adaflash <command>: error: ...`` with exit status 1 (``ADAFLASH_
 
 import importlib
 import logging
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -119,6 +120,34 @@ def test_every_config_command_takes_yaml_booleans_for_a_flag(tmp_path, command):
 
 
 # -------------------------------------------------------------------------------------------- types, choices, nargs
+def _config_example(help_text: str) -> str:
+    """The example key of a --config help text."""
+    match = re.search(
+        r"YAML file of this command's options \(keys: option names, e\.g\. (\w+)\)",
+        " ".join(help_text.split()),
+    )
+    assert match, help_text
+    return match[1]
+
+
+def _option_names(parser) -> set[str]:
+    return {a.dest for a in parser._actions if a.option_strings}
+
+
+@pytest.mark.parametrize("command", list(CONFIG_COMMANDS))
+def test_every_config_commands_help_names_one_of_its_own_options(capsys, command):
+    make_parser, positionals, _, _ = CONFIG_COMMANDS[command]
+    with pytest.raises(SystemExit):
+        cli.main([*command.split(), *positionals, "--help"])
+    assert _config_example(capsys.readouterr().out) in _option_names(make_parser()) - {"config"}
+
+
+@pytest.mark.parametrize("script", ["train_drafter", "opd"])
+def test_the_trainer_scripts_config_help_names_one_of_their_own_options(script):
+    parser = importlib.import_module(f"adaflash_hf.trainers.{script}").make_parser()
+    assert _config_example(parser.format_help()) in _option_names(parser) - {"config"}
+
+
 @pytest.mark.parametrize("command", INT_COMMANDS)
 def test_every_config_command_converts_values_with_the_option_type(tmp_path, command):
     name = CONFIG_COMMANDS[command][3]

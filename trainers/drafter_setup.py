@@ -10,7 +10,7 @@ import torch
 from transformers.utils import logging
 
 from adaflash_hf.draft_vocab import build_draft_vocab
-from adaflash_hf.launch import CONFIG_HELP
+from adaflash_hf.launch import config_help
 from adaflash_hf.modeling import AdaFlashConfig, AdaFlashDrafter
 from adaflash_hf.modeling.configuration_adaflash import build_target_layer_ids
 
@@ -60,7 +60,7 @@ def add_config_option(parser):
     """List ``--config FILE`` in a script's ``--help`` (``parser``: its TrlParser). TrlParser takes ``--config FILE``
     out of argv itself before parsing, so this option is never parsed: SUPPRESS keeps a ``config`` attribute from
     reaching the dataclasses. It documents the flag, nothing more."""
-    parser.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS, help=CONFIG_HELP)
+    parser.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS, help=config_help(parser))
     return parser
 
 
