@@ -166,11 +166,17 @@ def test_greedy_adaflash_equals_plain_greedy_on_the_prepared_bf16_target(
     assert max(oracle.last_stats.verify_lengths) > 1 and sum(oracle.last_stats.accepted_lengths) > 0
 
 
-@pytest.mark.parametrize("length_mode", ["fixed", "adaptive"])
+@pytest.mark.parametrize(
+    "length_mode, source", [("fixed", "diffusion"), ("adaptive", "hybrid"), ("goodput", "diffusion")]
+)
 def test_engine_batched_equals_serial_equals_plain_on_the_prepared_bf16_target(
-    length_mode, prepared, drafter_factory
+    length_mode, source, prepared, drafter_factory
 ):
     target, _ = prepared
+    if length_mode == "goodput":
+        use_cost_model(
+            target, "engine", CostModel.profile({1: 1.0, 64: 1.0})
+        )  # verification free: long drafts
     prompts = random_prompts(5, seed=4, max_len=80)
     expected = [greedy_reference(target, p, 16) for p in prompts]
     oracle, weight = make_batched_oracle(target, drafter_factory(target))
@@ -178,7 +184,11 @@ def test_engine_batched_equals_serial_equals_plain_on_the_prepared_bf16_target(
 
     def run(indices):
         engine = AdaFlashEngine(
-            target, oracle, length_mode=length_mode, admission=AdmissionConfig(max_running=5)
+            target,
+            oracle,
+            length_mode=length_mode,
+            draft_source=source,
+            admission=AdmissionConfig(max_running=5),
         )
         references = {}
         oracle.arm(engine, references, weight)
