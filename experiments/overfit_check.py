@@ -20,7 +20,7 @@ import torch
 from transformers import GenerationConfig
 
 from adaflash_hf.assets import load_target
-from adaflash_hf.trainers.corpus import read_corpus
+from adaflash_hf.trainers.corpus_format import read_corpus
 from adaflash_hf.trainers.drafter_setup import build_drafter
 from adaflash_hf.trainers.learning_curve import heldout_acceptance
 from adaflash_hf.trainers.target_features import sequence_features

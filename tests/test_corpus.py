@@ -11,12 +11,11 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
 from transformers import PreTrainedTokenizerFast
 
-from adaflash_hf.trainers import corpus
-from adaflash_hf.trainers.corpus import (
-    build_corpus,
+from adaflash_hf.trainers import corpus, corpus_format
+from adaflash_hf.trainers.corpus import build_corpus, greedy_with_features
+from adaflash_hf.trainers.corpus_format import (
     corpus_file,
     feature_file,
-    greedy_with_features,
     load_features,
     load_soft_targets,
     read_corpus,
@@ -202,10 +201,10 @@ def test_a_corpus_from_before_settings_were_kept_adopts_the_current_ones(target_
     target = target_factory("llama")
     tokenizer = tiny_tokenizer(target.config.vocab_size)
     build_corpus(target, tokenizer, rows()[:1], tmp_path, layer_ids=LAYERS, max_new_tokens=4)
-    (tmp_path / corpus.SETTINGS_FILE).unlink()
+    (tmp_path / corpus_format.SETTINGS_FILE).unlink()
     stats = build_corpus(target, tokenizer, rows(), tmp_path, layer_ids=LAYERS, max_new_tokens=4)
     assert stats["sequences"] == len(rows()) - 1
-    assert json.loads((tmp_path / corpus.SETTINGS_FILE).read_text())["max_new_tokens"] == 4
+    assert json.loads((tmp_path / corpus_format.SETTINGS_FILE).read_text())["max_new_tokens"] == 4
 
 
 @pytest.mark.parametrize(
@@ -257,7 +256,7 @@ def test_training_sequences_whose_prompt_is_a_heldout_prompt_are_dropped(monkeyp
 
 
 def test_drop_prompt_twins_compares_whole_prompts_not_prefixes_or_responses():
-    from adaflash_hf.trainers.corpus import drop_prompt_twins
+    from adaflash_hf.trainers.corpus_format import drop_prompt_twins
 
     records = [
         {"input_ids": [1, 2, 3, 9], "prompt_length": 3},  # prompt [1, 2, 3]: a twin

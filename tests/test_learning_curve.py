@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from adaflash_hf.trainers.corpus import build_corpus, read_corpus
+from adaflash_hf.trainers.corpus import build_corpus
+from adaflash_hf.trainers.corpus_format import read_corpus
 from adaflash_hf.trainers.learning_curve import LearningCurve, heldout_acceptance
 from adaflash_hf.trainers.train_drafter_config import DrafterTrainingConfig
 from adaflash_hf.trainers.train_drafter_trainer import DrafterTrainer

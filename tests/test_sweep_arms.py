@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from adaflash_hf.trainers import DrafterTrainer, DrafterTrainingConfig
-from adaflash_hf.trainers.corpus import build_corpus, read_corpus
+from adaflash_hf.trainers.corpus import build_corpus
+from adaflash_hf.trainers.corpus_format import read_corpus
 from adaflash_hf.trainers.dflash_recipe import recipe_loss, sample_anchors, soft_target_kl
 from adaflash_hf.trainers.drafter_setup import build_drafter, init_from_target
 from adaflash_hf.trainers.target_features import SequenceCollator, TargetFeatures

@@ -434,7 +434,7 @@ def test_weights_only_checkpoint_dir_holds_the_newest_checkpoint_after_every_sav
 def test_recorded_corpus_features_equal_the_on_the_fly_ones_and_nothing_is_cached(
     target_factory, drafter_factory, tmp_path
 ):
-    from adaflash_hf.trainers.corpus import save_features
+    from adaflash_hf.trainers.corpus_format import save_features
     from adaflash_hf.trainers.target_features import SequenceCollator, TargetFeatures
 
     target = target_factory("qwen3")

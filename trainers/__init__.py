@@ -5,8 +5,8 @@
   on-policy distillation);
 - the recipe and its parts: ``dflash_recipe.py`` (anchors, blocks, masks, losses), ``target_features.py``,
   ``drafter_setup.py``, ``optim.py``;
-- the data and measurements around it: ``corpus.py`` (``adaflash corpus``), ``learning_curve.py`` (held-out
-  acceptance) and ``calibrate_head.py`` (``adaflash calibrate-head``).
+- the data and measurements around it: ``corpus.py`` (``adaflash corpus``) and ``corpus_format.py`` (its files),
+  ``learning_curve.py`` (held-out acceptance) and ``calibrate_head.py`` (``adaflash calibrate-head``).
 
 Importing the package imports none of them: ``adaflash corpus --help`` and ``adaflash calibrate-head --help`` need no
 trl. The four trainer classes load on first access (PEP 562).

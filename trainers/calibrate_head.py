@@ -293,7 +293,8 @@ def _check_args(args) -> None:
 
 def _corpus(args, target, tokenizer, layer_ids) -> tuple[list[dict], list[torch.Tensor]]:
     from adaflash_hf.data import load_domain
-    from adaflash_hf.trainers.corpus import build_corpus, load_features, read_corpus
+    from adaflash_hf.trainers.corpus import build_corpus
+    from adaflash_hf.trainers.corpus_format import load_features, read_corpus
 
     corpus_dir, features_dir = args.corpus_dir, args.features_dir
     if corpus_dir is None:

@@ -1,159 +1,56 @@
-"""The drafter training corpus: prompts with the target's own greedy responses, and the target features seen on the way.
+"""The drafter training corpus builder (``adaflash corpus``): prompts with the target's own greedy responses, and the
+target features seen on the way.
 
 DFlash/SpecForge train on the target's own greedy responses. On a CPU the target's forward passes are the expensive
-part (SmolLM2-135M: ~170 generated tokens/s at batch 64 on 2 cores, ~340 tokens/s of prefill), so the corpus builder
-runs its own batched greedy loop and keeps, for every sequence, the hidden states of the tapped target layers that the
-loop computes anyway: the drafter's context features then cost nothing extra at training time.
+part (SmolLM2-135M: ~170 generated tokens/s at batch 64 on 2 cores, ~340 tokens/s of prefill), so the builder runs its
+own batched greedy loop and keeps, for every sequence, the hidden states of the tapped target layers that the loop
+computes anyway (``target_features.target_pass``): the drafter's context features then cost nothing extra at training
+time.
 
-    adaflash corpus --out-dir examples/corpus/smollm2 --features-dir runs/features/smollm2 \
+    adaflash corpus --out-dir runs/corpus --features-dir runs/features \
         --chat 6000 --code 3325 --math 4000 --time-budget 3600     # resumable: run again to continue
 
-Outputs, per domain (appended as the loop goes, so an interrupted run resumes where it stopped):
-- ``<out_dir>/<domain>.jsonl.gz``: one record ``{"id", "domain", "input_ids", "prompt_length"}`` per line (gzip
-  members appended batch by batch; small enough to commit);
-- ``<features_dir>/<domain>/<sha1(id)>.safetensors``: ``features`` [len(input_ids) - 1, n_layers, hidden] bf16 (the
-  outputs of ``layer_ids``, i.e. ``hidden_states[id + 1]``, for every position but the last, which no anchor's context
-  reaches), with the layer ids in the file's metadata; with ``topk`` > 0 also the target's distribution over each
-  response token, ``topk_ids`` [len(response), topk] int32 and ``topk_logprobs`` fp16 (log-softmax over the whole
-  vocabulary; row r predicts response token r, so under greedy ``topk_ids[r, 0] == response[r]``): the soft targets
-  of the drafter's KL arm, from the same forwards.
-- ``<out_dir>/corpus_settings.json``: the settings that shaped the corpus (target, dtype, max_new_tokens, layer ids,
-  topk). A resumed run with other settings is refused (``--rebuild`` starts those domains afresh), so a corpus never
-  mixes, say, 16- and 32-token answers. Features missing from ``features_dir`` (a fresh checkout: they are not
-  committed) are rebuilt from the committed token ids by one teacher-forced forward per batch, far cheaper than
-  regenerating.
+It appends, per domain and as the loop goes (an interrupted run resumes where it stopped), the files
+``corpus_format.py`` describes: the token ids (small enough to commit), the feature files, and the settings that
+shaped the corpus. A resumed run with other settings is refused (``--rebuild`` starts those domains afresh), so a
+corpus never mixes, say, 16- and 32-token answers. Features missing from ``features_dir`` (a fresh checkout: they are
+not committed) are rebuilt from the committed token ids by one teacher-forced forward per batch, far cheaper than
+regenerating.
 """
 
 from __future__ import annotations
 
 import argparse
 import gzip
-import hashlib
 import json
 import time
 from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 from transformers.utils import logging
 
 from adaflash_hf.assets import DEFAULT_TARGET, load_target, load_target_config
-from adaflash_hf.atomic import atomic_write
 from adaflash_hf.data import load_domain, prompt_ids
 from adaflash_hf.launch import CONFIG_HELP, parse_args_with_config
+from adaflash_hf.trainers.corpus_format import (
+    check_settings,
+    corpus_file,
+    features_complete,
+    is_truncated,
+    read_jsonl_gz,
+    save_features,
+    stored_distribution,
+)
+from adaflash_hf.trainers.target_features import target_pass
 
 logger = logging.get_logger(__name__)
 
 # The union of DFlash's 3- and 5-layer choices for a 30-layer target (build_target_layer_ids): [1, 14, 27] and
 # [1, 7, 14, 20, 27]; capturing all five lets one corpus feed either drafter shape.
 SMOLLM2_CAPTURE_LAYERS = (1, 7, 14, 20, 27)
-
-
-def corpus_file(out_dir: str | Path, domain: str) -> Path:
-    return Path(out_dir) / f"{domain}.jsonl.gz"
-
-
-def feature_file(features_dir: str | Path, record: dict) -> Path:
-    digest = hashlib.sha1(record["id"].encode()).hexdigest()[:24]
-    return Path(features_dir) / record["domain"] / f"{digest}.safetensors"
-
-
-def read_corpus(out_dir: str | Path, domains: Iterable[str]) -> list[dict]:
-    """Records of ``domains`` from ``out_dir``, in file order; a missing domain file is an error naming it."""
-    records = []
-    for domain in domains:
-        path = corpus_file(out_dir, domain)
-        if not path.is_file():
-            raise FileNotFoundError(
-                f"corpus file: expected {path} (build it with `adaflash corpus --out-dir {out_dir}`), found nothing"
-            )
-        records.extend(_read_jsonl_gz(path))
-    return records
-
-
-def drop_prompt_twins(records: list[dict], prompts: Iterable[Iterable[int]]) -> tuple[list[dict], int]:
-    """``records`` without those whose prompt (``input_ids[:prompt_length]``) is one of ``prompts`` (token ids), and
-    how many were dropped: a training sequence whose prompt is also a held-out prompt (ShareGPT repeats some first turns
-    under different conversation ids) would inflate every held-out figure."""
-    excluded = {tuple(ids) for ids in prompts}
-    kept = [r for r in records if tuple(r["input_ids"][: r["prompt_length"]]) not in excluded]
-    return kept, len(records) - len(kept)
-
-
-def _read_jsonl_gz(path: Path) -> list[dict]:
-    records = []
-    try:
-        with gzip.open(path, "rt") as handle:
-            for line in handle:
-                if line.strip():
-                    records.append(json.loads(line))
-    except (EOFError, json.JSONDecodeError):
-        # A run killed mid-write leaves a truncated last member: the complete records before it are kept.
-        logger.warning(f"{path}: truncated after {len(records)} records (interrupted run); keeping those")
-    return records
-
-
-def _is_truncated(path: Path) -> bool:
-    try:
-        with gzip.open(path, "rb") as handle:
-            while handle.read(1 << 20):
-                pass
-    except EOFError:
-        return True
-    return False
-
-
-def load_features(features_dir: str | Path, record: dict, layer_ids: list[int]) -> torch.Tensor | None:
-    """Context features ``cat(hidden_states[id + 1] for id in layer_ids)`` [len - 1, n * H] bf16, or None if absent."""
-    path = feature_file(features_dir, record)
-    if not path.is_file():
-        return None
-    from safetensors import safe_open
-
-    with safe_open(path, framework="pt") as handle:
-        stored = [int(i) for i in handle.metadata()["layer_ids"].split(",")]
-    missing = [i for i in layer_ids if i not in stored]
-    if missing:
-        raise ValueError(
-            f"features of {record['id']}: expected layers {layer_ids}, file {path} has only {stored}"
-        )
-    features = load_file(path)["features"]  # [L - 1, n_stored, H]
-    return features[:, [stored.index(i) for i in layer_ids]].flatten(1)
-
-
-SETTINGS_FILE = "corpus_settings.json"
-# Settings that change the token ids (a mismatch is refused) and those that change only the features (rebuilt).
-TOKEN_SETTINGS = ("target", "dtype", "max_new_tokens")
-FEATURE_SETTINGS = ("layer_ids", "topk")
-
-
-def check_settings(out_dir: str | Path, settings: dict, rebuild: bool = False) -> list[str]:
-    """Compare ``settings`` with those recorded in ``out_dir`` and record them; returns the changed feature settings.
-
-    A corpus written before settings were recorded adopts ``settings`` (with a warning). A different target, dtype or
-    ``max_new_tokens`` is an error naming the setting, unless ``rebuild`` (then the caller starts afresh)."""
-    path = Path(out_dir) / SETTINGS_FILE
-    recorded = json.loads(path.read_text()) if path.is_file() else None
-    if recorded is None and any(Path(out_dir).glob("*.jsonl.gz")):
-        logger.warning(
-            f"{out_dir}: no {SETTINGS_FILE} (a corpus from before settings were kept); recording {settings}"
-        )
-    changed_features: list[str] = []
-    if recorded is not None and not rebuild:
-        for name in TOKEN_SETTINGS:
-            if recorded.get(name) != settings[name]:
-                raise ValueError(
-                    f"corpus {out_dir}: expected {name}={recorded.get(name)!r} (the setting its responses were "
-                    f"generated with, {path}), got {settings[name]!r}; pass --rebuild to regenerate those domains, or "
-                    f"use another --out-dir"
-                )
-        changed_features = [n for n in FEATURE_SETTINGS if recorded.get(n) != settings[n]]
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(settings, indent=1) + "\n")
-    return changed_features
 
 
 @torch.no_grad()
@@ -200,7 +97,7 @@ def build_corpus(
     rebuilt = 0
     if features_dir is not None:
         files = [corpus_file(out_dir, d) for d in domains if corpus_file(out_dir, d).is_file()]
-        existing = [r for path in files for r in _read_jsonl_gz(path)]
+        existing = [r for path in files for r in read_jsonl_gz(path)]
         rebuilt = rebuild_features(
             target, existing, features_dir, layer_ids, topk, time_budget_s=time_budget_s
         )
@@ -260,54 +157,6 @@ def _append_batch(
     return tokens
 
 
-def save_features(
-    features_dir: str | Path,
-    record: dict,
-    features: torch.Tensor,
-    layer_ids: list[int],
-    distribution: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> None:
-    """Write one record's feature file (``features``, and ``topk_ids`` / ``topk_logprobs`` when given), atomically:
-    a run killed mid-write leaves no half file that a later run would take as complete."""
-    path = feature_file(features_dir, record)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tensors = {"features": features}
-    if distribution is not None:
-        tensors["topk_ids"], tensors["topk_logprobs"] = distribution
-    metadata = {"layer_ids": ",".join(map(str, layer_ids))}
-    # Not fsynced: a lost file is rebuilt from the committed token ids (rebuild_features), so a power loss costs little.
-    atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata), durable=False)
-
-
-def load_soft_targets(features_dir: str | Path, record: dict) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The target's top-k distribution over each response token, ``(topk_ids [R, k] long, topk_logprobs [R, k]
-    float)``, or None when the record's feature file has none."""
-    path = feature_file(features_dir, record)
-    if not path.is_file():
-        return None
-    from safetensors import safe_open
-
-    with safe_open(path, framework="pt") as handle:
-        if "topk_ids" not in handle.keys():
-            return None
-        return handle.get_tensor("topk_ids").long(), handle.get_tensor("topk_logprobs").float()
-
-
-def _features_complete(features_dir: str | Path, record: dict, layer_ids: list[int], topk: int) -> bool:
-    path = feature_file(features_dir, record)
-    if not path.is_file():
-        return False
-    from safetensors import safe_open
-
-    try:
-        with safe_open(path, framework="pt") as handle:
-            stored = [int(i) for i in handle.metadata()["layer_ids"].split(",")]
-            has_topk = "topk_ids" in handle.keys() and handle.get_slice("topk_ids").get_shape()[-1] >= topk
-    except Exception:  # an unreadable file is rebuilt, not trusted
-        return False
-    return all(i in stored for i in layer_ids) and (topk == 0 or has_topk)
-
-
 @torch.no_grad()
 def rebuild_features(
     target,
@@ -321,48 +170,44 @@ def rebuild_features(
     """Recompute, by teacher-forced forwards over the committed token ids, the feature files of ``records`` that are
     missing or lack ``layer_ids`` / top-k; returns how many were written. The tapped layers and the distributions
     equal those of the greedy loop up to batched-kernel numerics."""
-    todo = [r for r in records if not _features_complete(features_dir, r, layer_ids, topk)]
+    todo = [r for r in records if not features_complete(features_dir, r, layer_ids, topk)]
     if not todo:
         return 0
     todo.sort(key=lambda r: len(r["input_ids"]))
     started = time.perf_counter()
     device = next(target.parameters()).device
-    hooks, captured = _tap(target, layer_ids)
     written = 0
-    try:
-        for start in tqdm(range(0, len(todo), batch_size), desc="rebuilding features", unit="batch"):
-            if time_budget_s is not None and time.perf_counter() - started > time_budget_s:
-                break
-            batch = todo[start : start + batch_size]
-            width = max(len(r["input_ids"]) for r in batch)
-            # Right padding: a causal position never sees the pad after it, so no position ids or mask tricks.
-            input_ids = torch.zeros((len(batch), width), dtype=torch.long)
-            attention = torch.zeros((len(batch), width), dtype=torch.long)
-            for i, r in enumerate(batch):
-                input_ids[i, : len(r["input_ids"])] = torch.tensor(r["input_ids"])
-                attention[i, : len(r["input_ids"])] = 1
-            # The decoder alone, then the lm_head on the response rows only: prompt rows need no distribution.
-            hidden = target.get_decoder()(
-                input_ids=input_ids.to(device), attention_mask=attention.to(device)
-            ).last_hidden_state
-            for i, r in enumerate(batch):
-                n, prompt = len(r["input_ids"]), r["prompt_length"]
-                feature = _stack(captured, layer_ids, i)[: n - 1]
-                logits = target.get_output_embeddings()(hidden[i, prompt - 1 : n - 1]) if topk else None
-                distribution = _top_k(logits, topk) if topk else None
-                save_features(features_dir, r, feature.contiguous(), layer_ids, distribution)
-                written += 1
-    finally:
-        for hook in hooks:
-            hook.remove()
+    for start in tqdm(range(0, len(todo), batch_size), desc="rebuilding features", unit="batch"):
+        if time_budget_s is not None and time.perf_counter() - started > time_budget_s:
+            break
+        batch = todo[start : start + batch_size]
+        width = max(len(r["input_ids"]) for r in batch)
+        # Right padding: a causal position never sees the pad after it, so no position ids or mask tricks.
+        input_ids = torch.zeros((len(batch), width), dtype=torch.long)
+        attention = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, r in enumerate(batch):
+            input_ids[i, : len(r["input_ids"])] = torch.tensor(r["input_ids"])
+            attention[i, : len(r["input_ids"])] = 1
+        # Logits only from the first response row of the batch on: prompt rows need no distribution.
+        first = min(r["prompt_length"] for r in batch) - 1
+        passed = target_pass(
+            target,
+            input_ids.to(device),
+            layer_ids,
+            attention_mask=attention.to(device),
+            logits_to_keep=torch.arange(first, width - 1, device=device) if topk else 1,
+            topk=topk,
+        )
+        for i, r in enumerate(batch):
+            n, prompt = len(r["input_ids"]), r["prompt_length"]
+            feature = passed.states[i, : n - 1].to(torch.bfloat16)
+            rows = slice(prompt - 1 - first, n - 1 - first)  # the positions before each response token
+            distribution = (
+                stored_distribution(passed.topk_ids[i, rows], passed.topk_logprobs[i, rows]) if topk else None
+            )
+            save_features(features_dir, r, feature.contiguous(), layer_ids, distribution)
+            written += 1
     return written
-
-
-def _top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(ids int32, log-probs fp16)`` of the ``k`` likeliest tokens per row of ``logits`` [n, V]."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    values, ids = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
-    return ids.to(torch.int32).contiguous(), values.clamp(min=-60.0).to(torch.float16).contiguous()
 
 
 def _rows_to_regenerate(
@@ -376,8 +221,8 @@ def _rows_to_regenerate(
         domain = row["domain"]
         if domain not in done:
             path = corpus_file(out_dir, domain)
-            existing = _read_jsonl_gz(path) if path.is_file() else []
-            if existing and _is_truncated(path):
+            existing = read_jsonl_gz(path) if path.is_file() else []
+            if existing and is_truncated(path):
                 # Members appended after a broken one would be unreadable: rewrite the complete records first.
                 with gzip.open(path, "wt") as handle:
                     handle.writelines(json.dumps(r) + "\n" for r in existing)
@@ -431,58 +276,55 @@ def greedy_with_features(
     dropped), so a batch costs what its longest response costs only for the rows still running.
     """
     device = next(target.parameters()).device
-    hooks, captured = _tap(target, layer_ids)
-    try:
-        width = max(len(p) for p in prompts)
-        input_ids, attention = _left_padded(prompts, width, pad, device)
-        position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache()
-        out = target(
-            input_ids=input_ids,
+    width = max(len(p) for p in prompts)
+    input_ids, attention = _left_padded(prompts, width, pad, device)
+    position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
+    cache = DynamicCache()
+    step = target_pass(
+        target,
+        input_ids,
+        layer_ids,
+        attention_mask=attention,
+        position_ids=position_ids,
+        cache=cache,
+        topk=topk,
+    )
+    # Per row: the list of [n, n_layers, H] feature pieces (copies: the batch's tensors can go) and the tokens.
+    pieces = [[_bf16(step.states[i, width - len(p) :])] for i, p in enumerate(prompts)]
+    responses: list[list[int]] = [[] for _ in prompts]
+    distributions: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in prompts]
+    alive = list(range(len(prompts)))  # original row index of every row still in the batch
+    next_pos = position_ids[:, -1]
+    for _ in range(max_new_tokens):
+        tokens = step.logits[:, -1].argmax(-1)
+        still = []
+        for slot, row in enumerate(alive):
+            token = int(tokens[slot])
+            responses[row].append(token)
+            if topk:
+                distributions[row].append((step.topk_ids[slot, -1], step.topk_logprobs[slot, -1]))
+            if token != eos and len(responses[row]) < max_new_tokens:
+                still.append(slot)
+        if not still:
+            break
+        if len(still) < len(alive):
+            keep = torch.tensor(still, device=device)
+            cache.batch_select_indices(keep)
+            tokens, attention, next_pos = tokens[keep], attention[keep], next_pos[keep]
+            alive = [alive[s] for s in still]
+        next_pos = next_pos + 1
+        attention = torch.cat([attention, attention.new_ones(len(alive), 1)], dim=1)
+        step = target_pass(
+            target,
+            tokens[:, None],
+            layer_ids,
             attention_mask=attention,
-            position_ids=position_ids,
+            position_ids=next_pos[:, None],
             cache=cache,
-            use_cache=True,
-            logits_to_keep=1,
+            topk=topk,
         )
-        # Per row: the list of [n, n_layers, H] feature pieces and the generated tokens.
-        pieces = [[_stack(captured, layer_ids, i)[width - len(p) :]] for i, p in enumerate(prompts)]
-        responses: list[list[int]] = [[] for _ in prompts]
-        distributions: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in prompts]
-        alive = list(range(len(prompts)))  # original row index of every row still in the batch
-        next_pos = position_ids[:, -1]
-        for _ in range(max_new_tokens):
-            tokens = out.logits[:, -1].argmax(-1)
-            top = _top_k(out.logits[:, -1], topk) if topk else None
-            still = []
-            for slot, row in enumerate(alive):
-                token = int(tokens[slot])
-                responses[row].append(token)
-                if top is not None:
-                    distributions[row].append((top[0][slot], top[1][slot]))
-                if token != eos and len(responses[row]) < max_new_tokens:
-                    still.append(slot)
-            if not still:
-                break
-            if len(still) < len(alive):
-                keep = torch.tensor(still, device=device)
-                cache.batch_select_indices(keep)
-                tokens, attention, next_pos = tokens[keep], attention[keep], next_pos[keep]
-                alive = [alive[s] for s in still]
-            next_pos = next_pos + 1
-            attention = torch.cat([attention, attention.new_ones(len(alive), 1)], dim=1)
-            out = target(
-                input_ids=tokens[:, None],
-                attention_mask=attention,
-                position_ids=next_pos[:, None],
-                cache=cache,
-                use_cache=True,
-            )
-            for slot, row in enumerate(alive):
-                pieces[row].append(_stack(captured, layer_ids, slot))
-    finally:
-        for hook in hooks:
-            hook.remove()
+        for slot, row in enumerate(alive):
+            pieces[row].append(_bf16(step.states[slot]))
     features = []
     for row, prompt in enumerate(prompts):
         stacked = torch.cat(pieces[row], dim=0)
@@ -490,6 +332,10 @@ def greedy_with_features(
         assert stacked.shape[0] == len(prompt) + len(responses[row]) - 1, (stacked.shape, len(prompt))
         features.append(stacked.to(torch.bfloat16).contiguous())
     return responses, features, [_stacked_distribution(rows) for rows in distributions]
+
+
+def _bf16(states: torch.Tensor) -> torch.Tensor:
+    return states.to(torch.bfloat16, copy=True)
 
 
 def _left_padded(prompts: list[list[int]], width: int, pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -505,28 +351,13 @@ def _left_padded(prompts: list[list[int]], width: int, pad: int, device) -> tupl
 def _stacked_distribution(
     rows: list[tuple[torch.Tensor, torch.Tensor]],
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """One response's per-token top-k ``(ids, log-probs)`` stacked to ``[R, k]`` each, or None without any."""
-    return (torch.stack([i for i, _ in rows]), torch.stack([v for _, v in rows])) if rows else None
-
-
-def _tap(target, layer_ids: list[int]) -> tuple[list, dict[int, torch.Tensor]]:
-    """Forward hooks that keep the newest output of each tapped decoder layer in ``captured`` (remove them after)."""
-    layers = target.get_decoder().layers
-    captured: dict[int, torch.Tensor] = {}
-    hooks = [
-        layers[i].register_forward_hook(lambda _m, _a, out, i=i: captured.__setitem__(i, _first(out)))
-        for i in layer_ids
-    ]
-    return hooks, captured
-
-
-def _first(output):
-    return output[0] if isinstance(output, tuple) else output
-
-
-def _stack(captured: dict[int, torch.Tensor], layer_ids: list[int], row: int) -> torch.Tensor:
-    # captured[i]: [B, n, H] output of layer i -> [n, n_layers, H] for one row (cloned so the batch can be freed)
-    return torch.stack([captured[i][row] for i in layer_ids], dim=1).to(torch.bfloat16)
+    """One response's per-token top-k ``(ids, log-probs)`` stacked to ``[R, k]`` each as a feature file keeps them,
+    or None without any."""
+    return (
+        stored_distribution(torch.stack([i for i, _ in rows]), torch.stack([v for _, v in rows]))
+        if rows
+        else None
+    )
 
 
 def make_parser() -> argparse.ArgumentParser:

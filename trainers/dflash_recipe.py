@@ -121,7 +121,7 @@ def dense_block_mask(anchors: torch.Tensor, seq: int, block_size: int) -> torch.
 @dataclass
 class SoftTargets:
     """The target's top-k distribution over the token at each position of a batch (the corpus records it per response
-    token, ``corpus.load_soft_targets``; row r of a record sits at position prompt_length + r)."""
+    token, ``corpus_format.load_soft_targets``; row r of a record sits at position prompt_length + r)."""
 
     ids: torch.Tensor  # [B, S, k] target vocabulary ids, -1 where nothing is recorded (prompt, padding)
     logprobs: torch.Tensor  # [B, S, k] log-softmax over the target's whole vocabulary

@@ -41,7 +41,7 @@ def heldout_acceptance(
     the length head's mean |â - a*| (``head_mae``) and mean â.
 
     ``records``: corpus records (``input_ids``, ``prompt_length``, ``domain``) of held-out prompts; ``features``: their
-    context features [len - 1, n_layers * H] (``corpus.load_features``). Anchors are the response positions whose whole
+    context features [len - 1, n_layers * H] (``corpus_format.load_features``). Anchors are the response positions whose whole
     block lies inside the sequence (evenly thinned to ``max_anchors``), as at inference, where the first anchor is the
     first response token.
     """

@@ -50,6 +50,7 @@ from adaflash_hf.online.buffer import Trajectory, TrajectoryDataset
 from adaflash_hf.online.weights import LearnerState, base_drafter, load_state, publishable_state
 from adaflash_hf.trainers.dflash_recipe import IGNORE, accepted_drafts, build_blocks
 from adaflash_hf.trainers.optim import clip_each_group, split_drafter_and_head, two_group_adamw
+from adaflash_hf.trainers.target_features import target_pass
 
 logger = logging.get_logger(__name__)
 
@@ -190,17 +191,16 @@ class OPDTrainer(DistillationTrainer):
         """The bare ``AdaFlashDrafter`` (under any accelerate and PEFT wrapper)."""
         return base_drafter(self.accelerator.unwrap_model(self.model))
 
-    @torch.no_grad()
     def _target_pass(self, input_ids, attention_mask, positions):
         """Context features at every position and the target's logits at ``positions`` (a sorted 1-D index)."""
-        layer_ids = self.drafter.config.target_layer_ids
-        out = self.teacher_model(
-            input_ids=input_ids,
+        passed = target_pass(
+            self.teacher_model,
+            input_ids,
+            self.drafter.config.target_layer_ids,
             attention_mask=attention_mask,
-            output_hidden_states=[i + 1 for i in layer_ids],
             logits_to_keep=positions,
         )
-        return self.drafter.context_features(out.hidden_states), out.logits
+        return passed.context_features(), passed.logits
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         drafter = self.drafter

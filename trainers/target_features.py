@@ -1,20 +1,89 @@
-"""What offline drafter training reads per batch: padded token sequences (``SequenceCollator``) and the frozen target's
-part of them (``TargetFeatures``): context features ``cat(hidden_states[id + 1])`` and, for the soft-target loss, the
-target's top-k distribution over each token.
+"""What drafter training reads of the frozen target, and the one forward that produces it.
 
-Both come from the feature files the corpus builder recorded (``adaflash corpus --features-dir``), else from one target
-forward over the batch's remaining rows. Nothing is cached here: the corpus builder is the one writer of feature files,
-so a feature on disk always carries the corpus's layer ids and settings; on a GPU the forward costs less than the read.
+``target_pass`` is that forward: the tapped layers' outputs ``hidden_states[id + 1]`` and the target's top-k over the
+next token, both by position. The corpus builder's greedy loop and its feature rebuild (``corpus.py``), the per-batch
+``TargetFeatures``, the held-out ``sequence_features`` and OPD's teacher pass all call it.
+
+Per batch, training reads padded token sequences (``SequenceCollator``) and the target's part of them
+(``TargetFeatures``): context features ``cat(hidden_states[id + 1])`` and, for the soft-target loss, the target's
+top-k distribution over each token. Both come from the feature files the corpus builder recorded (``adaflash corpus
+--features-dir``), else from one ``target_pass`` over the batch's remaining rows. Nothing is cached here: the corpus
+builder is the one writer of feature files, so a feature on disk always carries the corpus's layer ids and settings;
+on a GPU the forward costs less than the read.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from adaflash_hf.trainers.corpus import feature_file, load_features, load_soft_targets
+from adaflash_hf.modeling.configuration_adaflash import hidden_state_ids
+from adaflash_hf.trainers.corpus_format import feature_file, load_features, load_soft_targets
 from adaflash_hf.trainers.dflash_recipe import SoftTargets
+
+
+@dataclass
+class TargetPass:
+    """One forward of the target, by position ``p`` of its input: ``states[:, p]`` are the tapped layers' outputs at
+    ``p``; ``logits`` and ``topk_*`` hold the rows ``logits_to_keep`` kept, each the target's distribution over the
+    token after its position."""
+
+    states: (
+        torch.Tensor
+    )  # [B, S, len(layer_ids), H], the target's dtype: hidden_states[id + 1] per tapped layer
+    logits: torch.Tensor  # [B, R, V]
+    topk_ids: torch.Tensor | None = None  # [B, R, k] int64
+    topk_logprobs: torch.Tensor | None = None  # [B, R, k] float32: log-softmax over the whole vocabulary
+
+    def context_features(self) -> torch.Tensor:
+        """``cat(hidden_states[id + 1])`` over the tapped layers: [B, S, len(layer_ids) * H], the drafter's fc input."""
+        return self.states.flatten(2)
+
+
+def top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids int64, log-probs float32)`` of the ``k`` likeliest tokens per row of ``logits`` [..., V]."""
+    logprobs, ids = torch.log_softmax(logits.float(), dim=-1).topk(min(k, logits.shape[-1]), dim=-1)
+    return ids, logprobs
+
+
+@torch.no_grad()
+def target_pass(
+    target,
+    input_ids: torch.Tensor,
+    layer_ids: list[int],
+    *,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    cache=None,
+    logits_to_keep: int | torch.Tensor = 1,
+    topk: int = 0,
+) -> TargetPass:
+    """Run ``target`` once over ``input_ids`` (a continuation of ``cache`` when given), returning the outputs of
+    decoder layers ``layer_ids`` and the logits (and with ``topk`` > 0 the top-k) at the positions
+    ``logits_to_keep`` selects, as the target's ``forward`` takes it: the last n positions, 0 for all, or an index."""
+    out = target(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        cache=cache,
+        use_cache=cache is not None,
+        output_hidden_states=hidden_state_ids(layer_ids),
+        logits_to_keep=logits_to_keep,
+    )
+    states = torch.stack([out.hidden_states[i] for i in hidden_state_ids(layer_ids)], dim=2)
+    top = top_k(out.logits, topk) if topk else (None, None)
+    return TargetPass(states, out.logits, *top)
+
+
+def at_tokens(ids: torch.Tensor, logprobs: torch.Tensor, first: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-position top-k rows (row r: the distribution over token ``first + r``) placed at the tokens they predict:
+    ``first`` rows of -1 ids and 0 log-probs (no distribution) before them, so row p is the one over token p."""
+    return (
+        torch.cat([ids.new_full((first, ids.shape[1]), -1), ids]),
+        torch.cat([logprobs.new_zeros((first, logprobs.shape[1])), logprobs]),
+    )
 
 
 class SequenceCollator:
@@ -35,7 +104,7 @@ class SequenceCollator:
             attention_mask[i, :length] = 1
             loss_mask[i, record["prompt_length"] : length] = 1
         batch = {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
-        # Corpus records name their feature file by id and domain (adaflash_hf.trainers.corpus.feature_file); the prompt length
+        # Corpus records name their feature file by id and domain (corpus_format.feature_file); the prompt length
         # places their recorded top-k (row r is the distribution over token prompt_length + r).
         batch["records"] = [
             {"id": r.get("id", ""), "domain": r.get("domain", ""), "prompt_length": r["prompt_length"]}
@@ -80,8 +149,7 @@ def sequence_features(
     for i, record in enumerate(records):
         if features[i] is None:
             ids = torch.tensor([record["input_ids"]], device=target.device)
-            hidden = target(input_ids=ids, output_hidden_states=True).hidden_states
-            features[i] = torch.cat([hidden[j + 1] for j in layer_ids], dim=-1)[0, :-1].to(torch.bfloat16)
+            features[i] = target_pass(target, ids, layer_ids).context_features()[0, :-1].to(torch.bfloat16)
     return features
 
 
@@ -123,36 +191,30 @@ class TargetFeatures:
         return out, self._stack(soft, width, input_ids.device) if self.soft_topk else None
 
     def _recorded(self, record: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """The record's top-k placed at its positions: row r at prompt_length + r, -1 ids before the response."""
+        """The record's top-k placed at its tokens: its row r is over response token r, at prompt_length + r."""
         recorded = load_soft_targets(self.features_dir, record)
         if recorded is None:
             raise soft_targets_error(self.features_dir, [record], 1)
-        ids, logprobs = recorded
-        prompt = record["prompt_length"]
-        ids = torch.cat([ids.new_full((prompt, ids.shape[1]), -1), ids])
-        return ids, torch.cat([logprobs.new_zeros((prompt, logprobs.shape[1])), logprobs])
+        return at_tokens(*recorded, first=record["prompt_length"])
 
     def _forward(self, input_ids, attention_mask, missing: list[int], features: list, soft: list) -> None:
         rows = torch.tensor(missing, device=input_ids.device)
-        out = self.target(
-            input_ids=input_ids[rows],
+        fresh = target_pass(
+            self.target,
+            input_ids[rows],
+            self.layer_ids,
             attention_mask=attention_mask[rows],
-            output_hidden_states=[i + 1 for i in self.layer_ids],
             # The lm_head over every position is needed only for the soft targets.
             logits_to_keep=0 if self.soft_topk else 1,
+            topk=self.soft_topk,
         )
-        fresh = torch.cat([out.hidden_states[i + 1] for i in self.layer_ids], dim=-1)
+        context = fresh.context_features()
         for slot, i in enumerate(missing):
-            features[i] = fresh[slot]
-        if self.soft_topk:
-            # The logits at position p - 1 are the distribution over token p, as the corpus records it.
-            logprobs, ids = torch.log_softmax(out.logits[:, :-1].float(), dim=-1).topk(self.soft_topk, dim=-1)
-            none_ids, none_logprobs = (
-                ids.new_full((1, ids.shape[-1]), -1),
-                logprobs.new_zeros((1, ids.shape[-1])),
-            )
-            for slot, i in enumerate(missing):
-                soft[i] = (torch.cat([none_ids, ids[slot]]), torch.cat([none_logprobs, logprobs[slot]]))
+            features[i] = context[slot]
+            if self.soft_topk:
+                # Position p's distribution is over token p + 1; the last position predicts nothing in the batch.
+                ids, logprobs = fresh.topk_ids[slot, :-1], fresh.topk_logprobs[slot, :-1]
+                soft[i] = at_tokens(ids, logprobs, first=1)
 
     @staticmethod
     def _stack(soft: list[tuple[torch.Tensor, torch.Tensor]], width: int, device) -> SoftTargets:

@@ -26,7 +26,7 @@ from adaflash_hf.assets import load_target
 from adaflash_hf.data import load_domain, prompt_ids
 from adaflash_hf.launch import run_command, warn_if_cpu_threads_idle
 from adaflash_hf.modeling import AdaFlashDrafter
-from adaflash_hf.trainers.corpus import drop_prompt_twins, read_corpus
+from adaflash_hf.trainers.corpus_format import drop_prompt_twins, read_corpus
 from adaflash_hf.trainers.drafter_setup import add_config_option, build_drafter
 from adaflash_hf.trainers.train_drafter_config import DrafterTrainingConfig
 from adaflash_hf.trainers.train_drafter_trainer import DrafterTrainer

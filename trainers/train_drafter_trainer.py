@@ -21,7 +21,7 @@ from transformers.utils import logging
 
 from adaflash_hf.modeling import AdaFlashDrafter
 from adaflash_hf.stats import tau_of
-from adaflash_hf.trainers.corpus import read_corpus
+from adaflash_hf.trainers.corpus_format import read_corpus
 from adaflash_hf.trainers.dflash_recipe import recipe_loss, sample_anchors
 from adaflash_hf.trainers.learning_curve import LearningCurve, heldout_acceptance
 from adaflash_hf.trainers.optim import clip_each_group, split_drafter_and_head, two_group_adamw

@@ -314,7 +314,7 @@ class AdaFlashDrafter(AdaFlashPreTrainedModel):
     # --------------------------------------------------------------------------------------------------- helpers
     def context_features(self, hidden_states: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> torch.Tensor:
         """Concatenate the target's ``hidden_states[id + 1]`` for ``id`` in ``target_layer_ids``: [B, S, n_ids * H]."""
-        return torch.cat([hidden_states[i + 1] for i in self.config.target_layer_ids], dim=-1)
+        return torch.cat([hidden_states[i] for i in self.config.target_hidden_state_ids], dim=-1)
 
     def block_embeds(self, target_embedding_weight: torch.Tensor, anchor_ids: torch.Tensor) -> torch.Tensor:
         """Raw target-embedding rows of ``[anchor, MASK x (block_size - 1)]`` per anchor: [B, block_size, H].
