@@ -73,7 +73,9 @@ def _check_settings(
             f"target: expected a transformers causal LM (a PreTrainedModel with an output embedding), "
             f"got {type(target).__name__}"
         )
-    key = dtype if isinstance(dtype, str) else {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(dtype)
+    key = dtype if isinstance(dtype, str) else None
+    if isinstance(dtype, torch.dtype):
+        key = {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(dtype)
     if key not in DTYPES:
         raise ValueError(
             f"dtype: expected one of {list(DTYPES)}, torch.float32 or torch.bfloat16, got {dtype!r}"
@@ -125,7 +127,8 @@ def prepare_target(
         chosen, reason = choose_dtype(device, units)
         (logger.info if chosen == torch.bfloat16 else logger.warning)(f"prepare_target: {reason}")
     else:
-        chosen, reason = requested, f"{'bf16' if requested == torch.bfloat16 else 'fp32'}: requested"
+        name = "bf16" if requested == torch.bfloat16 else "fp32"
+        chosen, reason = requested, f"{name}: requested; this CPU's bf16 units: {', '.join(units) or 'none'}"
     invariant = chosen == torch.bfloat16 if invariant is None else invariant
     previous = getattr(target, _ATTRIBUTE, None)
     if previous is not None:

@@ -79,6 +79,7 @@ def test_auto_keeps_fp32_without_a_bf16_unit_and_says_which_flags_are_missing(
     [
         ({"dtype": "float16"}, "dtype: expected one of"),
         ({"dtype": torch.float16}, "dtype: expected one of"),
+        ({"dtype": ["bf16"]}, "dtype: expected one of"),
         ({"rows": 0}, "rows: expected an int >= 1"),
         ({"rows": 2.0}, "rows: expected an int >= 1"),
         ({"bf16_units": ["avx2"]}, "bf16_units: expected flags among"),
