@@ -9,7 +9,7 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from adaflash_hf.lookup import LookupProposal, LookupRecord
+from adaflash_hf.lookup import LookupProposal
 
 
 def _logit(p: float) -> float:
@@ -130,12 +130,11 @@ class ShadowLabels:
     is the target's own greedy text, so draft j is accepted exactly when it equals the committed token there (given
     drafts 1..j-1 were). A block the round chose not to verify, or a lookup continuation it did not take, is
     resolved once the sequence has grown past its first mismatch, and feeds the acceptance model (blocks) or the
-    lookup record (continuations). Without this, a request that stops drafting stops learning that it should
+    lookup model (continuations). Without this, a request that stops drafting stops learning that it should
     draft again. Sampling rounds are not greedy text: there only verified drafts teach (``AcceptanceModel.update``).
     """
 
     acceptance: AcceptanceModel
-    record: LookupRecord
     lookups: LookupModel
     # (start, tokens, the block's confidences or None for a lookup, the block's â or the lookup's match length)
     pending: list[tuple[int, list[int], list[float] | None, float]] = field(default_factory=list)
@@ -159,7 +158,6 @@ class ShadowLabels:
                 still.append((start, tokens, confidences, head))  # all seen so far agree: wait for more
                 continue
             if confidences is None:
-                self.record.add(len(tokens), accepted)
                 self.lookups.observe(int(head), len(tokens), accepted)
             else:
                 self.acceptance.update(confidences, head, min(len(tokens), accepted + 1), accepted)

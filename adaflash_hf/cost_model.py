@@ -39,8 +39,11 @@ class CostModel:
     bucket answers once it has two sizes; until then the table pooled over every load does.
     """
 
-    def __init__(self, window: int = 9):
+    def __init__(self, window: int = 9, fit_steps: bool = True):
         self.window = window
+        self.fit_steps = (
+            fit_steps  # engine steps: a linear fit over them (``step_curve``); generate: per-size medians
+        )
         # running bucket (0: pooled over every load) -> token bucket -> seconds
         self.target: dict[int, dict[int, deque]] = {0: {}}
         self.drafter: dict[int, deque] = {}  # drafting requests' bucket -> seconds
@@ -50,6 +53,10 @@ class CostModel:
         self.steps: deque = deque(maxlen=256)
         self._fit: tuple[int, list[float] | None] = (-1, None)  # (steps seen when fitted, coefficients)
         self._seen = 0
+        # Whole plain steps (no drafter, nothing verified, no prefill), measured even under a profile: the step's
+        # wall time beyond the forward is what a profile does not price. running requests -> recent seconds.
+        self.plain_steps: dict[int, deque] = {}
+        self.plain_overhead: deque = deque(maxlen=32)  # seconds of plain steps outside the target forward
 
     @classmethod
     def profile(cls, target_seconds: dict[int, float], drafter_seconds: float = 0.0) -> CostModel:
@@ -76,9 +83,48 @@ class CostModel:
         """One packed engine step: its verify tokens (anchors + drafts), prefill tokens, requests and seconds."""
         if self.frozen:
             return
-        self.steps.append((verify_tokens, prefill_tokens, running, float(seconds)))
-        self._seen += 1
+        if self.fit_steps:
+            self.steps.append((verify_tokens, prefill_tokens, running, float(seconds)))
+            self._seen += 1
         self.observe_target(verify_tokens + prefill_tokens, seconds, running)
+
+    def observe_plain_step(self, running: int, seconds: float, target_seconds: float, whole: bool) -> None:
+        """A step that ran no drafter: its wall time beyond the target forward, and (``whole``: no prefill and
+        nothing verified in it) its whole wall time, the plain baseline of ``plain_step_seconds``."""
+        self.plain_overhead.append(max(0.0, seconds - target_seconds))
+        if whole:
+            self.plain_steps.setdefault(running, deque(maxlen=16)).append(float(seconds))
+
+    def plain_step_seconds(self, running: int, prefill_tokens: int = 0, verifies: int | None = None):
+        """Wall seconds of a plain decode step (one token per verifying request, ``verifies`` of them, default
+        ``running``) with ``running`` requests: measured plain steps (``_measured_plain_step``) where the step has no
+        prefill, else the step curve at no drafts plus the median overhead measured outside the forward; None before
+        either is known."""
+        measured = None if prefill_tokens else self._measured_plain_step(running)
+        if measured is not None:
+            return measured
+        curve = self.step_curve(running, prefill_tokens)
+        if curve is None:
+            return None
+        overhead = statistics.median(self.plain_overhead) if self.plain_overhead else 0.0
+        return curve(running if verifies is None else verifies) + overhead
+
+    def _measured_plain_step(self, running: int) -> float | None:
+        """The median of the last plain steps at this count, else of the nearest count measured (at least three
+        steps), scaled by the step fit's ratio between the two counts (the fit only relates them: requests finishing
+        one by one would otherwise send every new count back to the fit's word alone). None before three plain
+        steps at any count."""
+        counts = [n for n, steps in self.plain_steps.items() if len(steps) >= 3]
+        if not counts:
+            return None
+        nearest = min(counts, key=lambda n: (abs(n - running), n))
+        seconds = statistics.median(self.plain_steps[nearest])
+        if nearest == running:
+            return seconds
+        here, there = self.step_curve(running), self.step_curve(nearest)
+        if here is None or there is None:
+            return None
+        return seconds * here(running) / there(nearest)
 
     def step_curve(self, running: int, prefill_tokens: int = 0) -> Callable[[int], float] | None:
         """``verify tokens -> seconds`` of an engine step with ``running`` requests and ``prefill_tokens``.
@@ -245,7 +291,10 @@ def cost_model_for(target, kind: str) -> CostModel:
     with a dynamic cache; ``"engine"``: the packed forward), shared by every call that uses it."""
     parameter = next(target.parameters())
     models = _COST_MODELS.setdefault(target, {})
-    return models.setdefault((kind, str(parameter.device), str(parameter.dtype)), CostModel())
+    key = (kind, str(parameter.device), str(parameter.dtype))
+    if key not in models:
+        models[key] = CostModel(fit_steps=kind == "engine")
+    return models[key]
 
 
 def use_cost_model(target, kind: str, model: CostModel) -> None:

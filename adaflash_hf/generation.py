@@ -44,8 +44,7 @@ import inspect
 import math
 import time
 import weakref
-from dataclasses import replace
-from typing import Any
+from dataclasses import dataclass, replace
 
 import torch
 import transformers
@@ -55,25 +54,20 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 from transformers.generation.utils import GenerationMixin
 from transformers.utils import logging
 
-from adaflash_hf.acceptance import LookupModel, ShadowLabels, acceptance_model_for, lookup_model_for
-from adaflash_hf.cost_model import calibrate_target, cost_model_for
+from adaflash_hf.acceptance import lookup_model_for
 from adaflash_hf.draft_vocab import draft_logits
-from adaflash_hf.drafting import (
-    CONFIDENCE_ROWS,
-    REACH_FOR_MORE_ROWS,
-    DraftingSettings,
-    SkipGate,
-    draft_surplus,
-    plan_round,
-)
-from adaflash_hf.lookup import (
-    LookupIndex,
-    LookupRecord,
-    choose_lookup,
+from adaflash_hf.drafting import CONFIDENCE_ROWS, DraftingSettings
+from adaflash_hf.lookup import LookupIndex
+from adaflash_hf.modeling import AdaFlashDrafter
+from adaflash_hf.policy import (
+    Block,
+    Choice,
+    Slot,
+    Step,
     expected_lookup_accepted,
+    policy_for,
     truncate_lookup,
 )
-from adaflash_hf.modeling import AdaFlashDrafter
 from adaflash_hf.stats import AdaFlashStats, RoundRecord
 
 logger = logging.get_logger(__name__)
@@ -213,15 +207,65 @@ def _warn_unless_fp32(target) -> None:
         )
 
 
+def _check_call(target, generation_config, input_ids, model_kwargs) -> int:
+    """The call's checks that need the prompt (still before any forward); returns how many of its positions a
+    passed-in cache already holds."""
+    if input_ids.shape[0] != 1:
+        raise ValueError(
+            f"input_ids: expected batch size 1 for generate(assistant_model=...) (use adaflash_hf.serving's "
+            f"AdaFlashEngine for batches), got {input_ids.shape[0]}"
+        )
+    if input_ids.shape[1] == 0:
+        if model_kwargs.get("inputs_embeds") is not None:
+            raise ValueError(
+                "inputs_embeds: expected input_ids with an AdaFlash assistant (drafts and lookups are token ids "
+                "and the drafter embeds the committed tokens itself), got inputs_embeds without input_ids"
+            )
+        raise ValueError("input_ids: expected at least one token, got an empty prompt")
+    max_positions = getattr(target.config.get_text_config(), "max_position_embeddings", None) or 1 << 62
+    if generation_config.max_length > max_positions:
+        prompt = input_ids.shape[1]
+        raise ValueError(
+            f"prompt length + max_new_tokens: expected <= the target's max_position_embeddings={max_positions}, "
+            f"got {prompt} + {generation_config.max_length - prompt}"
+        )
+    cache = model_kwargs.get("cache")
+    if cache is not None and not getattr(cache, "is_croppable", True):
+        raise ValueError(f"cache: expected a croppable cache, got {type(cache).__name__}")
+    cached = 0 if cache is None else int(cache.get_seq_length())
+    if cached >= input_ids.shape[1]:
+        raise ValueError(
+            f"cache: expected fewer cached positions than the prompt's {input_ids.shape[1]} tokens (the prompt "
+            f"continues the cached text), got a cache holding {cached}"
+        )
+    return cached
+
+
+@dataclass(frozen=True)
+class PendingRound:
+    """One round between ``get_candidates`` and ``update_candidate_strategy``: what it verifies and how it got
+    there (``drafted``: the block's float logits over V for its projected rows; None where no block was drafted)."""
+
+    started: float
+    drafter_seconds: float
+    slot: Slot
+    choice: Choice
+    predicted: float  # the length head's â, or a lookup's expected accepted tokens / (block_size - 1)
+    context_length: int
+    anchor: int
+    proposed: torch.Tensor
+    drafted: torch.Tensor | None = None
+
+
 class AdaFlashCandidateGenerator(CandidateGenerator):
-    """Drafts a block per round from the target's hidden states and truncates it to the length head's k̂; in
-    hybrid mode a round may verify a lookup continuation instead.
+    """Each round: the drafting policy (``adaflash_hf.policy``, as a batch of one) decides whether the drafter runs
+    and what is verified: the first k rows of the drafter's block, or (hybrid) a lookup continuation, or nothing.
 
     Drafter-cache invariant: before a drafter forward the cache plus ``context_buffer`` hold every committed
-    position except the newest token (the anchor, whose target hidden state does not exist yet); the cache may also
-    hold the last drafter forward's block rows, which are evicted first. Only committed positions are ever fed as
-    context. The buffer holds the features of the positions committed since the last drafter forward: a lookup round
-    that wins against the last â skips the drafter and only buffers them.
+    position except the newest token (the anchor, whose target hidden state does not exist yet) and those a
+    passed-in cache already held; the cache may also hold the last drafter forward's block rows, which are evicted
+    first. Only committed positions are ever fed as context. The buffer holds the features of the positions
+    committed since the last drafter forward (a round that skips the drafter only buffers them).
     """
 
     requires_model_outputs = True
@@ -231,35 +275,9 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
     ):
         from transformers.cache_utils import DFlashCache
 
-        if input_ids.shape[0] != 1:
-            raise ValueError(
-                f"input_ids: expected batch size 1 for generate(assistant_model=...) (use adaflash_hf.serving's "
-                f"AdaFlashEngine for batches), got {input_ids.shape[0]}"
-            )
-        if input_ids.shape[1] == 0:
-            if model_kwargs.get("inputs_embeds") is not None:
-                raise ValueError(
-                    "inputs_embeds: expected input_ids with an AdaFlash assistant (drafts and lookups are token ids "
-                    "and the drafter embeds the committed tokens itself), got inputs_embeds without input_ids"
-                )
-            raise ValueError("input_ids: expected at least one token, got an empty prompt")
-        max_positions = getattr(target.config.get_text_config(), "max_position_embeddings", None) or 1 << 62
-        if generation_config.max_length > max_positions:
-            prompt = input_ids.shape[1]
-            raise ValueError(
-                f"prompt length + max_new_tokens: expected <= the target's max_position_embeddings={max_positions}, "
-                f"got {prompt} + {generation_config.max_length - prompt}"
-            )
-        cache = model_kwargs.get("cache")
-        if cache is not None and not getattr(cache, "is_croppable", True):
-            raise ValueError(f"cache: expected a croppable cache, got {type(cache).__name__}")
-        # A cache from an earlier call holds the first ``cached_prefix`` positions: the prefill feeds only the rest.
-        self.cached_prefix = 0 if cache is None else int(cache.get_seq_length())
-        if self.cached_prefix >= input_ids.shape[1]:
-            raise ValueError(
-                f"cache: expected fewer cached positions than the prompt's {input_ids.shape[1]} tokens (the prompt "
-                f"continues the cached text), got a cache holding {self.cached_prefix}"
-            )
+        # A cache from an earlier call holds the first ``cached_prefix`` positions: the prefill feeds only the rest,
+        # and the drafter's context starts after them (this call never computes their target states).
+        self.cached_prefix = _check_call(target, generation_config, input_ids, model_kwargs)
         self.drafter = drafter
         self.config = drafter.config
         self.block_size = drafter.config.block_size
@@ -282,34 +300,18 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
         eos = generation_config.eos_token_id
         self.eos_ids = () if eos is None else ((eos,) if isinstance(eos, int) else tuple(eos))
         self.lookup_index = LookupIndex()
-        self.lookup_record = LookupRecord()
-        self.last_acceptance: float | None = None  # the length head's newest â
         self.stats = AdaFlashStats(block_size=self.block_size)
         drafter.last_stats = self.stats
         _DRAFTERS_WITH_STATS.add(drafter)
         self.recorder = getattr(drafter, "round_recorder", None)
         self.version = int(getattr(drafter, "weights_version", 0))
-        # The drafter's context starts after the cached prefix, whose target states this call never computes.
         self.num_cached = self.cached_prefix
         self.context_buffer: torch.Tensor | None = None  # [1, n, features]: not yet in the drafter cache
         self.block_in_cache = False
-        self.pending: dict[str, Any] | None = None
-        if self.settings.length_mode == "goodput":
-            self.cost = cost_model_for(target, "generate")
-            self.acceptance = acceptance_model_for(drafter)
-            self.gate = SkipGate(max_skip=self.settings.max_skip)
-            self.last_gains: list[float] | None = None  # the newest drafted block's expected gains
-            # Greedy: every proposal gets its label from the committed text (ShadowLabels); sampling: verified only.
-            self.lookups = LookupModel(parent=lookup_model_for(target))
-            self.shadows = (
-                None if self.do_sample else ShadowLabels(self.acceptance, self.lookup_record, self.lookups)
-            )
-            if self.settings.calibrate and not self.cost.calibrated:
-                calibrate_target(
-                    target,
-                    self.cost,
-                    output_hidden_states=self.forward_overrides["output_hidden_states"],
-                )
+        self.pending: PendingRound | None = None
+        self.policy = policy_for(self.settings.length_mode, self.settings, target, drafter, "generate")
+        self.state = self.policy.new_state(lookup_model_for(target), greedy=not self.do_sample)
+        self.policy.calibrate(target, output_hidden_states=self.forward_overrides["output_hidden_states"])
 
     @torch.no_grad()
     def get_candidates(
@@ -331,7 +333,25 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
         if self.max_length - cur_len <= 1:
             return input_ids, None  # only the bonus token still fits
         started = time.perf_counter()
-        # New context = committed positions whose target states the last forward produced (all but the anchor).
+        self._buffer_context(cur_len, model_outputs)
+        # Never verify drafts that could not be kept: the bonus token needs one slot of max_length (which
+        # _check_call keeps inside the target's positions).
+        room = max(0, min(self.block_size - 1, self.max_length - cur_len - 1))
+        slot = Slot(self.state, room, self._lookup_proposal(input_ids, room), cur_len)
+        step = Step()
+        block, out = None, None
+        if self.policy.start([slot], step)[0]:
+            out = self._drafter_forward(input_ids, model_kwargs)
+            block, drafted = self._block(out, room)
+        choice = self.policy.choose([slot], [block], step)[0]
+        if choice.source == "plain":
+            return self._plain_round(input_ids, slot, choice, started)
+        if choice.source == "lookup":
+            return self._lookup_round(input_ids, slot, choice, started)
+        return self._diffusion_round(input_ids, slot, choice, out, drafted, started)
+
+    def _buffer_context(self, cur_len: int, model_outputs) -> None:
+        """Buffer the committed positions whose target states the last forward produced (all but the anchor)."""
         buffered = 0 if self.context_buffer is None else self.context_buffer.shape[1]
         num_new = cur_len - 1 - self.num_cached - buffered
         hidden = model_outputs.hidden_states
@@ -339,155 +359,44 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
         self.context_buffer = (
             new_context if self.context_buffer is None else torch.cat([self.context_buffer, new_context], 1)
         )
-        # Never verify drafts that could not be kept: the bonus token needs one slot of max_length (which __init__
-        # keeps inside the target's positions).
-        room = max(0, min(self.block_size - 1, self.max_length - cur_len - 1))
-        proposal = None
-        if self.settings.draft_source == "hybrid":
-            self.lookup_index.extend(input_ids[0, len(self.lookup_index) :].tolist())
-            proposal = truncate_lookup(
-                self.lookup_index.propose(room, self.eos_ids),
-                self.lookup_record,
-                self.settings.lookup_min_prob,
-            )
-        if self.settings.length_mode == "goodput":
-            return self._goodput_round(input_ids, model_kwargs, proposal, room, started)
-        if self.last_acceptance is not None and choose_lookup(
-            proposal, self.lookup_record, self.last_acceptance, self.block_size
-        ):
-            return self._lookup_round(input_ids, proposal, started)
 
-        out = self._drafter_forward(input_ids, model_kwargs)
-        predicted, finite = self._head_acceptance(out)
-        if proposal is not None and choose_lookup(proposal, self.lookup_record, predicted, self.block_size):
-            return self._lookup_round(input_ids, proposal, started)
-        if not finite:
-            length = 0
-        elif self.settings.length_mode == "fixed":
-            length = self.block_size - 1
-        else:
-            length = int(
-                self.drafter.predict_draft_length(
-                    out.acceptance_prob, self.settings.gamma, self.settings.min_len
-                ).reshape(-1)[0]
-            )
-        length = min(length, room)
-        # The lm_head over V is the expensive part: only the verified rows, unless a recorder wants the whole block.
-        rows = self.block_size - 1 if self.recorder is not None else length
-        drafted, _ = self._block_logits(out.last_hidden_state[:, 1 : 1 + rows])
-        return self._diffusion_round(input_ids, drafted, length, predicted, started)
+    def _lookup_proposal(self, input_ids, room: int):
+        """The lookup continuation of the committed text (hybrid; None otherwise), cut by ``lookup_min_prob``."""
+        if self.settings.draft_source != "hybrid":
+            return None
+        self.lookup_index.extend(input_ids[0, len(self.lookup_index) :].tolist())
+        proposal = self.lookup_index.propose(room, self.eos_ids)
+        return truncate_lookup(proposal, self.state.lookups, self.settings.lookup_min_prob)
 
-    def _head_acceptance(self, out) -> tuple[float, bool]:
-        """The length head's â of a drafter forward, kept as ``last_acceptance``, and whether the block is finite
-        (a non-finite one is counted and gets â = 0)."""
-        predicted = float(out.acceptance_prob.float().reshape(-1)[0])
-        finite = math.isfinite(predicted) and bool(torch.isfinite(out.last_hidden_state).all())
+    def _block(self, out, room: int) -> tuple[Block, torch.Tensor]:
+        """What the drafter's block says (â, finiteness, the adaptive rule's k̂ and, for a policy that reads them,
+        the confidences of its first rows), and the float logits of the rows projected so far."""
+        head = float(out.acceptance_prob.float().reshape(-1)[0])
+        finite = math.isfinite(head) and bool(torch.isfinite(out.last_hidden_state).all())
         if not finite:
             self._count_nonfinite_block()
-            predicted = 0.0
-        self.last_acceptance = predicted
-        return predicted, finite
-
-    def _diffusion_round(self, input_ids, drafted, length, predicted, started, extra=None):
-        """Propose the first ``length`` rows of ``drafted`` (float logits over V) and remember the round."""
-        cur_len = input_ids.shape[1]
-        candidate_ids, candidate_logits = self._propose(input_ids, drafted, length)
-        cut = self._before_stop(candidate_ids, cur_len)
-        if cut < length:
-            length, candidate_ids = cut, candidate_ids[:, : cur_len + cut]
-            candidate_logits = None if candidate_logits is None else candidate_logits[:, :cut]
-        self.pending = {
-            "started": time.perf_counter(),
-            "drafter_seconds": time.perf_counter() - started,
-            "length": length,
-            "predicted": predicted,
-            "context_length": cur_len - 1,
-            "anchor": int(input_ids[0, -1]),
-            "drafted": drafted,
-            "proposed": candidate_ids[0, cur_len:],
-            "source": "diffusion",
-            "drafter_ran": True,
-            **(extra or {}),
-        }
-        if length == 0:
-            # An empty draft must be (input_ids, None): zero-length logits crash transformers' speculative sampling.
-            return input_ids, None
-        return candidate_ids, candidate_logits
-
-    def _plain_round(self, input_ids, started):
-        """Verify nothing and skip the drafter: its context waits in the buffer (goodput)."""
-        self.stats.skipped_drafter_forwards += 1
-        self.pending = {
-            "started": time.perf_counter(),
-            "drafter_seconds": 0.0,
-            "length": 0,
-            "predicted": 0.0,
-            "context_length": input_ids.shape[1] - 1,
-            "anchor": int(input_ids[0, -1]),
-            "proposed": input_ids[0, :0],
-            "source": "plain",
-            "drafter_ran": False,
-        }
-        return input_ids, None
-
-    def _goodput_round(self, input_ids, model_kwargs, proposal, room, started):
-        """The k (and, in hybrid, the source) with the most expected committed tokens per second of the round, from
-        the measured cost curve (``adaflash_hf.drafting``); k = 0 rounds whose drafting did not pay skip the drafter
-        for a while (``SkipGate``)."""
-        curve = self.cost.target_curve(1)
-        lookup_option = self.lookups.gains(proposal)
-        if self.shadows is not None:
-            self.shadows.add_lookup(input_ids.shape[1], proposal)
-        if curve is None or not self.cost.knows_target(1) or room == 0:
-            return self._plain_round(input_ids, started)  # a plain step measures the k = 0 baseline first
-        base = {"base_tokens": 1, "base_committed": 1.0, "target_seconds": curve}
-        drafter_seconds = self.cost.drafter_seconds(1)
-        skip = not self.gate.should_draft()
-        if not skip and lookup_option and self.last_gains is not None:
-            alone = plan_round([[lookup_option]], drafter_seconds=0.0, **base)
-            drafted = plan_round(
-                [[self.last_gains[:room], lookup_option]], drafter_seconds=drafter_seconds, **base
-            )
-            skip = alone.goodput >= drafted.goodput
-        if skip:
-            plan = plan_round([[lookup_option]], drafter_seconds=0.0, **base)
-            if plan.lengths[0]:
-                self.stats.skipped_drafter_forwards += 1
-                return self._lookup_round(input_ids, proposal, started, plan.lengths[0], drafter_ran=False)
-            return self._plain_round(input_ids, started)
-
-        out = self._drafter_forward(input_ids, model_kwargs)
-        head, finite = self._head_acceptance(out)
-        drafted, confidences = self._confident_rows(out.last_hidden_state, room, head)
-        gains = self.acceptance.gains(confidences, head) if finite else []
-        if self.shadows is not None and finite:
+            head = 0.0
+        self.state.last_acceptance = head
+        rule_length = int(
+            self.drafter.predict_draft_length(
+                out.acceptance_prob, self.settings.gamma, self.settings.min_len
+            ).reshape(-1)[0]
+        )
+        drafted, confidences, tokens = out.last_hidden_state.new_zeros(1, 0, 0), [], []
+        if self.policy.wants_confidences and finite:
+            drafted, confidences = self._confident_rows(out.last_hidden_state, room, head)
             tokens = drafted[0, : len(confidences)].argmax(-1).tolist()
-            self.shadows.add_block(input_ids.shape[1], tokens, confidences, head)
-        plan = plan_round([[gains, lookup_option]], drafter_seconds=drafter_seconds, **base)
-        length = plan.lengths[0]
-        if length == 0 and self.gate.probing and gains and self.shadows is None:
-            length = 1  # sampling: a probe verifies one draft, the acceptance model's only label (SkipGate)
-        step = curve(1)
-        surplus = draft_surplus(gains, lambda k: curve(k + 1) - step, 1.0 / step)
-        self.gate.record(surplus, drafter_seconds / step)
-        self.last_gains = gains
-        if plan.sources[0] == 1:
-            return self._lookup_round(input_ids, proposal, started, length)
-        extra = {"confidences": confidences, "head": head}
-        return self._diffusion_round(input_ids, drafted, length, head, started, extra)
+        return Block(head, finite, rule_length, tuple(confidences), tuple(tokens)), drafted
 
     def _confident_rows(self, block_hidden, room: int, head: float):
         """Logits of block rows 1..n and the drafter's confidence in each proposal (its softmax maximum), for the
-        first ``CONFIDENCE_ROWS`` rows and then all ``room`` rows while the chain of acceptances could still reach
-        them (the lm_head rows are what costs)."""
+        first ``CONFIDENCE_ROWS`` rows and then all ``room`` rows where the policy wants them (the lm_head rows are
+        what costs)."""
         rows = min(room, CONFIDENCE_ROWS)
         drafted, confidences = self._block_logits(block_hidden[:, 1 : 1 + rows])
-        if rows < room and self.acceptance.gains(confidences, head)[-1] > REACH_FOR_MORE_ROWS:
+        if rows < room and self.policy.more_rows(confidences, head):
             more, more_confidences = self._block_logits(block_hidden[:, 1 + rows : 1 + room])
             drafted, confidences = torch.cat([drafted, more], dim=1), confidences + more_confidences
-        if self.recorder is not None and drafted.shape[1] < self.block_size - 1:
-            rest, _ = self._block_logits(block_hidden[:, 1 + drafted.shape[1] : self.block_size])
-            drafted = torch.cat([drafted, rest], dim=1)
         return drafted, confidences
 
     def _drafter_forward(self, input_ids, model_kwargs):
@@ -540,33 +449,69 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
             )
         self.stats.nonfinite_blocks += 1
 
-    def _lookup_round(self, input_ids, proposal, started, length=None, drafter_ran=True):
-        """Verify the lookup continuation (its first ``length`` tokens): one-hot q under sampling (accepted with
+    def _pending(self, input_ids, slot, choice, started, predicted, proposed, drafted=None) -> PendingRound:
+        return PendingRound(
+            started=time.perf_counter(),
+            drafter_seconds=time.perf_counter() - started,
+            slot=slot,
+            choice=choice,
+            predicted=predicted,
+            context_length=input_ids.shape[1] - 1,
+            anchor=int(input_ids[0, -1]),
+            proposed=proposed,
+            drafted=drafted,
+        )
+
+    def _plain_round(self, input_ids, slot, choice, started):
+        """Verify nothing and skip the drafter: its context waits in the buffer."""
+        self.stats.skipped_drafter_forwards += 1
+        self.pending = self._pending(input_ids, slot, choice, started, 0.0, input_ids[0, :0])
+        return input_ids, None
+
+    def _lookup_round(self, input_ids, slot, choice, started):
+        """Verify the lookup continuation's first ``choice.length`` tokens: one-hot q under sampling (accepted with
         probability p(x), resampled from p without x: lossless), no q under greedy."""
+        if not choice.drafter_ran:
+            self.stats.skipped_drafter_forwards += 1
         cur_len = input_ids.shape[1]
-        tokens = torch.tensor([proposal.tokens[:length]], dtype=input_ids.dtype, device=input_ids.device)
+        tokens = torch.tensor(
+            [slot.proposal.tokens[: choice.length]], dtype=input_ids.dtype, device=input_ids.device
+        )
         candidate_ids = torch.cat([input_ids, tokens], dim=-1)
         cut = self._before_stop(candidate_ids, cur_len)
         tokens, candidate_ids = tokens[:, :cut], candidate_ids[:, : cur_len + cut]
+        choice = replace(choice, length=cut)
         logits = None
-        if self.do_sample and tokens.shape[1]:
+        if self.do_sample and cut:
             vocab = self.lm_head.weight.shape[0]
-            logits = torch.full((1, tokens.shape[1], vocab), float("-inf"), device=input_ids.device)
+            logits = torch.full((1, cut, vocab), float("-inf"), device=input_ids.device)
             logits.scatter_(-1, tokens[..., None], 0.0)
-        expected = expected_lookup_accepted(proposal, self.lookup_record, tokens.shape[1])
-        self.pending = {
-            "started": time.perf_counter(),
-            "drafter_seconds": time.perf_counter() - started,
-            "length": tokens.shape[1],
-            "predicted": expected / (self.block_size - 1),
-            "context_length": cur_len - 1,
-            "anchor": int(input_ids[0, -1]),
-            "proposed": candidate_ids[0, cur_len:],
-            "source": "lookup",
-            "match_length": proposal.match_length,
-            "drafter_ran": drafter_ran,
-        }
+        predicted = expected_lookup_accepted(slot.state, slot.proposal, cut) / (self.block_size - 1)
+        self.pending = self._pending(input_ids, slot, choice, started, predicted, candidate_ids[0, cur_len:])
         return candidate_ids, logits
+
+    def _diffusion_round(self, input_ids, slot, choice, out, drafted, started):
+        """Propose the block's first ``choice.length`` rows (the lm_head over V is the expensive part: only the
+        verified rows are projected, and every row where a recorder wants the whole block)."""
+        cur_len, length = input_ids.shape[1], choice.length
+        rows = self.block_size - 1 if self.recorder is not None else length
+        if drafted.shape[1] < rows:
+            more, _ = self._block_logits(out.last_hidden_state[:, 1 + drafted.shape[1] : 1 + rows])
+            drafted = more if not drafted.shape[1] else torch.cat([drafted, more], dim=1)
+        candidate_ids, candidate_logits = self._propose(input_ids, drafted, length)
+        cut = self._before_stop(candidate_ids, cur_len)
+        if cut < length:
+            length, candidate_ids = cut, candidate_ids[:, : cur_len + cut]
+            candidate_logits = None if candidate_logits is None else candidate_logits[:, :cut]
+        choice = replace(choice, length=length)
+        predicted = self.state.last_acceptance
+        self.pending = self._pending(
+            input_ids, slot, choice, started, predicted, candidate_ids[0, cur_len:], drafted
+        )
+        if length == 0:
+            # An empty draft must be (input_ids, None): zero-length logits crash transformers' speculative sampling.
+            return input_ids, None
+        return candidate_ids, candidate_logits
 
     def _before_stop(self, candidate_ids, cur_len: int) -> int:
         """How many of the candidates after ``cur_len`` may be verified so that no stopping criterion can fire
@@ -610,44 +555,37 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
         pending, self.pending = self.pending, None
         if pending is None:
             return
-        accepted = int(num_matches)
-        verify_seconds = time.perf_counter() - pending["started"]
+        accepted, choice = int(num_matches), pending.choice
+        verify_seconds = time.perf_counter() - pending.started
         self.stats.verify_seconds += verify_seconds
-        self.stats.drafter_seconds += pending["drafter_seconds"]
-        self.stats.add_round(pending["length"], accepted, pending["predicted"], pending["source"])
-        shadows = getattr(self, "shadows", None)
-        if pending["source"] == "lookup" and shadows is None:
-            self.lookup_record.add(pending["length"], accepted)
-            if self.settings.length_mode == "goodput":
-                self.lookups.observe(pending["match_length"], pending["length"], accepted)
-        if self.settings.length_mode == "goodput":
-            self.cost.observe_target(pending["length"] + 1, verify_seconds)
-            if pending["drafter_ran"]:
-                self.cost.observe_drafter(1, pending["drafter_seconds"])
-            if shadows is not None:
-                shadows.resolve(input_ids[0].tolist())
-            elif "confidences" in pending and pending["length"]:
-                self.acceptance.update(pending["confidences"], pending["head"], pending["length"], accepted)
-        if pending["source"] == "plain":
-            return
-        if self.recorder is not None:
-            # A diffusion round records every block row's proposal; a lookup round its verified proposals.
-            drafted = pending["proposed"]
-            if pending["source"] == "diffusion" and pending["drafted"].shape[1]:
-                drafted = pending["drafted"][0].argmax(dim=-1)
-                drafted[: pending["length"]] = pending["proposed"].to(drafted.device)
-            self.recorder(
-                RoundRecord(
-                    context_length=pending["context_length"],
-                    anchor_token=pending["anchor"],
-                    drafted_tokens=drafted.tolist(),
-                    draft_length=pending["length"],
-                    predicted_acceptance=pending["predicted"],
-                    accepted=accepted,
-                    drafter_version=self.version,
-                    source=pending["source"],
-                )
+        self.stats.drafter_seconds += pending.drafter_seconds
+        self.stats.add_round(choice.length, accepted, pending.predicted, choice.source)
+        self.policy.learn([pending.slot], [choice], [accepted])
+        self.policy.observe_step(choice.length + 1, Step(), verify_seconds)
+        if choice.drafter_ran:
+            self.policy.observe_drafter(1, pending.drafter_seconds)
+        self.state.observe_committed(input_ids[0].tolist())
+        if self.recorder is not None and choice.source != "plain":
+            self._record(pending, accepted)
+
+    def _record(self, pending: PendingRound, accepted: int) -> None:
+        """A diffusion round records every block row's proposal; a lookup round its verified proposals."""
+        drafted = pending.proposed
+        if pending.choice.source == "diffusion" and pending.drafted.shape[1]:
+            drafted = pending.drafted[0].argmax(dim=-1)
+            drafted[: pending.choice.length] = pending.proposed.to(drafted.device)
+        self.recorder(
+            RoundRecord(
+                context_length=pending.context_length,
+                anchor_token=pending.anchor,
+                drafted_tokens=drafted.tolist(),
+                draft_length=pending.choice.length,
+                predicted_acceptance=pending.predicted,
+                accepted=accepted,
+                drafter_version=self.version,
+                source=pending.choice.source,
             )
+        )
 
 
 # ------------------------------------------------------------------------------------------------------- the hook

@@ -7,18 +7,14 @@ what followed its most recent occurrence, up to ``max_tokens``. A continuation t
 full block. Proposals stop after an EOS token. The engine can also keep one index over recent finished outputs
 (bounded, oldest evicted) and match a request's suffix there, since users send similar requests.
 
-``choose_lookup`` is the per-round rule shared by ``generate`` and the engine: lookup wins when its expected number
-of accepted tokens beats the length head's ``â · (block_size - 1)``. The lookup estimate is ``Σ_{i=1..L} a^i`` (a
-chain of L proposals, each accepted with probability a once its predecessors were): a is the posterior mean of a
-Beta prior centred on the match's own evidence, ``support · n / (n + 1)`` (longer matches and continuations that
-always followed the n-gram are more reliable), updated with the request's lookup rounds so far (accepted tokens
-vs rounds that ended in a rejection, the geometric-chain likelihood).
+How far a continuation will be accepted is the request's ``LookupModel`` (``adaflash_hf.acceptance``: from the
+match's own evidence, ``support · n / (n + 1)``, then the request's and the caller's labelled continuations); the
+drafting policy (``adaflash_hf.policy``) chooses between it and the drafter's block.
 """
 
 from __future__ import annotations
 
 import itertools
-import math
 from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -128,77 +124,3 @@ class LookupIndex:
             support = sum(self.sequences[i][end] == proposal[0] for i, end in recent) / len(recent)
             return LookupProposal(tokens=proposal, match_length=n, support=support)
         return None
-
-
-@dataclass
-class LookupRecord:
-    """One request's lookup rounds: accepted proposals, and rounds that ended in a rejection inside the draft."""
-
-    accepted: int = 0
-    rejections: int = 0
-
-    def add(self, draft_length: int, accepted: int) -> None:
-        self.accepted += accepted
-        self.rejections += int(accepted < draft_length)
-
-
-def expected_lookup_accepted(
-    proposal: LookupProposal, record: LookupRecord, length: int | None = None
-) -> float:
-    """Σ_{i=1..L} a^i over the first ``length`` tokens (default: all), a the match's prior updated with the
-    request's lookup rounds (module docstring)."""
-    rate = lookup_rate(proposal, record)
-    count = len(proposal.tokens) if length is None else min(length, len(proposal.tokens))
-    return sum(rate**i for i in range(1, count + 1))
-
-
-def lookup_rate(proposal: LookupProposal, record: LookupRecord) -> float:
-    """a: the per-token acceptance of a lookup proposal (the match's prior updated with the request's rounds)."""
-    prior = proposal.support * proposal.match_length / (proposal.match_length + 1)
-    return (record.accepted + PRIOR_STRENGTH * prior) / (record.accepted + record.rejections + PRIOR_STRENGTH)
-
-
-def truncate_lookup(
-    proposal: LookupProposal | None, record: LookupRecord, min_prob: float
-) -> LookupProposal | None:
-    """The proposal cut to the tokens whose chance of being reached and accepted, a^i, is at least ``min_prob``
-    (at least one token): the lookup analogue of the length head's k̂, so a weak match does not make the target
-    verify a long continuation it will reject. ``min_prob`` 0 keeps every token."""
-    if proposal is None or not proposal.tokens or min_prob <= 0:
-        return proposal
-    rate = lookup_rate(proposal, record)
-    if rate >= 1:
-        return proposal
-    reach = (
-        int(math.log(min_prob) / math.log(rate) + 1e-9) if rate > 0 else 0
-    )  # largest i with a^i >= min_prob
-    keep = max(1, min(len(proposal.tokens), reach))
-    if keep == len(proposal.tokens):
-        return proposal
-    return LookupProposal(
-        tokens=proposal.tokens[:keep], match_length=proposal.match_length, support=proposal.support
-    )
-
-
-def check_lookup_min_prob(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
-        raise ValueError(f"{name}: expected a number in [0, 1), got {value!r}")
-    return float(value)
-
-
-def choose_lookup(
-    proposal: LookupProposal | None, record: LookupRecord, acceptance_prob: float, block_size: int
-) -> bool:
-    """True when the lookup proposal's expected accepted tokens beat the diffusion block's â · (block_size - 1).
-    No proposal never wins, so an empty index is diffusion-only."""
-    if proposal is None or not proposal.tokens:
-        return False
-    if not math.isfinite(acceptance_prob):  # a non-finite block drafts nothing (k̂ = 0)
-        acceptance_prob = 0.0
-    return expected_lookup_accepted(proposal, record) > acceptance_prob * (block_size - 1)
-
-
-def check_draft_source(name: str, value) -> str:
-    if value not in DRAFT_SOURCES:
-        raise ValueError(f"{name}: expected one of {DRAFT_SOURCES}, got {value!r}")
-    return value

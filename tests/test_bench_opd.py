@@ -233,8 +233,8 @@ def oracle_engine(target, drafter, mode):
     oracle, weight = make_batched_oracle(target, drafter)
     # The adaptive rule explicitly, as the OPD bench serves: the greedy default ("auto") drafts by goodput, whose
     # rounds follow this machine's timings, and so would the oracle's random draws and the statistics below.
-    length_mode = "adaptive" if mode == "adaflash" else None
-    engine = AdaFlashEngine(target, oracle, mode=mode, length_mode=length_mode)
+    length_mode = "adaptive" if mode == "adaflash" else "fixed"
+    engine = AdaFlashEngine(target, oracle, length_mode=length_mode)
     references = {}
     oracle.arm(engine, references, weight, seed=0)
     add_request = engine.add_request

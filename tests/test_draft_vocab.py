@@ -142,7 +142,7 @@ def test_engine_proposes_only_subset_tokens_and_stays_lossless(qwen3_target, dra
         qwen3_target.generate(p[None], max_new_tokens=16, do_sample=False)[0, len(p) :].tolist()
         for p in prompts
     ]
-    engine = AdaFlashEngine(qwen3_target, drafter, mode="dflash")
+    engine = AdaFlashEngine(qwen3_target, drafter, length_mode="fixed")
     engine.record_full_drafts = True
     drafted = set()
     engine.round_recorder = lambda request, record: drafted.update(record.drafted_tokens)

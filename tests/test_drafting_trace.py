@@ -95,9 +95,7 @@ def _engine_scenario(factories, curve, settings: DraftingSettings | None, temper
     use_cost_model(target, "engine", CostModel.profile(curve, drafter_seconds=DRAFTER))
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, 500, (n,), generator=g) for n in (5, 12, 3, 8)]
-    engine = (
-        AdaFlashEngine(target, mode="plain") if plain else AdaFlashEngine(target, drafter, drafting=settings)
-    )
+    engine = AdaFlashEngine(target) if plain else AdaFlashEngine(target, drafter, drafting=settings)
     rounds: dict[str, list] = {}
     engine.round_recorder = lambda request, record: rounds.setdefault(request.request_id, []).append(
         [record.draft_length, record.source, record.accepted]

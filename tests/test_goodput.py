@@ -9,7 +9,8 @@ from transformers import GenerationConfig
 from adaflash_hf.acceptance import AcceptanceModel, LookupModel, ShadowLabels
 from adaflash_hf.cost_model import CostModel, calibrate_target, use_cost_model
 from adaflash_hf.drafting import DraftingSettings, SkipGate, draft_surplus, plan_lengths, plan_round
-from adaflash_hf.lookup import LookupProposal, LookupRecord
+from adaflash_hf.lookup import LookupProposal
+from adaflash_hf.policy import Step
 from adaflash_hf.serving import AdaFlashEngine, SamplingParams
 
 BLOCK = 16
@@ -228,14 +229,14 @@ def test_the_acceptance_model_follows_realised_acceptance():
 
 
 def test_greedy_text_labels_every_proposal_verified_or_not():
-    acceptance, record, lookups = AcceptanceModel(learning_rate=0.5), LookupRecord(), LookupModel()
-    shadows = ShadowLabels(acceptance, record, lookups)
+    acceptance, lookups = AcceptanceModel(learning_rate=0.5), LookupModel()
+    shadows = ShadowLabels(acceptance, lookups)
     shadows.add_block(3, [7, 8, 9], [0.5, 0.5, 0.5], head=0.5)  # drafts for positions 3, 4, 5
     shadows.add_lookup(3, LookupProposal(tokens=[7, 1], match_length=2, support=1.0))
     shadows.resolve([0, 0, 0, 7])  # position 3 agrees with both; nothing decided yet
     assert len(shadows.pending) == 2 and acceptance.updates == 0
     shadows.resolve([0, 0, 0, 7, 8])  # the lookup's 1 was wrong: 1 accepted of 2
-    assert (record.accepted, record.rejections) == (1, 1) and len(shadows.pending) == 1
+    assert len(shadows.pending) == 1
     assert lookups.counts[2] == [1, 1, 0, 1]  # first token accepted; the next one, once tried, was not
     shadows.resolve([0, 0, 0, 7, 8, 2])  # the block's 9 was wrong: drafts 1, 2 accepted, 3 rejected
     assert acceptance.updates == 3 and not shadows.pending
@@ -447,48 +448,53 @@ def _gated_engine(target, drafter_factory) -> AdaFlashEngine:
     )
 
 
+def judge(policy, drafted, committed, running, seconds, target, verified=0):
+    """One decode step of ``running`` requests (no prefill), judged whole by the goodput policy."""
+    policy.judge_step(drafted, committed, running, Step(running), seconds, target, verified)
+
+
 def test_the_batch_skips_the_drafter_while_whole_drafted_steps_lose_to_plain(fresh_target, drafter_factory):
     # Wall time the plan does not price (a drafter's fixed cost, bookkeeping) shows in whole steps: judged here with
     # injected step timings against a profiled plain step of 0.1 s (+ 0.01 s measured outside the target).
     engine = _gated_engine(fresh_target, drafter_factory)
-    running = [object()] * 4  # four decoding requests (only their count is read)
-    engine._judge_drafter_step(False, 4, running, [], 0, seconds=0.11, target=0.1)
+    policy = engine.policies["goodput"]
+    judge(policy, False, 4, 4, seconds=0.11, target=0.1)
     # Drafted steps committing 6 tokens in 0.11 s: ahead of plain's 4; the batch keeps drafting.
     for _ in range(3):
-        engine._judge_drafter_step(True, 6, running, [], 0, seconds=0.11, target=0.1)
-    assert engine.batch_gate.skip_left == 0 and engine.batch_gate.should_draft()
+        judge(policy, True, 6, 4, seconds=0.11, target=0.1)
+    assert policy.batch_gate.skip_left == 0 and policy.batch_gate.should_draft()
     # 6 tokens in 0.22 s lose to plain's 8 in that time: the average turns negative and the batch backs off.
     for _ in range(3):
-        engine._judge_drafter_step(True, 6, running, [], 0, seconds=0.22, target=0.1)
-    assert engine.batch_gate.skip_left > 0
-    skipped = engine.batch_gate.skip_left
+        judge(policy, True, 6, 4, seconds=0.22, target=0.1)
+    assert policy.batch_gate.skip_left > 0
+    skipped = policy.batch_gate.skip_left
     prompts = [torch.randint(0, 500, (n,), generator=torch.Generator().manual_seed(n)) for n in (5, 9)]
     for prompt in prompts:
         engine.add_request(prompt, SamplingParams(max_new_tokens=8))
     engine.step()  # prefill
     engine.step()
     assert engine.stats[-1].skipped_drafter == engine.stats[-1].verifies == 2
-    assert engine.batch_gate.skip_left == skipped - 1
+    assert policy.batch_gate.skip_left == skipped - 1
 
 
 def test_the_batch_gate_judges_against_measured_plain_steps_once_it_has_them(fresh_target, drafter_factory):
     # The profile prices a plain step at 0.1 s, but measured plain steps take 0.3 s: a drafted step committing 6
     # tokens in 0.4 s loses to the profile (8 tokens) and wins against the measured steps (5.3 tokens).
     engine = _gated_engine(fresh_target, drafter_factory)
-    running = [object()] * 4  # four decoding requests (only their count is read)
+    policy = engine.policies["goodput"]
     for _ in range(3):
-        engine._judge_drafter_step(True, 6, running, [], 0, seconds=0.4, target=0.1)
-    assert engine.batch_gate.skip_left > 0  # judged by the profile: losing
-    engine.batch_gate = SkipGate(max_skip=4)
+        judge(policy, True, 6, 4, seconds=0.4, target=0.1)
+    assert policy.batch_gate.skip_left > 0  # judged by the profile: losing
+    policy.batch_gate = SkipGate(max_skip=4)
     for _ in range(3):
         # Lookup-only steps (no drafter, 8 lookup drafts verified) are no plain steps: not measured as such.
-        engine._judge_drafter_step(False, 7, running, [], 0, seconds=0.9, target=0.8, verified=8)
-    assert not engine.plain_steps
+        judge(policy, False, 7, 4, seconds=0.9, target=0.8, verified=8)
+    assert not engine.cost.plain_steps
     for _ in range(3):
-        engine._judge_drafter_step(False, 4, running, [], 0, seconds=0.3, target=0.1)
+        judge(policy, False, 4, 4, seconds=0.3, target=0.1)
     for _ in range(3):
-        engine._judge_drafter_step(True, 6, running, [], 0, seconds=0.4, target=0.1)
-    assert engine.batch_gate.skip_left == 0 and engine.batch_gate.average_surplus > 0
+        judge(policy, True, 6, 4, seconds=0.4, target=0.1)
+    assert policy.batch_gate.skip_left == 0 and policy.batch_gate.average_surplus > 0
 
 
 def test_a_running_count_without_plain_steps_is_judged_by_the_nearest_measured_count(
@@ -498,17 +504,20 @@ def test_a_running_count_without_plain_steps_is_judged_by_the_nearest_measured_c
     # 0.1 s and prices 3 and 4 requests alike. At 3 requests a drafted step committing 5 tokens in 0.4 s loses to the
     # profile (12 tokens in that time) and wins against the measured count's step scaled to 3 requests (4 tokens).
     engine = _gated_engine(fresh_target, drafter_factory)
+    policy, cost = engine.policies["goodput"], engine.cost
     for _ in range(3):
-        engine._judge_drafter_step(False, 4, [object()] * 4, [], 0, seconds=0.3, target=0.3)
-    assert engine._measured_plain_step(3) == pytest.approx(0.3) and engine._measured_plain_step(4) == 0.3
+        judge(policy, False, 4, 4, seconds=0.3, target=0.3)
+    assert cost.plain_step_seconds(3) == pytest.approx(0.3) and cost.plain_step_seconds(4) == 0.3
     for _ in range(3):
-        engine._judge_drafter_step(True, 5, [object()] * 3, [], 0, seconds=0.4, target=0.1)
-    assert engine.batch_gate.skip_left == 0 and engine.batch_gate.average_surplus > 0
-    engine.plain_steps.clear()
-    assert engine._measured_plain_step(3) is None
+        judge(policy, True, 5, 3, seconds=0.4, target=0.1)
+    assert policy.batch_gate.skip_left == 0 and policy.batch_gate.average_surplus > 0
+    cost.plain_steps.clear()
+    assert cost.plain_step_seconds(3) == pytest.approx(
+        0.1
+    )  # the profile's step, no overhead measured outside it
     for _ in range(3):
-        engine._judge_drafter_step(True, 5, [object()] * 3, [], 0, seconds=0.4, target=0.1)
-    assert engine.batch_gate.skip_left > 0  # the profile's word: losing
+        judge(policy, True, 5, 3, seconds=0.4, target=0.1)
+    assert policy.batch_gate.skip_left > 0  # the profile's word: losing
 
 
 def test_the_default_auto_mode_is_goodput_under_greedy_and_adaptive_under_sampling(

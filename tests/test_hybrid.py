@@ -8,16 +8,12 @@ import torch
 from transformers import GenerationConfig
 
 import adaflash_hf.generation
+import adaflash_hf.policy
 import adaflash_hf.serving.engine
 from adaflash_hf import AdaFlashCandidateGenerator
-from adaflash_hf.lookup import (
-    LookupIndex,
-    LookupProposal,
-    LookupRecord,
-    choose_lookup,
-    lookup_rate,
-    truncate_lookup,
-)
+from adaflash_hf.acceptance import LookupModel
+from adaflash_hf.lookup import LookupIndex, LookupProposal
+from adaflash_hf.policy import lookup_beats_block, truncate_lookup
 from adaflash_hf.serving import AdaFlashEngine, AdmissionConfig, SamplingParams
 from tests.test_generation_sampling import (
     FAMILY_ALPHA,
@@ -123,39 +119,47 @@ def test_history_evicts_the_oldest_sequences_beyond_its_cap():
 
 # --------------------------------------------------------------------------------------------- the choice
 def test_choice_no_proposal_is_diffusion():
-    assert not choose_lookup(None, LookupRecord(), 0.0, 16)
+    assert not lookup_beats_block(None, LookupModel(), 0.0, 16)
 
 
 def test_choice_long_confident_match_beats_a_weak_block_and_loses_to_a_strong_one():
     proposal = LookupProposal(tokens=list(range(15)), match_length=8, support=1.0)
-    assert choose_lookup(proposal, LookupRecord(), 0.1, 16)
-    assert not choose_lookup(proposal, LookupRecord(), 0.9, 16)
+    assert lookup_beats_block(proposal, LookupModel(), 0.1, 16)
+    assert not lookup_beats_block(proposal, LookupModel(), 0.9, 16)
+
+
+def _observed(rounds: int, accepted: int, length: int = 15, match_length: int = 4) -> LookupModel:
+    model = LookupModel()
+    for _ in range(rounds):
+        model.observe(match_length, length, accepted)
+    return model
 
 
 def test_choice_lookup_rejections_lower_its_estimate():
     proposal = LookupProposal(tokens=list(range(15)), match_length=4, support=1.0)
-    assert choose_lookup(proposal, LookupRecord(accepted=30, rejections=2), 0.3, 16)
-    assert not choose_lookup(proposal, LookupRecord(accepted=2, rejections=30), 0.3, 16)
+    assert lookup_beats_block(proposal, _observed(30, 15), 0.3, 16)
+    assert not lookup_beats_block(proposal, _observed(30, 0), 0.3, 16)
 
 
 def test_choice_non_finite_block_lets_any_proposal_win():
     proposal = LookupProposal(tokens=[1], match_length=1, support=0.5)
-    assert choose_lookup(proposal, LookupRecord(), float("nan"), 16)
+    assert lookup_beats_block(proposal, LookupModel(), float("nan"), 16)
 
 
 def test_truncation_keeps_the_tokens_likely_to_be_reached_and_accepted():
     proposal = LookupProposal(tokens=list(range(15)), match_length=3, support=1.0)
-    record = LookupRecord(accepted=6, rejections=6)  # a = (6 + 2 * 0.75) / (12 + 2) = 0.536
-    rate = lookup_rate(proposal, record)
-    assert rate == pytest.approx(7.5 / 14)
-    cut = truncate_lookup(proposal, record, 0.25)
-    assert cut.tokens == [0, 1]  # a^2 = 0.287 >= 0.25 > a^3 = 0.154
+    model = LookupModel(strength=1.0)  # a prior of support * n / (n + 1) = 0.75 for both rates
+    model.observe(3, 4, 1)  # first accepted (2 / 2 with the prior), the next one rejected (0.75 / 2)
+    first, following = model.rates(proposal)
+    assert (first, following) == (pytest.approx(0.875), pytest.approx(0.375))
+    cut = truncate_lookup(proposal, model, 0.3)
+    assert cut.tokens == [0, 1]  # 0.875 * 0.375 = 0.33 >= 0.3 > 0.875 * 0.375^2 = 0.12
     assert (cut.match_length, cut.support) == (3, 1.0)
-    assert truncate_lookup(proposal, record, 0.0) is proposal  # 0: the whole continuation
-    assert truncate_lookup(proposal, record, 0.99).tokens == [0]  # at least one token
-    confident = LookupRecord(accepted=200, rejections=1)
+    assert truncate_lookup(proposal, model, 0.0) is proposal  # 0: the whole continuation
+    assert truncate_lookup(proposal, model, 0.99).tokens == [0]  # at least one token
+    confident = _observed(200, 15, match_length=3)
     assert truncate_lookup(proposal, confident, 0.5).tokens == list(range(15))
-    assert truncate_lookup(None, record, 0.5) is None
+    assert truncate_lookup(None, model, 0.5) is None
 
 
 @pytest.mark.parametrize("value", [-0.1, 1.0, "0.3", True])
@@ -178,15 +182,17 @@ def test_bad_lookup_min_prob_raises_before_any_forward(value, target_factory, dr
 
 
 # -------------------------------------------------------------------------------------------- generate
-def coin_chooser(monkeypatch, module, seed=0):
+def coin_chooser(monkeypatch, seed=0):
     """Replace the rule by a seeded coin (independent of the target, so still lossless): mixed rounds, and both
     the skipped-drafter and the drafter-ran-but-lookup-won paths."""
     rng = random.Random(seed)
-    monkeypatch.setattr(module, "choose_lookup", lambda proposal, *_: bool(proposal) and rng.random() < 0.5)
+    monkeypatch.setattr(
+        adaflash_hf.policy, "lookup_beats_block", lambda proposal, *_: bool(proposal) and rng.random() < 0.5
+    )
 
 
 def greedy(target, ids, n, drafter=None, **config):
-    # Hybrid's own rule (choose_lookup against the head's â) is the adaptive path's; goodput has its tests elsewhere.
+    # Hybrid's own rule (lookup_beats_block against the head's â) is the adaptive path's; goodput has its tests elsewhere.
     config = GenerationConfig(
         max_new_tokens=n, do_sample=False, **{"adaflash_length_mode": "adaptive", **config}
     )
@@ -200,7 +206,7 @@ def test_hybrid_greedy_matches_plain_over_mixed_rounds_for_every_length(
     target = target_factory("qwen3")
     reference = target.generate(PROMPT, max_new_tokens=60, do_sample=False)
     oracle = oracle_factory(target, reference, seed=k)
-    coin_chooser(monkeypatch, adaflash_hf.generation, seed=k)
+    coin_chooser(monkeypatch, seed=k)
     out = greedy(
         target, PROMPT, 60, oracle, adaflash_draft_source="hybrid", adaflash_gamma=1e-9, adaflash_min_len=k
     )
@@ -270,7 +276,7 @@ def test_drafter_is_fed_every_committed_position_once_even_when_lookup_skips_it(
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(type(drafter), "forward", spy)
-    coin_chooser(monkeypatch, adaflash_hf.generation, seed=3)
+    coin_chooser(monkeypatch, seed=3)
     out = greedy(target, PROMPT, 40, drafter, adaflash_draft_source="hybrid")
     stats = drafter.last_stats
     assert len(forwards) < stats.drafting_rounds, "some lookup rounds skipped the drafter"
@@ -302,7 +308,7 @@ def test_round_records_carry_the_source(target_factory, drafter_factory, monkeyp
     drafter = drafter_factory(target)
     records = []
     drafter.round_recorder = records.append
-    coin_chooser(monkeypatch, adaflash_hf.generation, seed=1)
+    coin_chooser(monkeypatch, seed=1)
     greedy(target, PROMPT, 30, drafter, adaflash_draft_source="hybrid")
     assert [r.source for r in records] == drafter.last_stats.sources
     for record in records:
@@ -340,7 +346,7 @@ def hybrid_counts(target, drafter):
 
 def test_hybrid_sampled_marginals_equal_the_targets(sampling_setup, monkeypatch):
     target, drafter, marginals = sampling_setup
-    coin_chooser(monkeypatch, adaflash_hf.generation, seed=5)
+    coin_chooser(monkeypatch, seed=5)
     original, lookups = AdaFlashCandidateGenerator._lookup_round, []
 
     def counted(self, *args):
@@ -355,11 +361,11 @@ def test_hybrid_sampled_marginals_equal_the_targets(sampling_setup, monkeypatch)
 
 def test_the_same_test_rejects_lookup_proposals_with_a_broken_q(sampling_setup, monkeypatch):
     target, drafter, marginals = sampling_setup
-    coin_chooser(monkeypatch, adaflash_hf.generation, seed=5)
+    coin_chooser(monkeypatch, seed=5)
     original = AdaFlashCandidateGenerator._lookup_round
 
-    def accept_all(self, input_ids, proposal, started):
-        candidate_ids, logits = original(self, input_ids, proposal, started)
+    def accept_all(self, input_ids, *args):
+        candidate_ids, logits = original(self, input_ids, *args)
         proposals = candidate_ids[:, input_ids.shape[1] :]
         # q(x) ~ 0 on every lookup proposal: p/q is huge, so speculative sampling accepts (almost) everything.
         return candidate_ids, torch.zeros_like(logits).scatter_(-1, proposals[..., None], -60.0)
@@ -400,7 +406,7 @@ def test_engine_hybrid_batched_equals_serial_under_churn(
     )
     references = {}
     oracle.arm(engine, references, weight, seed=seed)
-    coin_chooser(monkeypatch, adaflash_hf.serving.engine, seed=seed)
+    coin_chooser(monkeypatch, seed=seed)
     add = lambda rid, i: references.__setitem__(rid, prompts[i].tolist() + expected[i])  # noqa: E731
     results, aborted = run_with_churn(engine, prompts, params, seed, on_add=add)
     assert_outputs_equal_references(results, aborted, expected)
@@ -443,9 +449,7 @@ def test_engine_history_lets_a_repeated_request_copy_an_earlier_output(
     target = target_factory("qwen3")
     prompt = torch.tensor(NO_REPEAT_PROMPT)
     expected = greedy_reference(target, prompt, 8)
-    monkeypatch.setattr(
-        adaflash_hf.serving.engine, "choose_lookup", lambda proposal, *_: proposal is not None
-    )
+    monkeypatch.setattr(adaflash_hf.policy, "lookup_beats_block", lambda proposal, *_: proposal is not None)
     engine = AdaFlashEngine(
         target,
         drafter_factory(target),
@@ -500,16 +504,19 @@ def test_bad_adaflash_draft_source_raises_before_any_forward(target_factory, dra
 
 
 @pytest.mark.parametrize(
-    ("mode", "source", "match"),
+    ("with_drafter", "source", "match"),
     [
-        ("adaflash", "ngram", r"^draft_source: expected one of \('diffusion', 'hybrid'\), got 'ngram'"),
-        ("plain", "hybrid", r"^draft_source: expected 'diffusion' with mode='plain' .*got 'hybrid'"),
+        (True, "ngram", r"^draft_source: expected one of \('diffusion', 'hybrid'\), got 'ngram'"),
+        (False, "hybrid", r"^draft_source: expected 'diffusion' without a drafter .*got 'hybrid'"),
     ],
 )
-def test_bad_engine_draft_source_raises_at_construction(mode, source, match, target_factory, drafter_factory):
+def test_bad_engine_draft_source_raises_at_construction(
+    with_drafter, source, match, target_factory, drafter_factory
+):
     target = target_factory("qwen3")
+    drafter = drafter_factory(target) if with_drafter else None
     with pytest.raises(ValueError, match=match):
-        AdaFlashEngine(target, drafter_factory(target), mode=mode, draft_source=source)
+        AdaFlashEngine(target, drafter, draft_source=source)
 
 
 @pytest.mark.parametrize(("source", "tokens"), [("diffusion", 64), ("hybrid", 0), ("hybrid", 2.5)])

@@ -11,7 +11,7 @@ The layers, from the bottom; a module may import its own layer and the layers be
 
 0. model and kernels: ``adaflash_hf.modeling.*`` (Hub remote code: it imports only its siblings, with a single dot)
    and ``adaflash_hf.kernels.*``;
-1. foundations: plain helpers every layer above shares: ``stats``, ``draft_vocab``, ``lookup``, ``drafting``, ``cost_model``, ``acceptance``,
+1. foundations: plain helpers every layer above shares: ``stats``, ``draft_vocab``, ``lookup``, ``drafting``, ``cost_model``, ``acceptance``, ``policy`` (each round's drafting decisions),
    ``atomic``, ``assets``, ``data``, ``launch`` (how a command starts: options, ``--config`` files, the training
    scripts' launch line), ``registration`` and ``cpu`` (the CPU's bf16 units);
 2. decoding and checkpoints: the public package ``adaflash_hf`` (its ``__init__``), ``generation`` (the generate hook),
@@ -43,6 +43,7 @@ LAYERS = [
             "adaflash_hf.drafting",
             "adaflash_hf.cost_model",
             "adaflash_hf.acceptance",
+            "adaflash_hf.policy",
             "adaflash_hf.atomic",
             "adaflash_hf.assets",
             "adaflash_hf.data",

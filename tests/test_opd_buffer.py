@@ -154,7 +154,7 @@ def test_engine_records_each_finished_request_with_its_rounds(target_factory, dr
     drafter = drafter_factory(target)
     drafter.weights_version = 7
     buffer = ReplayBuffer(train_threshold=3)
-    engine = AdaFlashEngine(target, drafter, mode="adaflash")
+    engine = AdaFlashEngine(target, drafter)
     recorder = EngineRecorder(buffer)
     engine.round_recorder = recorder
     prompts = [torch.arange(4, 4 + n) for n in (5, 9, 3)]

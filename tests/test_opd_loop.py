@@ -123,7 +123,7 @@ def _online(target, drafter, tmp_path, max_rounds):
     trainer = OPDTrainer(
         copy.deepcopy(drafter), copy.deepcopy(target), args, processing_class=tiny_tokenizer()
     )
-    engine = AdaFlashEngine(target, copy.deepcopy(drafter), mode="adaflash")
+    engine = AdaFlashEngine(target, copy.deepcopy(drafter))
     slow = SlowTraining(engine)
     trainer.add_callback(slow)
     rows = run_online(
@@ -186,7 +186,7 @@ def _serve_without_updates(target, drafter, tmp_path, monkeypatch, traffic, **se
             taken.append(batch)
             return batch
 
-    engine = AdaFlashEngine(target, copy.deepcopy(drafter), mode="adaflash")
+    engine = AdaFlashEngine(target, copy.deepcopy(drafter))
     config = OnlineConfig(
         online_updates=False, serving_backpressure=True, resume=False, checkpoint_every=0, **settings
     )

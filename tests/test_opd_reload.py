@@ -54,7 +54,7 @@ def test_publish_writes_a_checksummed_manifest_and_keeps_the_newest_files(
 def test_swaps_between_engine_steps_keep_outputs_lossless(target_factory, drafter_factory, tmp_path):
     target = target_factory("llama")
     drafter = drafter_factory(target)
-    engine = AdaFlashEngine(target, copy.deepcopy(drafter), mode="dflash")
+    engine = AdaFlashEngine(target, copy.deepcopy(drafter), length_mode="fixed")
     reloader = HotReloader(engine.drafter, tmp_path)
     versions = []
     engine.round_recorder = lambda request, record: versions.append(record.drafter_version)
@@ -94,7 +94,7 @@ def test_degraded_drafter_lowers_tau_and_the_restored_one_brings_it_back(
     good = drafter_factory(target)
     with torch.no_grad():
         good.norm.weight.zero_()  # drafts token 0 everywhere: exactly the target's chain
-    engine = AdaFlashEngine(target, copy.deepcopy(good), mode="dflash")
+    engine = AdaFlashEngine(target, copy.deepcopy(good), length_mode="fixed")
     reloader = HotReloader(engine.drafter, tmp_path)
     prompts = [torch.arange(4, 4 + n) for n in (3, 8, 5)]
     reference = [[0] * 24] * 3
@@ -147,7 +147,7 @@ def test_each_bad_payload_is_rejected_and_serving_continues_on_the_previous_vers
 ):
     target = target_factory("llama")
     drafter = drafter_factory(target)
-    engine = AdaFlashEngine(target, copy.deepcopy(drafter), mode="dflash")
+    engine = AdaFlashEngine(target, copy.deepcopy(drafter), length_mode="fixed")
     reloader = HotReloader(engine.drafter, tmp_path)
     publish_weights(tmp_path, perturbed(drafter, 1), 1)
     assert reloader.poll()
@@ -199,7 +199,7 @@ def test_lora_publishes_only_adapters_and_the_head_and_hot_reloads(target_factor
     assert reloader.poll() and serving.weights_version == 1
     for name, tensor in publishable_state(serving).items():
         assert torch.equal(tensor, publishable_state(trained)[name]), name
-    engine = AdaFlashEngine(target, serving, mode="adaflash")
+    engine = AdaFlashEngine(target, serving)
     prompt = torch.arange(4, 13)
     assert engine.generate([prompt], SamplingParams(max_new_tokens=10))[0] == greedy(target, prompt, 10)
 

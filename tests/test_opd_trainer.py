@@ -27,7 +27,7 @@ def tiny_tokenizer(vocab_size=512):
 def served_trajectories(target, drafter, n=4, max_new_tokens=24, seed=0):
     """Greedy trajectories from the batched engine, exactly as the online loop records them."""
     buffer = ReplayBuffer(train_threshold=n)
-    engine = AdaFlashEngine(target, copy.deepcopy(drafter), mode="dflash")
+    engine = AdaFlashEngine(target, copy.deepcopy(drafter), length_mode="fixed")
     engine.round_recorder = EngineRecorder(buffer)
     g = torch.Generator().manual_seed(seed)
     prompts = [

@@ -8,6 +8,10 @@ from adaflash_hf.serving import AdaFlashEngine, AdmissionConfig, SamplingParams
 from adaflash_hf.serving.admission import AdmissionController
 from adaflash_hf.serving.requests import Request
 
+MODE_LENGTH = {
+    "dflash": "fixed"
+}  # the engine's modes: no drafter (plain), fixed length (DFlash), the default
+
 
 def fake_request(prompt_len, max_new):
     return Request(
@@ -25,7 +29,9 @@ def test_tight_budget_defers_requests_and_all_finish_exactly(target_factory, dra
         target.generate(p[None], max_new_tokens=10, do_sample=False)[0, len(p) :].tolist() for p in prompts
     ]
     config = AdmissionConfig(max_running=3, token_budget=24, kv_budget=64)
-    engine = AdaFlashEngine(target, drafter, mode=mode, admission=config)
+    engine = AdaFlashEngine(
+        target, None if mode == "plain" else drafter, admission=config, length_mode=MODE_LENGTH.get(mode)
+    )
     assert engine.generate(prompts, SamplingParams(max_new_tokens=10)) == expected
     assert all(r.finish_reason == "length" for r in engine.requests.values())
     stats = engine.stats

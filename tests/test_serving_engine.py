@@ -9,7 +9,7 @@ import torch
 
 from adaflash_hf import AdaFlashDrafter
 from adaflash_hf.cost_model import CostModel, use_cost_model
-from adaflash_hf.serving import MODES, AdaFlashEngine, AdmissionConfig, SamplingParams
+from adaflash_hf.serving import AdaFlashEngine, AdmissionConfig, DraftingSettings, SamplingParams
 
 
 class BatchedOracle(AdaFlashDrafter):
@@ -37,6 +37,15 @@ class BatchedOracle(AdaFlashDrafter):
                 states[b, row] = self.lm_weight[token] * 4.0
         out.last_hidden_state = states
         return out
+
+
+MODES = ("plain", "dflash", "adaflash")
+
+
+def engine_args(mode: str, drafter) -> dict:
+    """The drafter and drafting of an engine running ``mode``: none (plain), fixed length (DFlash), the default."""
+    drafting = DraftingSettings(length_mode="fixed") if mode == "dflash" else None
+    return {"drafter": None if mode == "plain" else drafter, "drafting": drafting}
 
 
 def make_batched_oracle(target, drafter):
@@ -97,7 +106,7 @@ def test_each_mode_equals_generate(setup, mode):
     target, drafter = setup
     prompts = random_prompts(5, seed=1)
     expected = [greedy_reference(target, p, 12) for p in prompts]
-    engine = AdaFlashEngine(target, drafter, mode=mode)
+    engine = AdaFlashEngine(target, **engine_args(mode, drafter))
     assert engine.generate(prompts, SamplingParams(max_new_tokens=12)) == expected
 
 
@@ -112,10 +121,8 @@ def test_batched_equals_serial_under_churn_with_an_oracle_drafter(setup, mode, s
     oracle, weight = make_batched_oracle(target, drafter)
     # The adaptive rule where it applies: goodput (the greedy default) drafts by this machine's timings, and so would
     # the oracle's draws and the accepted count asserted below.
-    length_mode = "adaptive" if mode == "adaflash" else None
-    engine = AdaFlashEngine(
-        target, oracle, mode=mode, admission=AdmissionConfig(max_running=5), length_mode=length_mode
-    )
+    length_mode = "adaptive" if mode == "adaflash" else "fixed"
+    engine = AdaFlashEngine(target, oracle, admission=AdmissionConfig(max_running=5), length_mode=length_mode)
     references = {}
     oracle.arm(engine, references, weight, seed=seed)
     add = lambda rid, i: references.__setitem__(rid, prompts[i].tolist() + expected[i])  # noqa: E731
@@ -156,7 +163,7 @@ def test_batched_equals_serial_under_churn_with_a_random_drafter(setup, mode):
     prompts = random_prompts(10, seed=7)
     params = [SamplingParams(max_new_tokens=n) for n in (3, 17, 9, 1, 20, 5, 11, 16, 2, 8)]
     expected = [greedy_reference(target, p, s.max_new_tokens) for p, s in zip(prompts, params)]
-    engine = AdaFlashEngine(target, drafter, mode=mode, admission=AdmissionConfig(max_running=6))
+    engine = AdaFlashEngine(target, **engine_args(mode, drafter), admission=AdmissionConfig(max_running=6))
     results, aborted = run_with_churn(engine, prompts, params, seed=7, aborts=3)
     for i, request in results.items():
         if request.finish_reason == "abort":
@@ -169,9 +176,9 @@ def test_seeded_sampling_request_does_not_depend_on_the_batch(setup):
     target, drafter = setup
     prompt = random_prompts(1, seed=3)[0]
     params = SamplingParams(max_new_tokens=16, temperature=0.8, top_k=50, top_p=0.9, seed=123)
-    alone = AdaFlashEngine(target, drafter, mode="adaflash").generate([prompt], params)[0]
+    alone = AdaFlashEngine(target, drafter).generate([prompt], params)[0]
     others = random_prompts(6, seed=4)
-    engine = AdaFlashEngine(target, drafter, mode="adaflash")
+    engine = AdaFlashEngine(target, drafter)
     mixed = [SamplingParams(max_new_tokens=10, temperature=1.2, seed=s) for s in range(3)]
     mixed += [SamplingParams(max_new_tokens=10)] * 3
     for p, s in zip(others[:3], mixed[:3]):
@@ -193,7 +200,7 @@ def test_eos_stops_a_request_inside_a_block(setup):
     eos = reference[9]
     stop = reference.index(eos) + 1
     oracle, weight = make_batched_oracle(target, drafter)
-    engine = AdaFlashEngine(target, oracle, mode="dflash")
+    engine = AdaFlashEngine(target, oracle, length_mode="fixed")
     oracle.arm(engine, {"r": prompt.tolist() + reference}, weight)
     engine.add_request(prompt, SamplingParams(max_new_tokens=24, eos_token_id=eos), request_id="r")
     streamed = [t for out in engine.stream() for t in out.new_tokens]
@@ -204,7 +211,7 @@ def test_eos_stops_a_request_inside_a_block(setup):
 def test_stream_deltas_and_step_stats(setup):
     target, drafter = setup
     prompts = random_prompts(3, seed=6)
-    engine = AdaFlashEngine(target, drafter, mode="adaflash")
+    engine = AdaFlashEngine(target, drafter)
     ids = [engine.add_request(p, SamplingParams(max_new_tokens=7)) for p in prompts]
     pieces = {i: [] for i in ids}
     finished = set()
@@ -250,7 +257,7 @@ def test_abort_of_the_last_request_still_yields_its_final_output(setup):
 def test_round_records_carry_the_length_head_estimate_that_chose_each_draft_length(setup):
     target, drafter = setup
     engine = AdaFlashEngine(
-        target, drafter, mode="adaflash", length_mode="adaptive", gamma=1.0,
+        target, drafter, length_mode="adaptive", gamma=1.0,
         admission=AdmissionConfig(load_aware_gamma=False),
     )  # fmt: skip
     records = []

@@ -79,6 +79,11 @@ def test_prompt_beyond_the_budgets_is_refused(setup):
     [
         ({"mode": "eagle"}, ValueError, "mode: expected one of"),
         ({"mode": "dflash", "drafter": None}, ValueError, "drafter: expected an AdaFlashDrafter"),
+        (
+            {"length_mode": "fixed", "drafter": None},
+            ValueError,
+            r"drafter: expected an AdaFlashDrafter for length_mode='fixed' \(without one the engine decodes plainly",
+        ),
         ({"gamma": 0.0}, ValueError, "gamma: expected a number > 0, got 0.0"),
         ({"min_len": 99}, ValueError, "min_len: expected an int in 0..15, got 99"),
         ({"admission": AdmissionConfig(max_running=8, token_budget=4)}, ValueError, "token_budget: expected"),
@@ -102,7 +107,7 @@ def test_nan_from_the_drafter_falls_back_to_no_drafts_for_that_request_only(setu
     target, drafter = setup
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 500, (n,), generator=g) for n in (6, 9, 4)]
-    engine = AdaFlashEngine(target, drafter, mode="dflash")
+    engine = AdaFlashEngine(target, drafter, length_mode="fixed")
     ids = [engine.add_request(p, SamplingParams(max_new_tokens=12)) for p in prompts]
     poisoned = engine.requests[ids[1]]
     forward = type(drafter).forward
@@ -141,3 +146,23 @@ def test_engine_refuses_a_drafter_of_another_type(setup):
         match=r"^drafter: expected an AdaFlashDrafter \(or a model wrapping one\) or a checkpoint folder / Hub repo id, got int",
     ):
         AdaFlashEngine(target, 3)
+
+
+@pytest.mark.parametrize(
+    ("mode", "instead", "runs"),
+    [
+        ("plain", r"AdaFlashEngine\(target\) \(no drafter", "plain"),
+        ("dflash", r"AdaFlashEngine\(target, drafter, length_mode='fixed'\)", "dflash"),
+        ("adaflash", r"AdaFlashEngine\(target, drafter\)", "adaflash"),
+    ],
+)
+def test_the_old_mode_argument_still_works_and_says_what_to_write_instead(setup, mode, instead, runs):
+    target, drafter = setup
+    with pytest.warns(
+        FutureWarning, match=rf"AdaFlashEngine\(mode='{mode}'\) is deprecated; write {instead}"
+    ):
+        engine = AdaFlashEngine(target, drafter, mode=mode)
+    assert engine.mode == runs
+    assert engine.generate([[5, 17, 99]], SamplingParams(max_new_tokens=4))[0] == (
+        target.generate(torch.tensor([[5, 17, 99]]), max_new_tokens=4, do_sample=False)[0, 3:].tolist()
+    )

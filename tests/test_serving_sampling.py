@@ -69,7 +69,7 @@ def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
 
 def sampled_counts(target, drafter, reference) -> tuple[torch.Tensor, AdaFlashEngine]:
     oracle, weight = make_batched_oracle(target, drafter)
-    engine = AdaFlashEngine(target, oracle, mode="dflash", admission=AdmissionConfig(max_running=250))
+    engine = AdaFlashEngine(target, oracle, length_mode="fixed", admission=AdmissionConfig(max_running=250))
     references = {}
     oracle.arm(engine, references, weight, seed=8)
     for seed in range(NUM_REQUESTS):

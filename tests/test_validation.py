@@ -260,6 +260,6 @@ def test_generate_and_the_engine_cast_a_bf16_drafter_to_the_fp32_target_once(qwe
     out = qwen3_target.generate(prompt, assistant_model=drafter, max_new_tokens=8, do_sample=False)
     assert torch.equal(out, expected)
     assert next(drafter.parameters()).dtype == torch.float32
-    engine = AdaFlashEngine(qwen3_target, drafter_factory(qwen3_target).to(torch.bfloat16), mode="adaflash")
+    engine = AdaFlashEngine(qwen3_target, drafter_factory(qwen3_target).to(torch.bfloat16))
     assert next(engine.drafter.parameters()).dtype == torch.float32
     assert engine.generate([prompt[0]], SamplingParams(max_new_tokens=8)) == [expected[0, 5:].tolist()]

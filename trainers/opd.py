@@ -29,7 +29,7 @@ from adaflash_hf.launch import run_command, warn_if_cpu_threads_idle
 from adaflash_hf.online.config import OnlineConfig
 from adaflash_hf.online.loop import MetricsLogger, TrafficSource, run_online
 from adaflash_hf.online.weights import load_state, publishable_state
-from adaflash_hf.serving import MODES, AdaFlashEngine, AdmissionConfig, SamplingParams
+from adaflash_hf.serving import AdaFlashEngine, AdmissionConfig, SamplingParams
 from adaflash_hf.trainers.drafter_setup import DrafterArguments, add_config_option, build_drafter
 from adaflash_hf.trainers.opd_config import OPDConfig
 from adaflash_hf.trainers.opd_trainer import OPDTrainer
@@ -58,7 +58,13 @@ class OPDScriptArguments(DrafterArguments):
     max_prompt_tokens: int = field(default=512, metadata={"help": "Longer prompts keep their last tokens."})
     max_new_tokens: int = field(default=256, metadata={"help": "Tokens generated per request."})
     serving_temperature: float = field(default=0.0, metadata={"help": "Serving temperature (0 = greedy)."})
-    serving_mode: str = field(default="adaflash", metadata={"help": f"Engine mode, one of {MODES}."})
+    serving_mode: str = field(
+        default="adaflash",
+        metadata={
+            "help": "How the serving engine drafts: 'adaflash' (the length head's adaptive rule) or 'dflash' "
+            "(fixed length)."
+        },
+    )
     gamma: float | None = field(
         default=None, metadata={"help": "Length-head γ (None: the drafter config's)."}
     )
@@ -92,9 +98,10 @@ def _check_launch(state: PartialState, script_args: OPDScriptArguments, training
             f"num_processes: expected 1 (the server, the trainer and their target copies share one device), "
             f"got {state.num_processes}"
         )
-    if script_args.serving_mode == "plain":
+    if script_args.serving_mode not in ("adaflash", "dflash"):
         raise ValueError(
-            "serving_mode: expected 'adaflash' or 'dflash' (plain decoding drafts nothing), got 'plain'"
+            f"serving_mode: expected 'adaflash' or 'dflash' (plain decoding drafts nothing), got "
+            f"{script_args.serving_mode!r}"
         )
     if training_args.resume_from_checkpoint is not None:
         raise ValueError(
@@ -144,12 +151,11 @@ def main(
     engine = AdaFlashEngine(
         target,
         serving_drafter,
-        mode=script_args.serving_mode,
         admission=AdmissionConfig(),
         gamma=script_args.gamma,
         # The paper's rule: every request verifies its drafts each step, which is the feedback OPD learns from
         # (goodput, the greedy default, would stop drafting where the young drafter does not pay yet).
-        length_mode="adaptive" if script_args.serving_mode == "adaflash" else None,
+        length_mode="adaptive" if script_args.serving_mode == "adaflash" else "fixed",
     )
     traffic = TrafficSource.from_domains(
         tokenizer,

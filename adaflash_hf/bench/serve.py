@@ -51,7 +51,6 @@ from adaflash_hf.bench.machine import cpu_flags, plot_cost_curve
 from adaflash_hf.bench.targets import add_target_options, benchmarked_target, plain_baselines
 from adaflash_hf.cpu import cpu_model
 from adaflash_hf.launch import CONFIG_HELP, int_at_least, number_in, parse_args_with_config
-from adaflash_hf.serving import MODES as ENGINE_MODES
 from adaflash_hf.serving import AdaFlashEngine, AdmissionConfig, SamplingParams
 from adaflash_hf.stats import tau_of
 
@@ -62,16 +61,16 @@ DOMAINS = ("chat", "code", "math")
 QUICK = {"concurrency": [1, 2], "requests_per_level": 2, "max_new_tokens": 16, "repeats": 1}
 FULL = {"concurrency": [1, 2, 4, 8, 16, 32], "requests_per_level": 32, "max_new_tokens": 128, "repeats": 1}
 WARMUP_TOKENS = 8
-MODES = (*ENGINE_MODES, "hybrid", "goodput", "hybrid_goodput")
-# bench mode -> (engine mode, draft source, length mode)
+# bench mode -> (draft source, length mode); "plain" runs without a drafter
 ENGINE_SETTINGS = {
-    "plain": ("plain", "diffusion", None),
-    "dflash": ("dflash", "diffusion", None),
-    "adaflash": ("adaflash", "diffusion", "adaptive"),
-    "hybrid": ("adaflash", "hybrid", "adaptive"),
-    "goodput": ("adaflash", "diffusion", "goodput"),
-    "hybrid_goodput": ("adaflash", "hybrid", "goodput"),
+    "plain": ("diffusion", None),
+    "dflash": ("diffusion", "fixed"),
+    "adaflash": ("diffusion", "adaptive"),
+    "hybrid": ("hybrid", "adaptive"),
+    "goodput": ("diffusion", "goodput"),
+    "hybrid_goodput": ("hybrid", "goodput"),
 }
+MODES = tuple(ENGINE_SETTINGS)
 
 
 def run_level(
@@ -88,11 +87,10 @@ def run_level(
     admission = AdmissionConfig(
         max_running=concurrency, token_budget=concurrency * block + max(len(p) for p in prompts)
     )
-    engine_mode, source, length_mode = ENGINE_SETTINGS[mode]
+    source, length_mode = ENGINE_SETTINGS[mode]
     engine = AdaFlashEngine(
         target,
         drafter if mode != "plain" else None,
-        mode=engine_mode,
         admission=admission,
         draft_source=source,
         lookup_min_prob=lookup_min_prob if source == "hybrid" else 0.0,

@@ -6,8 +6,17 @@
 - ``admission``: EMA admission control, token and KV budgets, load-aware γ.
 """
 
+from adaflash_hf.drafting import DraftingSettings
 from adaflash_hf.serving.admission import AdmissionConfig
 from adaflash_hf.serving.engine import MODES, AdaFlashEngine, StepStats
 from adaflash_hf.serving.requests import RequestOutput, SamplingParams
 
-__all__ = ["MODES", "AdaFlashEngine", "AdmissionConfig", "RequestOutput", "SamplingParams", "StepStats"]
+__all__ = [
+    "MODES",
+    "AdaFlashEngine",
+    "AdmissionConfig",
+    "DraftingSettings",
+    "RequestOutput",
+    "SamplingParams",
+    "StepStats",
+]

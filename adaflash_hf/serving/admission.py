@@ -19,7 +19,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -145,3 +145,12 @@ class AdmissionController:
         if verifies:
             per_request = verify_tokens / verifies
             self.ema_verify_tokens = (1 - beta) * self.ema_verify_tokens + beta * per_request
+
+
+def with_kv_budget(admission: AdmissionConfig | None, target, drafter) -> AdmissionConfig:
+    """``admission`` with ``kv_budget`` derived from the available memory when it is None: a request reserves its
+    whole KV up front, so an unbounded pool could ask for more than the machine has."""
+    admission = admission or AdmissionConfig()
+    if admission.kv_budget is None:
+        admission = replace(admission, kv_budget=default_kv_budget(target, drafter))
+    return admission

@@ -1,58 +1,45 @@
-"""AdaFlashEngine: continuous batching with per-request adaptive draft lengths, on one Hugging Face target.
+"""AdaFlashEngine: continuous batching with per-request draft lengths, on one Hugging Face target.
 
-    engine = AdaFlashEngine(target, drafter, mode="adaflash")
+    engine = AdaFlashEngine(target, drafter)             # AdaFlashEngine(target): plain decoding
     rid = engine.add_request(prompt_ids, SamplingParams(max_new_tokens=64))
     for out in engine.stream():          # or: while engine.has_unfinished(): engine.step()
         print(out.request_id, out.new_tokens)
 
-One ``step()``: admit waiting requests (``admission``); ONE batched drafter forward over every running request
-(its new committed context + its block); the length head gives each request its own k̂_i (``"adaflash"``), or
-k̂ = block_size - 1 (``"dflash"``), or no drafter at all (``"plain"``); the drafts are trimmed to the step's token
-budget; ONE packed target forward over Σ(k̂_i + 1) verify tokens plus the prompts of newly admitted requests
-(``cache``); ONE acceptance launch (``verify_accept``) for greedy and sampling requests together; per-request
-commit and rollback. The three modes share every other line, so they are each other's baselines.
+One ``step()``: admit waiting requests (``admission``); the drafting policy (``adaflash_hf.policy``) says who runs
+the drafter; ONE batched drafter forward over them (each its new committed context + its block); the policy gives
+each request its source and length; the drafts are trimmed to the step's token budget; ONE packed target forward
+over Σ(k_i + 1) verify tokens plus the prompts of newly admitted requests (``cache``); ONE acceptance launch
+(``verify_accept``) for greedy and sampling requests together; per-request commit and rollback. Without a drafter
+every k_i is 0; ``length_mode="fixed"`` is DFlash; every mode shares every other line.
 
-``length_mode="auto"`` (the default) drafts by goodput in the steps where every decoding request is greedy and by
-the adaptive rule while any samples (a seeded sampling request's output then depends on its seed alone).
-``length_mode="goodput"`` (with ``mode="adaflash"``; ``adaflash_hf.drafting``): the drafter runs only for the
-requests whose ``SkipGate`` is open, and one plan over every request's options (its block, its lookup continuation)
-picks each k_i from 0 up to maximise the step's expected committed tokens per second, from the engine's cost model
-(seconds of the packed forward by its tokens and running requests, calibrated once and learnt from the steps) and
-the acceptance model. Knobs come as one ``DraftingSettings`` (``drafting=``) or its fields as keyword arguments.
-
-``draft_source="hybrid"`` (a drafter mode): each request also keeps a ``LookupIndex`` of its committed tokens, and
-per step verifies either its block or its lookup continuation, whichever ``choose_lookup`` expects to keep more
-tokens. A request whose lookup proposal already beats its last â skips the drafter forward this step; its new
-context waits in ``pending_context`` until its next block. Lookup proposals are one-hot, like the drafter's argmax.
-With ``lookup_history_tokens=N`` the engine also indexes the outputs of finished requests (at most N tokens, the
-oldest evicted) and a request takes the longer of its own match and its match there. ``lookup_min_prob=p`` cuts each
-lookup continuation to the tokens whose estimated chance of being reached and accepted is at least p
-(``lookup.truncate_lookup``; default 0, the whole continuation).
+Knobs come as one ``DraftingSettings`` (``drafting=``) or its fields as keyword arguments. ``length_mode="auto"``
+(the default) is resolved per step by ``length_mode_for``: goodput where every decoding request is greedy, the
+adaptive rule while any samples (a seeded sampling request's output then depends on its seed alone).
+``draft_source="hybrid"``: each request also keeps a ``LookupIndex`` of its committed tokens and verifies either its
+block or its lookup continuation; a request that skips the drafter keeps its new context in ``pending_context``
+until its next block. ``lookup_history_tokens=N`` also indexes the outputs of finished requests (at most N tokens,
+the oldest evicted): a request takes the longer of its own match and its match there.
 
 Lossless: greedy requests commit exactly the target's argmax chain; sampling requests use speculative sampling
 with one-hot proposals (the drafter's argmax) and uniforms from their own generator, so each request's output
-is distributed as the target's and does not depend on the rest of the batch. A drafter block with a non-finite
-state gives that request k̂ = 0 for the step (plain decoding), counted in the step stats and the request's
-``drafter_fallbacks`` and warned about once per request.
+is distributed as the target's and does not depend on the rest of the batch. A non-finite drafter block verifies
+no drafts that step (counted in the step stats and the request's ``drafter_fallbacks``, warned once per request).
 
-``abort(request_id)`` ends a request between steps; the next ``step()`` (and so ``stream()``) yields its final
-output, with no new tokens and ``finish_reason="abort"``, so a client sees one final event per request.
+``abort(request_id)`` ends a request between steps; the next ``step()`` yields its final output, with no new tokens
+and ``finish_reason="abort"``, so a client sees one final event per request.
 
-Online learning: ``engine.round_recorder`` (a callable, default None) receives ``(request, RoundRecord)`` after each
-verify round, once the request's state is updated (``request.finish_reason`` is set on its last round). The record
-carries the anchor position, k̂, the accepted count and ``drafter.weights_version``; ``drafted_tokens`` holds only
-the k̂ verified drafts (the other block rows never go through the lm_head) unless ``engine.record_full_drafts`` is
-set, which projects every block row for the recorder (evaluation: how far the whole draft would have been accepted;
-it costs an lm_head row per unverified draft). ``predicted_acceptance`` is the length head's â of the verified block
-(NaN in a round that verified a lookup continuation or no block).
+Online learning: ``engine.round_recorder`` (a callable) receives ``(request, RoundRecord)`` after each verify round,
+once the request's state is updated (``finish_reason`` is set on its last round): the anchor position, k, the
+accepted count, ``drafter.weights_version``, the verified block's â (NaN where no block was verified) and the k
+verified drafts, or every block row's proposal with ``engine.record_full_drafts`` (an lm_head row each).
 """
 
 from __future__ import annotations
 
 import itertools
 import os
-import statistics
 import time
+import warnings
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -60,20 +47,22 @@ from dataclasses import dataclass, replace
 import torch
 from transformers.utils import logging
 
-from adaflash_hf.acceptance import LookupModel, ShadowLabels, acceptance_model_for
-from adaflash_hf.cost_model import calibrate_target, cost_model_for
+from adaflash_hf.acceptance import LookupModel
 from adaflash_hf.draft_vocab import draft_logits, draft_tokens
-from adaflash_hf.drafting import (
-    CONFIDENCE_ROWS,
-    REACH_FOR_MORE_ROWS,
-    DraftingSettings,
-    SkipGate,
-    draft_surplus,
-    plan_round,
-)
+from adaflash_hf.drafting import CONFIDENCE_ROWS, DraftingSettings
 from adaflash_hf.kernels.verify_accept import verify_accept
-from adaflash_hf.lookup import LookupIndex, choose_lookup, truncate_lookup
-from adaflash_hf.serving.admission import AdmissionConfig, AdmissionController, default_kv_budget
+from adaflash_hf.lookup import LookupIndex
+from adaflash_hf.policy import (
+    Block,
+    Choice,
+    DraftingPolicy,
+    PlainPolicy,
+    Slot,
+    Step,
+    policy_for,
+    truncate_lookup,
+)
+from adaflash_hf.serving.admission import AdmissionConfig, AdmissionController, with_kv_budget
 from adaflash_hf.serving.cache import (
     DrafterBatch,
     DrafterSlotCache,
@@ -81,7 +70,17 @@ from adaflash_hf.serving.cache import (
     SlotKVStore,
     packed_target_forward,
 )
-from adaflash_hf.serving.requests import FINISHED, RUNNING, WAITING, Request, RequestOutput, SamplingParams
+from adaflash_hf.serving.requests import (
+    FINISHED,
+    RUNNING,
+    WAITING,
+    Request,
+    RequestOutput,
+    SamplingParams,
+    describe,
+    filter_logits,
+    prompt_tokens,
+)
 from adaflash_hf.stats import RoundRecord, tau_of
 
 logger = logging.get_logger(__name__)
@@ -125,64 +124,6 @@ class StepStats:
         return self.draft_tokens / self.verifies if self.verifies else 0.0
 
 
-def _filter_logits(rows: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature, then top-k and top-p (joint support, on the tempered distribution) as -inf masks."""
-    rows = rows / params.temperature
-    if params.top_k and params.top_k < rows.shape[-1]:
-        kth = rows.topk(params.top_k, dim=-1).values[..., -1:]
-        rows = rows.masked_fill(rows < kth, float("-inf"))
-    if params.top_p < 1.0:
-        ordered, order = rows.sort(dim=-1, descending=True)
-        cumulative = ordered.softmax(-1).cumsum(-1)
-        # Keep a token while the mass before it is < top_p: the top token always survives.
-        drop = (cumulative - ordered.softmax(-1)) >= params.top_p
-        rows = rows.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
-    return rows
-
-
-def _describe(value) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"a {value.dtype} tensor of shape {list(value.shape)}"
-    return (
-        f"{type(value).__name__} {value!r}"
-        if isinstance(value, (str, bool, type(None)))
-        else type(value).__name__
-    )
-
-
-def _prompt_tokens(prompt_ids) -> list[int]:
-    """One prompt's token ids as a list of ints: a 1-D integer tensor or array, a [1, L] tensor, or a sequence of
-    ints. Anything else (text, None, booleans, floats, a batch of several prompts, nested lists) is refused, naming
-    ``prompt_ids`` and what it got."""
-    expected = "token ids: a 1-D integer tensor, a [1, L] tensor or a list of ints"
-    if isinstance(prompt_ids, (str, bytes)) or prompt_ids is None:
-        raise TypeError(f"prompt_ids: expected {expected} (tokenize text first), got {_describe(prompt_ids)}")
-    if not isinstance(prompt_ids, torch.Tensor):
-        items = list(prompt_ids) if isinstance(prompt_ids, (list, tuple)) else None
-        if items is not None and any(isinstance(t, bool) for t in items):
-            raise TypeError(f"prompt_ids: expected {expected}, got a list holding booleans {items[:8]}")
-        if items is not None and all(isinstance(t, int) for t in items):
-            prompt_ids = torch.tensor(items, dtype=torch.long)
-        else:
-            try:
-                prompt_ids = torch.as_tensor(prompt_ids)
-            except (TypeError, ValueError, RuntimeError):
-                raise TypeError(f"prompt_ids: expected {expected}, got {_describe(prompt_ids)}") from None
-    if prompt_ids.dtype == torch.bool or prompt_ids.is_floating_point() or prompt_ids.is_complex():
-        raise TypeError(f"prompt_ids: expected {expected}, got {_describe(prompt_ids)}")
-    if prompt_ids.dim() == 2 and prompt_ids.shape[0] != 1:
-        raise ValueError(
-            f"prompt_ids: expected one prompt, got a batch of shape {list(prompt_ids.shape)}; add each row as its own "
-            "request (or pass them all to generate)"
-        )
-    if prompt_ids.dim() > 2:
-        raise ValueError(f"prompt_ids: expected one prompt, got {_describe(prompt_ids)}")
-    prompt = prompt_ids.reshape(-1).tolist()
-    if not prompt:
-        raise ValueError("prompt_ids: expected at least one token, got an empty prompt")
-    return prompt
-
-
 def _check_engine_target(target):
     """The target's text config, once it is known to fit the engine's full-attention KV pool."""
     text_config = target.config.get_text_config()
@@ -194,18 +135,8 @@ def _check_engine_target(target):
     return text_config
 
 
-def _with_kv_budget(admission: AdmissionConfig | None, target, drafter) -> AdmissionConfig:
-    """``admission`` with ``kv_budget`` derived from the available memory when it is None: a request reserves its
-    whole KV up front, so an unbounded pool could ask for more than the machine has."""
-    admission = admission or AdmissionConfig()
-    if admission.kv_budget is None:
-        admission = replace(admission, kv_budget=default_kv_budget(target, drafter))
-    return admission
-
-
-def _drafting_settings(mode: str, drafting: DraftingSettings | None, **knobs) -> DraftingSettings:
-    """The engine's ``DraftingSettings``: ``drafting``, or built from the keyword knobs (not both); ``mode="dflash"``
-    means fixed length, ``mode="plain"`` drafts nothing."""
+def _drafting_settings(drafting: DraftingSettings | None, **knobs) -> DraftingSettings:
+    """The engine's ``DraftingSettings``: ``drafting``, or built from the keyword knobs (not both)."""
     given = {name: value for name, value in knobs.items() if value is not None}
     if drafting is not None and given:
         raise ValueError(
@@ -214,23 +145,32 @@ def _drafting_settings(mode: str, drafting: DraftingSettings | None, **knobs) ->
         )
     if drafting is not None and not isinstance(drafting, DraftingSettings):
         raise TypeError(f"drafting: expected a DraftingSettings, got {type(drafting).__name__}")
-    settings = drafting or DraftingSettings(**given)
-    if mode == "plain" and settings.draft_source != "diffusion":
+    return drafting or DraftingSettings(**given)
+
+
+def _legacy_mode(mode: str | None, drafter, settings: DraftingSettings):
+    """``mode=`` of earlier releases, mapped onto (drafter, settings) with a warning that says what to write."""
+    if mode is None:
+        return drafter, settings
+    if mode not in MODES:
+        raise ValueError(f"mode: expected one of {MODES} (deprecated: leave it out), got {mode!r}")
+    if mode == "dflash" and settings.length_mode in ("goodput", "adaptive"):
         raise ValueError(
-            f"draft_source: expected 'diffusion' with mode='plain' (hybrid compares against a drafter), "
-            f"got {settings.draft_source!r}"
+            f"length_mode: expected 'fixed', 'auto' or unset with mode='dflash', got {settings.length_mode!r}"
         )
-    if mode == "dflash":
-        if given.get("length_mode") in ("goodput", "adaptive"):
-            raise ValueError(
-                f"length_mode: expected 'fixed', 'auto' or unset with mode='dflash', got {given['length_mode']!r}"
-            )
-        settings = DraftingSettings(**{**_knob_values(settings), "length_mode": "fixed"})
-    return settings
-
-
-def _knob_values(settings: DraftingSettings) -> dict:
-    return {name: getattr(settings, name) for name in DraftingSettings.knobs()}
+    instead = {
+        "plain": "AdaFlashEngine(target) (no drafter: plain decoding)",
+        "dflash": "AdaFlashEngine(target, drafter, length_mode='fixed')",
+        "adaflash": "AdaFlashEngine(target, drafter)",
+    }[mode]
+    warnings.warn(
+        f"AdaFlashEngine(mode={mode!r}) is deprecated; write {instead}", FutureWarning, stacklevel=3
+    )
+    if mode == "plain":
+        return None, settings
+    if drafter is None:
+        raise ValueError(f"drafter: expected an AdaFlashDrafter for mode={mode!r}, got None")
+    return drafter, replace(settings, length_mode="fixed") if mode == "dflash" else settings
 
 
 def _resolve_drafter(drafter):
@@ -248,6 +188,20 @@ def _resolve_drafter(drafter):
     return drafter
 
 
+@dataclass
+class _Drafted:
+    """A step's drafting: per decoding request its slot and choice, its row in the block states (None: no block
+    verified), its lookup drafts (None: not a lookup round), whether it ran the drafter; the block states."""
+
+    slots: list[Slot]
+    choices: list[Choice]
+    rows: list[int | None]
+    lookups: list[list[int] | None]
+    ran: list[bool]
+    states: torch.Tensor | None = None
+    fallbacks: int = 0
+
+
 class AdaFlashEngine:
     """Batched speculative decoding engine. See the module docstring."""
 
@@ -255,7 +209,7 @@ class AdaFlashEngine:
         self,
         target,
         drafter=None,
-        mode: str = "adaflash",
+        mode: str | None = None,
         admission: AdmissionConfig | None = None,
         gamma: float | None = None,
         min_len: int | None = None,
@@ -266,10 +220,7 @@ class AdaFlashEngine:
         length_mode: str | None = None,
         drafting: DraftingSettings | None = None,
     ):
-        if mode not in MODES:
-            raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
         settings = _drafting_settings(
-            mode,
             drafting,
             gamma=gamma,
             min_len=min_len,
@@ -278,18 +229,26 @@ class AdaFlashEngine:
             lookup_min_prob=lookup_min_prob,
             length_mode=length_mode,
         )
-        if mode != "plain" and drafter is None:
-            raise ValueError(f"drafter: expected an AdaFlashDrafter for mode={mode!r}, got None")
+        drafter, settings = _legacy_mode(mode, drafter, settings)
+        if drafter is None and settings.length_mode != "auto":
+            raise ValueError(
+                f"drafter: expected an AdaFlashDrafter for length_mode={settings.length_mode!r} (without one the "
+                "engine decodes plainly), got None"
+            )
+        if drafter is None and settings.draft_source != "diffusion":
+            raise ValueError(
+                f"draft_source: expected 'diffusion' without a drafter (hybrid compares against a drafter), "
+                f"got {settings.draft_source!r}"
+            )
         drafter = _resolve_drafter(drafter)
         text_config = _check_engine_target(target)
-        self.drafter = drafter if mode != "plain" else None
-        if self.drafter is not None:
+        self.drafter = drafter
+        if drafter is not None:
             drafter.align_dtype(target)
             drafter.check_target(target)
         self.target = target
-        self.mode = mode
         # γ and min_len resolved against the drafter now, before any request or forward.
-        self.settings = settings.resolve(drafter.config) if self.drafter is not None else settings
+        self.settings = settings.resolve(drafter.config) if drafter is not None else settings
         self.draft_source = self.settings.draft_source
         self.lookup_history = (
             None
@@ -297,29 +256,18 @@ class AdaFlashEngine:
             else LookupIndex(max_tokens=self.settings.lookup_history_tokens)
         )
         self.block_size = drafter.config.block_size if drafter is not None else 16
-        self.admission = AdmissionController(
-            _with_kv_budget(admission, target, self.drafter), self.block_size
-        )
-        # "auto": the goodput machinery, used in the steps where no decoding request samples (``_goodput_step``).
-        self.goodput = self.drafter is not None and self.settings.length_mode in ("goodput", "auto")
-        if self.goodput:
-            self.cost = cost_model_for(target, "engine")
-            self.acceptance = acceptance_model_for(drafter)
-            self.lookups = LookupModel(strength=2.0)  # shared by the requests' own lookup models
-            self.last_drafter_forward: tuple[int, float] | None = None  # (requests, seconds) of this step's
-            # The whole batch's drafter, judged on whole steps (below: _judge_drafter_step).
-            self.batch_gate = SkipGate(max_skip=self.settings.max_skip)
-            self.plain_overhead: deque = deque(maxlen=32)  # seconds of plain steps outside the target forward
-            # running requests -> seconds of recent plain decode steps (no drafter, nothing verified, no prefill)
-            self.plain_steps: dict[int, deque] = {}
+        self.admission = AdmissionController(with_kv_budget(admission, target, drafter), self.block_size)
+        self.lookups = LookupModel(strength=2.0)  # the parent of every request's own lookup model
+        self.policies = self._policies()
+        # New requests' drafting state comes from goodput's policy where a step may draft by goodput (its greedy
+        # requests then label every proposal), so each step can pick its policy.
+        self.state_policy = self.policies.get("goodput") or next(iter(self.policies.values()))
         self.vocab_size = target.get_output_embeddings().weight.shape[0]
         self.max_positions = getattr(text_config, "max_position_embeddings", None) or 1 << 62
         eos = target.generation_config.eos_token_id
         self.default_eos = () if eos is None else ((eos,) if isinstance(eos, int) else tuple(eos))
         self.target_store = SlotKVStore(text_config.num_hidden_layers)
-        self.drafter_store = (
-            SlotKVStore(drafter.config.num_hidden_layers) if self.drafter is not None else None
-        )
+        self.drafter_store = SlotKVStore(drafter.config.num_hidden_layers) if drafter is not None else None
         self.seeds = torch.Generator().manual_seed(seed)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -331,6 +279,32 @@ class AdaFlashEngine:
         self.free_slots: list[int] = []
         self.next_slot = 0
         self.ids = itertools.count()
+
+    def _policies(self) -> dict[str, DraftingPolicy]:
+        """The drafting policy of every length mode a step can resolve to (``length_mode_for``: "auto" is goodput
+        in the steps where no decoding request samples and the adaptive rule in the others)."""
+        if self.drafter is None:
+            return {"plain": PlainPolicy(self.settings, self.block_size)}
+        modes = dict.fromkeys(self.settings.length_mode_for(sampling) for sampling in (False, True))
+        return {m: policy_for(m, self.settings, self.target, self.drafter, "engine") for m in modes}
+
+    def _policy(self, decoding: list[Request]) -> DraftingPolicy:
+        if self.drafter is None:
+            return self.policies["plain"]
+        sampling = any(r.params.temperature > 0 for r in decoding)
+        return self.policies[self.settings.length_mode_for(sampling)]
+
+    @property
+    def cost(self):
+        """The goodput policy's cost model (None where no step drafts by goodput)."""
+        return getattr(self.policies.get("goodput"), "cost", None)
+
+    @property
+    def mode(self) -> str:
+        """``"plain"`` (no drafter), ``"dflash"`` (fixed length) or ``"adaflash"``: what the engine runs."""
+        if self.drafter is None:
+            return "plain"
+        return "dflash" if self.settings.length_mode == "fixed" else "adaflash"
 
     # ------------------------------------------------------------------------------------------- requests
     def add_request(
@@ -349,7 +323,7 @@ class AdaFlashEngine:
         """A request built and validated, not yet queued."""
         params = params or SamplingParams()
         self._check_params(params)
-        prompt = _prompt_tokens(prompt_ids)
+        prompt = prompt_tokens(prompt_ids)
         invalid = [t for t in prompt if not 0 <= t < self.vocab_size]
         if invalid:
             raise ValueError(
@@ -375,11 +349,7 @@ class AdaFlashEngine:
             eos_ids=frozenset(params.eos_ids() or self.default_eos),
             generator=torch.Generator().manual_seed(seed),
         )
-        request.gate = SkipGate(max_skip=self.settings.max_skip)
-        if self.goodput:
-            request.lookups = LookupModel(parent=self.lookups)
-            if params.temperature == 0:
-                request.shadows = ShadowLabels(self.acceptance, request.lookup, request.lookups)
+        request.draft = self.state_policy.new_state(self.lookups, greedy=params.temperature == 0)
         if self.draft_source == "hybrid":
             request.lookup_index = LookupIndex()
             request.lookup_index.extend(prompt)
@@ -423,7 +393,7 @@ class AdaFlashEngine:
         if isinstance(prompts, torch.Tensor) and prompts.dim() == 2:
             prompts = list(prompts)
         if not isinstance(prompts, (list, tuple)) or not prompts:
-            raise TypeError(f"prompts: expected a non-empty list of prompts, got {_describe(prompts)}")
+            raise TypeError(f"prompts: expected a non-empty list of prompts, got {describe(prompts)}")
         if all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
             raise TypeError(
                 f"prompts: expected a list of prompts (each a list of token ids), got one flat list of {len(prompts)} "
@@ -489,36 +459,36 @@ class AdaFlashEngine:
             return aborted
         self.running.extend(admitted)
         prefill_tokens = sum(len(r.prompt) for r in admitted)
-
+        shape = Step(len(decoding) + len(admitted), prefill_tokens, self.admission.config.token_budget)
         gamma = (self.settings.gamma or 1.0) * self.admission.gamma_scale()
-        goodput = self._goodput_step(decoding)
-        if goodput:
-            self._calibrate_once()
-            drafted = self._draft_goodput(decoding, prefill_tokens, len(admitted))
-        else:
-            drafted = self._draft(decoding, gamma)
-        lengths, block_states, rows, lookups, fallbacks, ran = drafted
+        policy = self._policy(decoding)
+        drafted = self._draft(policy, decoding, shape, gamma)
         drafter_seconds = time.perf_counter() - started
+        lengths = [c.length for c in drafted.choices]
         lengths = self.admission.fit_lengths(lengths, self.admission.config.token_budget - prefill_tokens)
+        choices = [replace(c, length=n) for c, n in zip(drafted.choices, lengths)]
         full = self.record_full_drafts and self.round_recorder is not None
-        drafts, full_drafts = self._propose(block_states, rows, lookups, lengths, full)
-        sources = ["diffusion" if lookup is None else "lookup" for lookup in lookups]
+        drafts, full_drafts = self._propose(drafted.states, drafted.rows, drafted.lookups, lengths, full)
+        sources = ["diffusion" if lookup is None else "lookup" for lookup in drafted.lookups]
         # â of the blocks this step verifies (for the round recorder); NaN where no block of this step is verified.
-        heads = [r.last_acceptance if row is not None else float("nan") for r, row in zip(decoding, rows)]
+        heads = [
+            r.draft.last_acceptance if row is not None else float("nan")
+            for r, row in zip(decoding, drafted.rows)
+        ]
 
         target_started = time.perf_counter()
         accepted, next_tokens, features = self._verify(admitted, decoding, drafts)
         target_seconds = time.perf_counter() - target_started
-        if goodput:
-            self._learn(decoding, len(admitted), prefill_tokens, drafts, sources, accepted, target_seconds)
+        policy.observe_step(len(decoding) + sum(lengths), shape, target_seconds)
+        policy.learn(drafted.slots, choices, accepted[len(admitted) :])
 
         outputs, committed = self._commit(
             admitted, decoding, drafts, accepted, next_tokens, features, full_drafts, sources, heads
         )
-        if goodput and decoding:
+        if decoding:
             seconds = time.perf_counter() - started
-            self._judge_drafter_step(
-                any(ran), committed, decoding, admitted, prefill_tokens, seconds, target_seconds, sum(lengths)
+            policy.judge_step(
+                any(drafted.ran), committed, len(decoding), shape, seconds, target_seconds, sum(lengths)
             )
         self.running = [r for r in self.running if r.status == RUNNING]
         self.admission.update(len(decoding) + len(admitted), sum(lengths) + len(lengths), len(lengths))
@@ -537,60 +507,65 @@ class AdaFlashEngine:
                 verifies=len(decoding),
                 gamma=gamma,
                 ema_running=self.admission.ema_running,
-                drafter_fallbacks=fallbacks,
+                drafter_fallbacks=drafted.fallbacks,
                 drafter_seconds=drafter_seconds,
                 target_seconds=target_seconds,
                 seconds=time.perf_counter() - started,
                 lookup_verifies=sources.count("lookup"),
                 lookup_accepted=sum(a for a, s in zip(accepted[len(admitted) :], sources) if s == "lookup"),
-                skipped_drafter=ran.count(False) if self.drafter is not None else 0,
+                skipped_drafter=drafted.ran.count(False) if self.drafter is not None else 0,
                 zero_length_verifies=lengths.count(0),
             )
         )
         return aborted + outputs
 
-    def _goodput_step(self, decoding: list[Request]) -> bool:
-        """Whether this step drafts by goodput: always with ``length_mode="goodput"``; with ``"auto"`` only while no
-        decoding request samples (the adaptive rule keeps a seeded sampling request's output independent of the
-        machine's timings and of the batch; a greedy request's output is the same either way)."""
-        if not self.goodput or self.settings.length_mode == "goodput":
-            return self.goodput
-        return all(r.params.temperature == 0 for r in decoding)
-
-    def _draft(self, decoding: list[Request], gamma: float):
-        """Per-request draft lengths; the block states of one batched drafter forward (None without one); each
-        request's row in them (None: no block verified); its lookup proposal (None: not a lookup round); the count
-        of non-finite blocks; and whether each request ran the drafter."""
+    def _draft(self, policy: DraftingPolicy, decoding: list[Request], shape: Step, gamma: float) -> _Drafted:
+        """The step's drafting: ``policy.start`` says who runs the drafter; ONE batched drafter forward over them
+        (with the confidences the policy reads); ``policy.choose`` gives each request its source and length."""
         count = len(decoding)
-        lengths, rows, lookups, ran = [0] * count, [None] * count, [None] * count, [False] * count
-        if self.drafter is None or not decoding:
-            return lengths, None, rows, lookups, 0, ran
         # The bonus token needs one slot of the request's budget, so at most remaining - 1 drafts.
         room = [min(self.block_size - 1, r.remaining - 1) for r in decoding]
         proposals = self._lookup_proposals(decoding, room)
-        for i, r in enumerate(decoding):
-            if r.last_acceptance is not None and choose_lookup(
-                proposals[i], r.lookup, r.last_acceptance, self.block_size
-            ):
-                lookups[i] = proposals[i].tokens
-        drafting = [i for i in range(count) if lookups[i] is None]
-        if not drafting:
-            return [len(t) for t in lookups], None, rows, lookups, 0, ran
-        block_lengths, states, finite = self._drafter_forward([decoding[i] for i in drafting], gamma)
-        for row, i in enumerate(drafting):
-            request = decoding[i]
-            ran[i] = True
-            if not finite[row]:
-                self._count_fallback(request)
-            if proposals[i] is not None and choose_lookup(
-                proposals[i], request.lookup, request.last_acceptance, self.block_size
-            ):
-                lookups[i] = proposals[i].tokens
-            else:
+        slots = [
+            Slot(r.draft, room[i], proposals[i], len(r.prompt) + len(r.output))
+            for i, r in enumerate(decoding)
+        ]
+        policy.calibrate(
+            self.target,
+            sizes=[n for n in (1, 4, 16, 64) if n <= shape.budget],  # the step fit takes over after 16 steps
+            repeats=1,
+            budget_s=1.0,
+            output_hidden_states=self._tapped_layers(),
+        )
+        drafting = [i for i, runs in enumerate(policy.start(slots, shape)) if runs]
+        blocks, states, fallbacks = [None] * count, None, 0
+        rows: list[int | None] = [None] * count
+        if drafting:
+            tick = time.perf_counter()
+            rule_lengths, states, finite = self._drafter_forward([decoding[i] for i in drafting], gamma)
+            heads = [decoding[i].draft.last_acceptance for i in drafting]
+            confidences, tokens = [[] for _ in drafting], [[] for _ in drafting]
+            if policy.wants_confidences:
+                confidences, tokens = self._confidences(policy, states, [room[i] for i in drafting], heads)
+            policy.observe_drafter(len(drafting), time.perf_counter() - tick)
+            for row, i in enumerate(drafting):
+                if not finite[row]:
+                    self._count_fallback(decoding[i])
+                    fallbacks += 1
+                blocks[i] = Block(
+                    heads[row], finite[row], rule_lengths[row], tuple(confidences[row]), tuple(tokens[row])
+                )
                 rows[i] = row
-                lengths[i] = min(block_lengths[row], room[i]) if finite[row] else 0
-        lengths = [n if t is None else len(t) for n, t in zip(lengths, lookups)]
-        return lengths, states, rows, lookups, finite.count(False), ran
+        choices = policy.choose(slots, blocks, shape)
+        lookups: list[list[int] | None] = [None] * count
+        for i, choice in enumerate(choices):
+            if choice.source == "lookup":
+                lookups[i], rows[i] = proposals[i].tokens[: choice.length], None
+        ran = [b is not None for b in blocks]
+        return _Drafted(slots, choices, rows, lookups, ran, states, fallbacks)
+
+    def _tapped_layers(self) -> list[int]:
+        return [i + 1 for i in self.drafter.config.target_layer_ids] if self.drafter is not None else []
 
     def _lookup_proposals(self, decoding: list[Request], room: list[int]) -> list:
         """Each request's lookup continuation (hybrid; None elsewhere): the longer match of its own tokens and the
@@ -607,7 +582,7 @@ class AdaFlashEngine:
                     proposals[i] is None or shared.match_length > proposals[i].match_length
                 ):
                     proposals[i] = shared
-            proposals[i] = truncate_lookup(proposals[i], r.lookup, self.settings.lookup_min_prob)
+            proposals[i] = truncate_lookup(proposals[i], r.draft.lookups, self.settings.lookup_min_prob)
         return proposals
 
     def _count_fallback(self, request: Request) -> None:
@@ -619,88 +594,10 @@ class AdaFlashEngine:
                 "drafter_fallbacks; warned once per request)"
             )
 
-    def _draft_goodput(self, decoding: list[Request], prefill_tokens: int, admitted: int):
-        """``_draft`` for ``length_mode="goodput"``: the drafter runs for the requests whose ``SkipGate`` is open
-        and whose lookup continuation (hybrid) is not expected to do better alone; then one plan over every
-        request's options (its block, its lookup) maximises the step's expected committed tokens per second
-        (``drafting.plan_round``) under the token budget."""
-        count = len(decoding)
-        lengths, rows, lookups, ran = [0] * count, [None] * count, [None] * count, [False] * count
-        room = [min(self.block_size - 1, r.remaining - 1) for r in decoding]
-        proposals = self._lookup_proposals(decoding, room)
-        options = [[g] if (g := r.lookups.gains(p)) else [] for p, r in zip(proposals, decoding)]
-        for proposal, request in zip(proposals, decoding):
-            if request.shadows is not None:
-                request.shadows.add_lookup(len(request.prompt) + len(request.output), proposal)
-        kinds = [["lookup"] if o else [] for o in options]
-        # The plan counts verify tokens (anchors + drafts); the curve prices them beside this step's prefills.
-        running, base_tokens = count + admitted, count
-        curve = self.cost.step_curve(running, prefill_tokens)
-        if not decoding or curve is None or not self.cost.knows_target(prefill_tokens + count, running):
-            return lengths, None, rows, lookups, 0, ran  # a plain step measures the baseline first
-        base = {"base_tokens": base_tokens, "base_committed": float(running), "target_seconds": curve}
-        share = self.cost.marginal_drafter_seconds(count)
-        batch_open = self.batch_gate.should_draft()
-        drafting = [i for i, r in enumerate(decoding) if batch_open and room[i] > 0 and r.gate.should_draft()]
-        drafting = [
-            i for i in drafting if not self._lookup_alone_wins(decoding[i], options[i], room[i], share, base)
-        ]
-        states, drafter_seconds, fallbacks = None, 0.0, 0
-        if drafting:
-            tick = time.perf_counter()
-            _, states, finite = self._drafter_forward([decoding[i] for i in drafting], 1.0)
-            heads = [decoding[i].last_acceptance for i in drafting]
-            confidences, tokens = self._confidences(states, [room[i] for i in drafting], heads)
-            self.last_drafter_forward = (len(drafting), time.perf_counter() - tick)
-            drafter_seconds = self.cost.drafter_seconds(len(drafting))
-            for row, i in enumerate(drafting):
-                request, ran[i], rows[i] = decoding[i], True, row
-                request.last_gains = []
-                if not finite[row]:
-                    self._count_fallback(request)
-                    fallbacks += 1
-                    continue
-                request.last_gains = self.acceptance.gains(confidences[row], heads[row])
-                request.goodput_round = (confidences[row], heads[row])
-                if request.shadows is not None:
-                    start = len(request.prompt) + len(request.output)
-                    request.shadows.add_block(start, tokens[row], confidences[row], heads[row])
-                options[i], kinds[i] = [request.last_gains, *options[i]], ["diffusion", *kinds[i]]
-        budget = self.admission.config.token_budget - prefill_tokens - base_tokens
-        plan = plan_round(options, drafter_seconds=drafter_seconds, budget=budget, **base)
-        plain = curve(base_tokens)
-        rate = running / plain
-        drafter_cost = rate * share
-        spare = budget - sum(plan.lengths)
-        for i, request in enumerate(decoding):
-            source = None if plan.sources[i] is None else kinds[i][plan.sources[i]]
-            lengths[i] = plan.lengths[i]
-            if source == "lookup":
-                lookups[i], rows[i] = proposals[i].tokens[: lengths[i]], None
-                request.lookup_match = proposals[i].match_length
-            elif ran[i] and not lengths[i] and request.gate.probing and request.shadows is None:
-                if request.last_gains and spare > 0:  # sampling: a probe verifies one draft, the only label
-                    lengths[i], spare = 1, spare - 1
-            if ran[i]:
-                gains = request.last_gains or []
-                surplus = draft_surplus(gains, lambda k: curve(base_tokens + k) - plain, rate)
-                request.gate.record(surplus, drafter_cost)
-        return lengths, states, rows, lookups, fallbacks, ran
-
-    def _lookup_alone_wins(
-        self, request: Request, options: list, room: int, share: float, base: dict
-    ) -> bool:
-        """Whether the request's lookup continuation, without the drafter, beats its last block's gains with it."""
-        if not options or request.last_gains is None:
-            return False
-        alone = plan_round([options], drafter_seconds=0.0, **base)
-        drafted = plan_round([[request.last_gains[:room], *options]], drafter_seconds=share, **base)
-        return alone.goodput >= drafted.goodput
-
-    def _confidences(self, states, rooms: list[int], heads: list[float]):
+    def _confidences(self, policy: DraftingPolicy, states, rooms: list[int], heads: list[float]):
         """Per drafting request, its argmax proposals for block rows 1..n and the drafter's confidence (softmax
-        maximum) in each: the first ``CONFIDENCE_ROWS`` rows, all ``room`` rows where the chain of acceptances could
-        reach past them (lm_head rows are what costs)."""
+        maximum) in each: the first ``CONFIDENCE_ROWS`` rows, all ``room`` rows where the policy wants them
+        (lm_head rows are what costs)."""
         lm_head = self.target.get_output_embeddings()
 
         def project(widths, start):
@@ -724,98 +621,14 @@ class AdaFlashEngine:
                 flat_confidence, flat_tokens = flat_confidence[n:], flat_tokens[n:]
             if start == 0:
                 more[:] = [
-                    room
-                    if room > w
-                    and confidences[row]
-                    and self.acceptance.gains(confidences[row], heads[row])[-1] > REACH_FOR_MORE_ROWS
-                    else 0
+                    room if room > w and policy.more_rows(confidences[row], heads[row]) else 0
                     for row, (room, w) in enumerate(zip(rooms, first))
                 ]
         return confidences, tokens
 
-    def _learn(self, decoding, admitted: int, prefill_tokens: int, drafts, sources, accepted, target_seconds):
-        """Goodput: feed the step's timings to the cost model and its verified blocks to the acceptance model."""
-        running = len(decoding) + admitted
-        self.cost.observe_step(len(decoding) + sum(map(len, drafts)), prefill_tokens, running, target_seconds)
-        if self.last_drafter_forward is not None:
-            self.cost.observe_drafter(*self.last_drafter_forward)
-            self.last_drafter_forward = None
-        for request, draft, source, n_accepted in zip(decoding, drafts, sources, accepted[admitted:]):
-            # Greedy requests learn from ShadowLabels (every proposal, after the commit); sampling ones from here.
-            if (
-                source == "diffusion"
-                and draft
-                and request.goodput_round is not None
-                and request.shadows is None
-            ):
-                self.acceptance.update(*request.goodput_round, len(draft), n_accepted)
-            request.goodput_round = None
-
-    def _judge_drafter_step(
-        self,
-        drafted: bool,
-        committed: int,
-        decoding,
-        admitted,
-        prefill_tokens: int,
-        seconds: float,
-        target: float,
-        verified: int = 0,
-    ) -> None:
-        """The safety net under the per-request choice: everything the plan does not price (the drafter's fixed cost
-        when few requests draft, the confidences, the bookkeeping) shows in the step's wall time. A step where the
-        drafter ran is worth its committed tokens minus what plain decoding would have committed in the same
-        seconds (a plain step: measured whole, at this many running requests or the nearest count measured,
-        ``_measured_plain_step``; before any, the cost model's step at no drafts plus the measured overhead of plain
-        steps);
-        while that average stays negative the whole batch skips the drafter (``SkipGate``'s backoff, with probes).
-        ``verified``: the step's verified drafts; a step without the drafter that verified lookup continuations is no
-        plain step."""
-        running = len(decoding) + len(admitted)
-        if not drafted:
-            self.plain_overhead.append(max(0.0, seconds - target))
-            if not admitted and not verified:
-                self.plain_steps.setdefault(running, deque(maxlen=16)).append(seconds)
-            return
-        plain_seconds = None if admitted else self._measured_plain_step(running)
-        if plain_seconds is None:
-            curve = self.cost.step_curve(running, prefill_tokens)
-            if curve is None:
-                return
-            overhead = statistics.median(self.plain_overhead) if self.plain_overhead else 0.0
-            plain_seconds = curve(len(decoding)) + overhead
-        self.batch_gate.record(committed - len(decoding) * seconds / plain_seconds, 0.0)
-
-    def _measured_plain_step(self, running: int) -> float | None:
-        """Seconds of a plain decode step with ``running`` requests, from measured ones: the median of the last at
-        this count, else of the nearest count measured (at least three steps), scaled by the step fit's ratio
-        between the two counts (the fit only relates them: requests finishing one by one would otherwise send every
-        new count back to the fit's word alone). None before three plain steps at any count."""
-        counts = [n for n, steps in self.plain_steps.items() if len(steps) >= 3]
-        if not counts:
-            return None
-        nearest = min(counts, key=lambda n: (abs(n - running), n))
-        seconds = statistics.median(self.plain_steps[nearest])
-        if nearest == running:
-            return seconds
-        here, there = self.cost.step_curve(running), self.cost.step_curve(nearest)
-        if here is None or there is None:
-            return None
-        return seconds * here(running) / there(nearest)
-
-    def _calibrate_once(self) -> None:
-        if self.settings.calibrate and not self.cost.calibrated:
-            budget = self.admission.config.token_budget
-            # A few sizes for the first steps: after 16 steps the fit over the steps themselves takes over.
-            sizes = [n for n in (1, 4, 16, 64) if n <= budget]
-            layers = [i + 1 for i in self.drafter.config.target_layer_ids]
-            calibrate_target(
-                self.target, self.cost, sizes=sizes, repeats=1, budget_s=1.0, output_hidden_states=layers
-            )
-
     def _drafter_forward(self, decoding: list[Request], gamma: float):
-        """One batched drafter forward over ``decoding``: k̂ per request, the block states, finite flags; sets each
-        request's ``last_acceptance`` (â)."""
+        """One batched drafter forward over ``decoding``: the adaptive rule's k̂ per request, the block states,
+        finite flags; sets each request's ``last_acceptance`` (â; 0 for a non-finite block)."""
         drafter = self.drafter
         device = next(drafter.parameters()).device
         contexts = [r.pending_context for r in decoding]
@@ -839,17 +652,18 @@ class AdaFlashEngine:
             position_ids=batch.position_ids,
             cache=DrafterSlotCache(self.drafter_store, batch),
         )
-        for request, features, acceptance in zip(decoding, contexts, out.acceptance_prob.float().tolist()):
+        states = out.last_hidden_state
+        finite = (
+            torch.isfinite(states).flatten(1).all(1) & torch.isfinite(out.acceptance_prob.float())
+        ).tolist()
+        for request, features, acceptance, ok in zip(
+            decoding, contexts, out.acceptance_prob.float().tolist(), finite
+        ):
             request.drafter_len += features.shape[0]
             request.pending_context = None
-            request.last_acceptance = acceptance
-        states = out.last_hidden_state
-        finite = torch.isfinite(states).flatten(1).all(1) & torch.isfinite(out.acceptance_prob.float())
-        if self.settings.length_mode == "fixed":
-            lengths = [self.block_size - 1] * len(decoding)
-        else:
-            lengths = drafter.predict_draft_length(out.acceptance_prob, gamma, self.settings.min_len).tolist()
-        return lengths, states, finite.tolist()
+            request.draft.last_acceptance = acceptance if ok else 0.0
+        lengths = drafter.predict_draft_length(out.acceptance_prob, gamma, self.settings.min_len).tolist()
+        return lengths, states, finite
 
     def _propose(
         self, block_states, rows, lookups, lengths: list[int], full: bool = False
@@ -909,7 +723,7 @@ class AdaFlashEngine:
         for request, rows, start in zip(requests, row_counts, cu.tolist()):
             params = request.params
             if params.temperature > 0:
-                logits[start : start + rows] = _filter_logits(logits[start : start + rows], params)
+                logits[start : start + rows] = filter_logits(logits[start : start + rows], params)
                 accept_u.append(torch.rand(rows - 1, generator=request.generator))
                 sample_u.append(torch.rand(1, generator=request.generator))
             else:
@@ -956,12 +770,7 @@ class AdaFlashEngine:
                 request.drafted += len(proposed)
                 request.accepted += n_accepted
                 request.verify_rounds += 1
-                if source == "lookup" and request.shadows is None:
-                    request.lookup.add(len(proposed), n_accepted)
-                    if request.lookups is not None and request.lookup_match is not None:
-                        request.lookups.observe(request.lookup_match, len(proposed), n_accepted)
-                if request.shadows is not None:
-                    request.shadows.resolve(request.prompt + request.output)
+                request.draft.observe_committed(request.prompt + request.output)
             offset += lengths[i]
             if request.finish_reason is not None:
                 self._release(request)

@@ -14,9 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from adaflash_hf.acceptance import LookupModel, ShadowLabels
-from adaflash_hf.drafting import SkipGate
-from adaflash_hf.lookup import LookupIndex, LookupRecord
+from adaflash_hf.lookup import LookupIndex
+from adaflash_hf.policy import DraftState
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 
@@ -89,16 +88,7 @@ class Request:
     verify_rounds: int = 0
     drafter_fallbacks: int = 0  # steps whose drafter block was non-finite (k̂ = 0)
     lookup_index: LookupIndex | None = None  # hybrid only: the committed tokens, for lookup proposals
-    lookup: LookupRecord = field(default_factory=LookupRecord)  # the request's lookup rounds so far
-    last_acceptance: float | None = None  # the length head's newest â for this request
-    # goodput only: whether the next steps run the drafter, the newest block's expected gains, and the
-    # (confidences, â) of the block verified this step, for the acceptance model
-    gate: SkipGate = field(default_factory=SkipGate)
-    last_gains: list[float] | None = None
-    goodput_round: tuple[list[float], float] | None = None
-    shadows: ShadowLabels | None = None  # greedy requests: labels for every proposal from the committed text
-    lookups: LookupModel | None = None  # how far this request's lookup continuations get accepted
-    lookup_match: int | None = None  # the match length of the lookup verified this step
+    draft: DraftState | None = None  # drafting memory between steps (adaflash_hf.policy)
 
     @property
     def anchor(self) -> int:
@@ -136,3 +126,61 @@ class RequestOutput:
     new_tokens: list[int]
     finished: bool
     finish_reason: str | None = None
+
+
+def filter_logits(rows: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature, then top-k and top-p (joint support, on the tempered distribution) as -inf masks."""
+    rows = rows / params.temperature
+    if params.top_k and params.top_k < rows.shape[-1]:
+        kth = rows.topk(params.top_k, dim=-1).values[..., -1:]
+        rows = rows.masked_fill(rows < kth, float("-inf"))
+    if params.top_p < 1.0:
+        ordered, order = rows.sort(dim=-1, descending=True)
+        cumulative = ordered.softmax(-1).cumsum(-1)
+        # Keep a token while the mass before it is < top_p: the top token always survives.
+        drop = (cumulative - ordered.softmax(-1)) >= params.top_p
+        rows = rows.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return rows
+
+
+def describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {list(value.shape)}"
+    return (
+        f"{type(value).__name__} {value!r}"
+        if isinstance(value, (str, bool, type(None)))
+        else type(value).__name__
+    )
+
+
+def prompt_tokens(prompt_ids) -> list[int]:
+    """One prompt's token ids as a list of ints: a 1-D integer tensor or array, a [1, L] tensor, or a sequence of
+    ints. Anything else (text, None, booleans, floats, a batch of several prompts, nested lists) is refused, naming
+    ``prompt_ids`` and what it got."""
+    expected = "token ids: a 1-D integer tensor, a [1, L] tensor or a list of ints"
+    if isinstance(prompt_ids, (str, bytes)) or prompt_ids is None:
+        raise TypeError(f"prompt_ids: expected {expected} (tokenize text first), got {describe(prompt_ids)}")
+    if not isinstance(prompt_ids, torch.Tensor):
+        items = list(prompt_ids) if isinstance(prompt_ids, (list, tuple)) else None
+        if items is not None and any(isinstance(t, bool) for t in items):
+            raise TypeError(f"prompt_ids: expected {expected}, got a list holding booleans {items[:8]}")
+        if items is not None and all(isinstance(t, int) for t in items):
+            prompt_ids = torch.tensor(items, dtype=torch.long)
+        else:
+            try:
+                prompt_ids = torch.as_tensor(prompt_ids)
+            except (TypeError, ValueError, RuntimeError):
+                raise TypeError(f"prompt_ids: expected {expected}, got {describe(prompt_ids)}") from None
+    if prompt_ids.dtype == torch.bool or prompt_ids.is_floating_point() or prompt_ids.is_complex():
+        raise TypeError(f"prompt_ids: expected {expected}, got {describe(prompt_ids)}")
+    if prompt_ids.dim() == 2 and prompt_ids.shape[0] != 1:
+        raise ValueError(
+            f"prompt_ids: expected one prompt, got a batch of shape {list(prompt_ids.shape)}; add each row as its own "
+            "request (or pass them all to generate)"
+        )
+    if prompt_ids.dim() > 2:
+        raise ValueError(f"prompt_ids: expected one prompt, got {describe(prompt_ids)}")
+    prompt = prompt_ids.reshape(-1).tolist()
+    if not prompt:
+        raise ValueError("prompt_ids: expected at least one token, got an empty prompt")
+    return prompt

@@ -1,0 +1,379 @@
+"""Each round's drafting decisions, for a batch of any size: who runs the drafter, how many drafts each request
+verifies and from which source, and what the verified round teaches.
+
+``generate`` (``adaflash_hf.generation``) is a batch of one; the engine (``adaflash_hf.serving.engine``) a batch of
+its decoding requests. Both run the same three calls per round, around their own forwards:
+
+    flags   = policy.start(slots, step)           # before the drafter: who drafts (gates, lookup alone)
+    choices = policy.choose(slots, blocks, step)  # after it: each request's source and length
+    policy.learn(slots, choices, accepted)        # after verification
+
+``RulePolicy`` is the paper's adaptive rule (k̂ from the length head) or DFlash's fixed length; ``GoodputPolicy``
+picks the lengths with the most expected committed tokens per second (``adaflash_hf.drafting``), from its
+``CostModel`` (every cost estimate: forwards, drafter, the measured plain step) and ``AcceptanceModel``. A request's
+memory between rounds is its ``DraftState``, shared by both policies, so a caller may switch policy from one round to
+the next (the engine does under ``length_mode="auto"``). Lookup continuations (hybrid drafting) are valued by one
+estimator, the request's ``LookupModel``, both where a policy chooses between them and the block and where
+``lookup_min_prob`` truncates them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from adaflash_hf.acceptance import AcceptanceModel, LookupModel, ShadowLabels, acceptance_model_for
+from adaflash_hf.cost_model import CostModel, calibrate_target, cost_model_for
+from adaflash_hf.drafting import REACH_FOR_MORE_ROWS, DraftingSettings, SkipGate, draft_surplus, plan_round
+from adaflash_hf.lookup import LookupProposal
+
+
+@dataclass
+class DraftState:
+    """One request's drafting memory between rounds (a ``generate`` call's, or an engine request's)."""
+
+    gate: SkipGate  # goodput: whether the next rounds run the drafter
+    lookups: LookupModel  # how far this request's lookup continuations get accepted
+    shadows: ShadowLabels | None = None  # greedy goodput: labels for every proposal from the committed text
+    last_acceptance: float | None = None  # the length head's newest â
+    last_gains: list[float] | None = None  # the newest block's P(drafts 1..j accepted)
+    block: tuple[list[float], float] | None = (
+        None  # (confidences, â) of the block this round verifies (goodput)
+    )
+
+    def observe_committed(self, sequence: Sequence[int]) -> None:
+        """The committed text so far (prompt + output): settles the shadow labels it decides."""
+        if self.shadows is not None:
+            self.shadows.resolve(sequence)
+
+
+@dataclass(frozen=True)
+class Slot:
+    """A request in this round: its state, the drafts it can still keep, its lookup continuation (hybrid, cut by
+    ``lookup_min_prob``), and where its first draft goes (its committed tokens)."""
+
+    state: DraftState
+    room: int
+    proposal: LookupProposal | None
+    position: int
+
+
+@dataclass(frozen=True)
+class Block:
+    """One request's drafter block: the length head's â, whether every state is finite, the adaptive rule's k̂,
+    and, for a policy that reads them (``wants_confidences``), the drafter's argmax proposals for the first rows
+    and its confidence (softmax maximum) in each."""
+
+    head: float
+    finite: bool
+    rule_length: int
+    confidences: tuple[float, ...] = ()
+    tokens: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Step:
+    """The forward a round shares: the requests in it (verifies + prefills), its prefill tokens, and the budget of
+    verify tokens its drafts may use beyond one per verifying request (None: no budget)."""
+
+    running: int = 1
+    prefill_tokens: int = 0
+    budget: int | None = None
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What a request verifies this round: ``"diffusion"`` (the first ``length`` rows of its block; 0: the drafter
+    ran, no draft pays), ``"lookup"`` (the first ``length`` tokens of its continuation) or ``"plain"`` (nothing,
+    and the drafter did not run)."""
+
+    source: str
+    length: int
+    drafter_ran: bool
+
+
+PLAIN = Choice("plain", 0, False)
+
+
+def expected_lookup_accepted(state: DraftState, proposal: LookupProposal, length: int | None = None) -> float:
+    """Expected accepted tokens of the first ``length`` tokens of a lookup continuation (default: all)."""
+    return sum(state.lookups.gains(proposal)[:length])
+
+
+def truncate_lookup(proposal: LookupProposal | None, lookups: LookupModel, min_prob: float):
+    """The continuation cut to the tokens whose chance of being reached and accepted is at least ``min_prob`` (at
+    least one token): a weak match does not make the target verify a long continuation it will reject."""
+    if proposal is None or not proposal.tokens or min_prob <= 0:
+        return proposal
+    keep = max(1, sum(g >= min_prob for g in lookups.gains(proposal)))
+    if keep == len(proposal.tokens):
+        return proposal
+    return LookupProposal(
+        tokens=proposal.tokens[:keep], match_length=proposal.match_length, support=proposal.support
+    )
+
+
+def lookup_beats_block(proposal: LookupProposal | None, lookups: LookupModel, head, block_size: int) -> bool:
+    """The adaptive rule's choice: lookup wins when its expected accepted tokens beat the block's â · (B - 1). No
+    proposal never wins (an empty index is diffusion-only); a non-finite â counts as 0 (such a block drafts
+    nothing)."""
+    if proposal is None or not proposal.tokens:
+        return False
+    head = head if head is not None and math.isfinite(head) else 0.0
+    return sum(lookups.gains(proposal)) > head * (block_size - 1)
+
+
+class DraftingPolicy:
+    """The shape every policy has (see the module docstring); also what every policy learns from a lookup round."""
+
+    wants_confidences = False  # whether ``choose`` reads a block's confidences (they cost lm_head rows)
+
+    def __init__(self, settings: DraftingSettings, block_size: int):
+        self.settings = settings
+        self.block_size = block_size
+
+    def new_state(self, lookups: LookupModel, greedy: bool) -> DraftState:
+        """A request's fresh state; its lookup model starts from ``lookups`` (the caller's shared one)."""
+        return DraftState(gate=SkipGate(max_skip=self.settings.max_skip), lookups=LookupModel(parent=lookups))
+
+    def calibrate(self, target, **forward_kwargs) -> None:
+        """Measure what the policy's cost model needs before its first round (goodput)."""
+
+    def start(self, slots: Sequence[Slot], step: Step) -> list[bool]:
+        raise NotImplementedError
+
+    def choose(self, slots: Sequence[Slot], blocks: Sequence[Block | None], step: Step) -> list[Choice]:
+        raise NotImplementedError
+
+    def more_rows(self, confidences: Sequence[float], head: float) -> bool:
+        """Whether a block's confidences past the first rows are worth their lm_head rows."""
+        return False
+
+    def learn(self, slots: Sequence[Slot], choices: Sequence[Choice], accepted: Sequence[int]) -> None:
+        for slot, choice, n in zip(slots, choices, accepted):
+            # Greedy goodput requests learn from ShadowLabels (every proposal, after the commit) instead.
+            if choice.source == "lookup" and slot.state.shadows is None:
+                slot.state.lookups.observe(slot.proposal.match_length, choice.length, n)
+
+    def observe_step(self, verify_tokens: int, step: Step, seconds: float) -> None:
+        """The target forward's seconds (goodput learns its cost curve from them)."""
+
+    def observe_drafter(self, requests: int, seconds: float) -> None:
+        """A drafter forward's seconds."""
+
+    def judge_step(
+        self,
+        drafted: bool,
+        committed: int,
+        verifies: int,
+        step: Step,
+        seconds: float,
+        target_seconds: float = 0.0,
+        verified: int = 0,
+    ) -> None:
+        """The whole step's wall time (goodput's safety net under the per-request plan)."""
+
+
+class PlainPolicy(DraftingPolicy):
+    """No drafter: every request verifies nothing (plain decoding)."""
+
+    def start(self, slots, step):
+        return [False] * len(slots)
+
+    def choose(self, slots, blocks, step):
+        return [PLAIN] * len(slots)
+
+
+class RulePolicy(DraftingPolicy):
+    """The paper's rule (``fixed=False``: k̂ = clamp(floor(γ·â·(B-1)), min_len, B-1) from the length head) or DFlash's
+    (``fixed=True``: B - 1 drafts); in hybrid, lookup wins where its expected accepted tokens beat â · (B - 1), and a
+    lookup that beats the last â skips the drafter forward."""
+
+    def __init__(self, settings: DraftingSettings, block_size: int, fixed: bool):
+        super().__init__(settings, block_size)
+        self.fixed = fixed
+
+    def start(self, slots, step):
+        return [
+            not (s.state.last_acceptance is not None and self._lookup_wins(s, s.state.last_acceptance))
+            for s in slots
+        ]
+
+    def _lookup_wins(self, slot: Slot, head) -> bool:
+        return lookup_beats_block(slot.proposal, slot.state.lookups, head, self.block_size)
+
+    def choose(self, slots, blocks, step):
+        choices = []
+        for slot, block in zip(slots, blocks):
+            if block is None or self._lookup_wins(slot, block.head):
+                choices.append(Choice("lookup", len(slot.proposal.tokens), block is not None))
+                continue
+            length = (self.block_size - 1 if self.fixed else block.rule_length) if block.finite else 0
+            choices.append(Choice("diffusion", min(length, slot.room), True))
+        return choices
+
+
+@dataclass
+class _Round:
+    """What ``GoodputPolicy.start`` leaves for ``choose``: per request its options (gains) and their kinds, the
+    step's cost curve and plan base."""
+
+    options: list[list[list[float]]]
+    kinds: list[list[str]]
+    curve: Callable[[int], float] | None = None
+    base: dict = field(default_factory=dict)
+    share: float = 0.0
+
+
+class GoodputPolicy(DraftingPolicy):
+    """Per request and round the k in 0..B-1 (and in hybrid the source) with the most expected committed tokens per
+    second of the shared forward (``drafting.plan_round``), from the cost model and the acceptance model; requests
+    whose drafting did not pay skip the drafter for a while (``SkipGate``), and, where whole steps are judged
+    (``judge_step``: the engine), so does the whole batch while drafted steps lose to plain ones."""
+
+    wants_confidences = True
+
+    def __init__(
+        self, settings: DraftingSettings, block_size: int, cost: CostModel, acceptance: AcceptanceModel
+    ):
+        super().__init__(settings, block_size)
+        self.cost = cost
+        self.acceptance = acceptance
+        self.batch_gate = SkipGate(max_skip=settings.max_skip)
+        self.round = _Round([], [])
+
+    def new_state(self, lookups, greedy):
+        """A greedy request also labels every proposal from its committed text (``ShadowLabels``)."""
+        state = super().new_state(lookups, greedy)
+        state.shadows = ShadowLabels(self.acceptance, state.lookups) if greedy else None
+        return state
+
+    def calibrate(self, target, **forward_kwargs):
+        if self.settings.calibrate and not self.cost.calibrated:
+            calibrate_target(target, self.cost, **forward_kwargs)
+
+    def start(self, slots, step):
+        options = [[g] if (g := s.state.lookups.gains(s.proposal)) else [] for s in slots]
+        self.round = _Round(options, [["lookup"] if o else [] for o in options])
+        for slot in slots:
+            if slot.state.shadows is not None:
+                slot.state.shadows.add_lookup(slot.position, slot.proposal)
+        count = len(slots)
+        # The plan counts verify tokens (anchors + drafts); the curve prices them beside the step's prefills.
+        curve = self.cost.step_curve(step.running, step.prefill_tokens)
+        if (
+            not slots
+            or curve is None
+            or not self.cost.knows_target(step.prefill_tokens + count, step.running)
+        ):
+            return [False] * count  # a plain step measures the k = 0 baseline first
+        self.round.curve = curve
+        self.round.base = {
+            "base_tokens": count,
+            "base_committed": float(step.running),
+            "target_seconds": curve,
+        }
+        self.round.share = self.cost.marginal_drafter_seconds(count)
+        batch_open = self.batch_gate.should_draft()
+        return [
+            batch_open and s.room > 0 and s.state.gate.should_draft() and not self._lookup_alone_wins(s, o)
+            for s, o in zip(slots, options)
+        ]
+
+    def _lookup_alone_wins(self, slot: Slot, options: list) -> bool:
+        """Whether the lookup continuation, without the drafter, beats the last block's gains with it."""
+        if not options or slot.state.last_gains is None:
+            return False
+        base = self.round.base
+        alone = plan_round([options], drafter_seconds=0.0, **base)
+        drafted = plan_round(
+            [[slot.state.last_gains[: slot.room], *options]], drafter_seconds=self.round.share, **base
+        )
+        return alone.goodput >= drafted.goodput
+
+    def more_rows(self, confidences, head):
+        return bool(confidences) and self.acceptance.gains(confidences, head)[-1] > REACH_FOR_MORE_ROWS
+
+    def choose(self, slots, blocks, step):
+        r = self.round
+        if r.curve is None:
+            return [PLAIN] * len(slots)
+        drafting = sum(b is not None for b in blocks)
+        for i, (slot, block) in enumerate(zip(slots, blocks)):
+            if block is None:
+                continue
+            state = slot.state
+            state.last_gains = []
+            if not block.finite:
+                continue
+            state.last_gains = self.acceptance.gains(block.confidences, block.head)
+            state.block = (list(block.confidences), block.head)
+            if state.shadows is not None:
+                state.shadows.add_block(slot.position, block.tokens, block.confidences, block.head)
+            r.options[i], r.kinds[i] = [state.last_gains, *r.options[i]], ["diffusion", *r.kinds[i]]
+        drafter_seconds = self.cost.drafter_seconds(drafting) if drafting else 0.0
+        budget = None if step.budget is None else step.budget - step.prefill_tokens - len(slots)
+        plan = plan_round(r.options, drafter_seconds=drafter_seconds, budget=budget, **r.base)
+        return self._choices(slots, blocks, plan, budget)
+
+    def _choices(self, slots, blocks, plan, budget) -> list[Choice]:
+        r, count = self.round, len(slots)
+        plain = r.curve(count)
+        rate = r.base["base_committed"] / plain
+        spare = math.inf if budget is None else budget - sum(plan.lengths)
+        choices = []
+        for i, (slot, block) in enumerate(zip(slots, blocks)):
+            state, length = slot.state, plan.lengths[i]
+            source = None if plan.sources[i] is None else r.kinds[i][plan.sources[i]]
+            ran = block is not None
+            if source is None and ran and state.gate.probing and state.shadows is None:
+                if state.last_gains and spare > 0:  # sampling: a probe verifies one draft, the only label
+                    source, length, spare = "diffusion", 1, spare - 1
+            if ran:
+                gains = state.last_gains or []
+                surplus = draft_surplus(gains, lambda k: r.curve(count + k) - plain, rate)
+                state.gate.record(surplus, rate * r.share)
+            choices.append(Choice(source or ("diffusion" if ran else "plain"), length, ran))
+        return choices
+
+    def learn(self, slots, choices, accepted):
+        super().learn(slots, choices, accepted)
+        for slot, choice, n in zip(slots, choices, accepted):
+            state = slot.state
+            if choice.source == "diffusion" and choice.length and state.block and state.shadows is None:
+                self.acceptance.update(*state.block, choice.length, n)
+            state.block = None
+
+    def observe_step(self, verify_tokens, step, seconds):
+        self.cost.observe_step(verify_tokens, step.prefill_tokens, step.running, seconds)
+
+    def observe_drafter(self, requests, seconds):
+        self.cost.observe_drafter(requests, seconds)
+
+    def judge_step(self, drafted, committed, verifies, step, seconds, target_seconds=0.0, verified=0):
+        """The safety net under the per-request plan: everything it does not price (the drafter's fixed cost when few
+        requests draft, the confidences, the bookkeeping) shows in the step's wall time. A drafted step is worth its
+        committed tokens minus what plain decoding would have committed in the same seconds
+        (``CostModel.plain_step_seconds``); while that average stays negative the whole batch skips the drafter
+        (``SkipGate``'s backoff, with probes). ``verified``: the step's verified drafts (a step that verified lookup
+        continuations without the drafter is no plain step)."""
+        if not drafted:
+            whole = not step.prefill_tokens and not verified
+            self.cost.observe_plain_step(step.running, seconds, target_seconds, whole)
+            return
+        plain_seconds = self.cost.plain_step_seconds(step.running, step.prefill_tokens, verifies)
+        if plain_seconds is not None:
+            self.batch_gate.record(committed - verifies * seconds / plain_seconds, 0.0)
+
+
+def policy_for(length_mode: str, settings: DraftingSettings, target, drafter, kind: str) -> DraftingPolicy:
+    """The policy of a resolved length mode (``DraftingSettings.length_mode_for``) for ``drafter`` on ``target``;
+    goodput keeps the target's cost model for ``kind`` forwards (``cost_model_for``) and the drafter's acceptance
+    model, both shared with every other call that uses them."""
+    block_size = drafter.config.block_size
+    if length_mode == "goodput":
+        return GoodputPolicy(
+            settings, block_size, cost_model_for(target, kind), acceptance_model_for(drafter)
+        )
+    return RulePolicy(settings, block_size, fixed=length_mode == "fixed")
