@@ -1,7 +1,7 @@
 """adaflash-hf: AdaFlash adaptive-length block-diffusion drafters for Hugging Face transformers and TRL.
 
 ``import adaflash_hf`` registers ``AdaFlashConfig``/``AdaFlashDrafter`` with the Auto classes and installs the
-narrow ``generate(..., assistant_model=drafter)`` hook (``adaflash_hf.generation``; ``enable()``/``disable()``): that
+narrow ``generate(..., assistant_model=drafter)`` hook (``adaflash_hf.generate_hook``; ``enable()``/``disable()``): that
 costs torch, transformers and the drafter's modules. The other public names (the serving engine and its kernels,
 ``prepare_target``: bf16 where this CPU has bf16 dot products, with a batch-invariant forward) load on first use.
 The ``adaflash`` console script defers even the hook to the command it runs (``install()``), so ``adaflash --help``
@@ -17,9 +17,9 @@ from pathlib import Path
 # public name -> the module that defines it, imported on first access (PEP 562)
 _PUBLIC = {
     "AdaFlashCandidateGenerator": "adaflash_hf.generation",
-    "disable": "adaflash_hf.generation",
-    "enable": "adaflash_hf.generation",
-    "is_enabled": "adaflash_hf.generation",
+    "disable": "adaflash_hf.generate_hook",
+    "enable": "adaflash_hf.generate_hook",
+    "is_enabled": "adaflash_hf.generate_hook",
     "AdaFlashConfig": "adaflash_hf.modeling",
     "AdaFlashDrafter": "adaflash_hf.modeling",
     "AdaFlashDrafterOutput": "adaflash_hf.modeling",
@@ -51,7 +51,7 @@ def install() -> None:
     untested transformers the package stays importable and a warning says why generate will not adapt."""
     from transformers.utils import logging
 
-    from adaflash_hf.generation import enable
+    from adaflash_hf.generate_hook import enable
     from adaflash_hf.registration import register
 
     register()

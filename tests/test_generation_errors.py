@@ -6,7 +6,7 @@ from transformers import GenerationConfig
 
 import adaflash_hf
 from adaflash_hf import AdaFlashCandidateGenerator
-from adaflash_hf.generation import check_transformers_support
+from adaflash_hf.generate_hook import check_transformers_support
 
 PROMPT = torch.tensor([[5, 17, 99, 3, 250, 8]])
 

@@ -7,7 +7,6 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-import adaflash_hf.generation
 import adaflash_hf.policy
 import adaflash_hf.serving.engine
 from adaflash_hf import AdaFlashCandidateGenerator

@@ -14,7 +14,7 @@ The layers, from the bottom; a module may import its own layer and the layers be
 1. foundations: plain helpers every layer above shares: ``stats``, ``draft_vocab``, ``lookup``, ``drafting``, ``cost_model``, ``acceptance``, ``policy`` (each round's drafting decisions),
    ``atomic``, ``assets``, ``data``, ``launch`` (how a command starts: options, ``--config`` files, the training
    scripts' launch line), ``registration`` and ``cpu`` (the CPU's bf16 units);
-2. decoding and checkpoints: the public package ``adaflash_hf`` (its ``__init__``), ``generation`` (the generate hook),
+2. decoding and checkpoints: the public package ``adaflash_hf`` (its ``__init__``), ``generation`` (the candidate generator), ``generate_hook`` (the generate hook),
    ``prepare`` and ``invariant_forward`` (the prepared target and its batch-invariant forward),
    ``serving.*`` (the engine), ``interop`` and ``hub``;
 3. online learning: ``online.*`` (buffer, hot reload, the serve/train loop; it gets its trainer from the caller);
@@ -57,6 +57,7 @@ LAYERS = [
         (
             "adaflash_hf",
             "adaflash_hf.generation",
+            "adaflash_hf.generate_hook",
             "adaflash_hf.prepare",
             "adaflash_hf.invariant_forward",
             "adaflash_hf.serving.*",
