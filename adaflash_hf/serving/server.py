@@ -55,15 +55,10 @@ def build_engine(
     """The server's engine: plain decoding without a drafter, else AdaFlash with the given drafting settings."""
     block = drafter.config.block_size if drafter is not None else 16
     admission = AdmissionConfig(max_running=max_running, token_budget=max(2048, max_running * block))
-    if drafter is None:  # plain decoding
-        return AdaFlashEngine(target, mode="plain", admission=admission, seed=seed)
+    if drafter is None:
+        return AdaFlashEngine(target, admission=admission, seed=seed)
     return AdaFlashEngine(
-        target,
-        drafter,
-        admission=admission,
-        draft_source=draft_source,
-        length_mode=length_mode,
-        seed=seed,
+        target, drafter, admission=admission, draft_source=draft_source, length_mode=length_mode, seed=seed
     )
 
 
