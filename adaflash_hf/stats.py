@@ -148,3 +148,39 @@ class AdaFlashStats:
             + f" k0_rounds={self.zero_length_rounds} skipped_drafter_forwards={self.skipped_drafter_forwards}"
             + (f" nonfinite_blocks={self.nonfinite_blocks}" if self.nonfinite_blocks else "")
         )
+
+
+@dataclass
+class StepStats:
+    step: int
+    running: int  # requests in the target forward (prefills + verifies)
+    waiting: int  # still queued after admission
+    admitted: int
+    kv_reserved: int  # target KV positions reserved by the requests in this step
+    prefill_tokens: int
+    draft_tokens: int  # Σ k̂_i over verifying requests
+    verify_tokens: int  # Σ (k̂_i + 1)
+    accepted: int  # accepted drafts
+    committed: int  # tokens committed by verifies (accepted + 1 each, cut at EOS / length)
+    verifies: int
+    gamma: float
+    ema_running: float
+    drafter_fallbacks: int  # requests whose drafter block was non-finite: k̂ = 0
+    drafter_seconds: float
+    target_seconds: float
+    seconds: float
+    lookup_verifies: int = 0  # verifying requests whose drafts came from lookup (hybrid)
+    lookup_accepted: int = 0  # accepted lookup drafts
+    skipped_drafter: int = (
+        0  # verifying requests that ran no drafter forward this step (goodput, lookup-only)
+    )
+    zero_length_verifies: int = 0  # verifying requests with k = 0 (plain decoding for them)
+
+    @property
+    def tau(self) -> float:
+        """Committed tokens per verifying request in this step (accepted + 1)."""
+        return tau_of(self.committed, self.verifies)
+
+    @property
+    def mean_verify_length(self) -> float:
+        return self.draft_tokens / self.verifies if self.verifies else 0.0

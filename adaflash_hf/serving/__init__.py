@@ -8,8 +8,9 @@
 
 from adaflash_hf.drafting import DraftingSettings
 from adaflash_hf.serving.admission import AdmissionConfig
-from adaflash_hf.serving.engine import MODES, AdaFlashEngine, StepStats
+from adaflash_hf.serving.engine import MODES, AdaFlashEngine
 from adaflash_hf.serving.requests import RequestOutput, SamplingParams
+from adaflash_hf.stats import StepStats
 
 __all__ = [
     "MODES",

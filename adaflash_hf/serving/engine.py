@@ -37,6 +37,7 @@ verified drafts, or every block row's proposal with ``engine.record_full_drafts`
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import time
 import warnings
@@ -48,8 +49,8 @@ import torch
 from transformers.utils import logging
 
 from adaflash_hf.acceptance import LookupModel
-from adaflash_hf.draft_vocab import draft_logits, draft_tokens
-from adaflash_hf.drafting import CONFIDENCE_ROWS, DraftingSettings
+from adaflash_hf.draft_vocab import block_confidences, draft_tokens
+from adaflash_hf.drafting import DraftingSettings
 from adaflash_hf.kernels.verify_accept import verify_accept
 from adaflash_hf.lookup import LookupIndex
 from adaflash_hf.policy import (
@@ -81,47 +82,11 @@ from adaflash_hf.serving.requests import (
     filter_logits,
     prompt_tokens,
 )
-from adaflash_hf.stats import RoundRecord, tau_of
+from adaflash_hf.stats import RoundRecord, StepStats
 
 logger = logging.get_logger(__name__)
 
 MODES = ("plain", "dflash", "adaflash")
-
-
-@dataclass
-class StepStats:
-    step: int
-    running: int  # requests in the target forward (prefills + verifies)
-    waiting: int  # still queued after admission
-    admitted: int
-    kv_reserved: int  # target KV positions reserved by the requests in this step
-    prefill_tokens: int
-    draft_tokens: int  # Σ k̂_i over verifying requests
-    verify_tokens: int  # Σ (k̂_i + 1)
-    accepted: int  # accepted drafts
-    committed: int  # tokens committed by verifies (accepted + 1 each, cut at EOS / length)
-    verifies: int
-    gamma: float
-    ema_running: float
-    drafter_fallbacks: int  # requests whose drafter block was non-finite: k̂ = 0
-    drafter_seconds: float
-    target_seconds: float
-    seconds: float
-    lookup_verifies: int = 0  # verifying requests whose drafts came from lookup (hybrid)
-    lookup_accepted: int = 0  # accepted lookup drafts
-    skipped_drafter: int = (
-        0  # verifying requests that ran no drafter forward this step (goodput, lookup-only)
-    )
-    zero_length_verifies: int = 0  # verifying requests with k = 0 (plain decoding for them)
-
-    @property
-    def tau(self) -> float:
-        """Committed tokens per verifying request in this step (accepted + 1)."""
-        return tau_of(self.committed, self.verifies)
-
-    @property
-    def mean_verify_length(self) -> float:
-        return self.draft_tokens / self.verifies if self.verifies else 0.0
 
 
 def _check_engine_target(target):
@@ -472,8 +437,7 @@ class AdaFlashEngine:
         sources = ["diffusion" if lookup is None else "lookup" for lookup in drafted.lookups]
         # â of the blocks this step verifies (for the round recorder); NaN where no block of this step is verified.
         heads = [
-            r.draft.last_acceptance if row is not None else float("nan")
-            for r, row in zip(decoding, drafted.rows)
+            r.draft.last_acceptance if row is not None else math.nan for r, row in zip(decoding, drafted.rows)
         ]
 
         target_started = time.perf_counter()
@@ -492,6 +456,15 @@ class AdaFlashEngine:
             )
         self.running = [r for r in self.running if r.status == RUNNING]
         self.admission.update(len(decoding) + len(admitted), sum(lengths) + len(lengths), len(lengths))
+        timings = (started, drafter_seconds, target_seconds)
+        self._record_step(
+            admitted, decoding, drafted, lengths, accepted[len(admitted) :], committed, gamma, timings
+        )
+        return aborted + outputs
+
+    def _record_step(self, admitted, decoding, drafted, lengths, verified, committed, gamma, timings) -> None:
+        started, drafter_seconds, target_seconds = timings
+        sources = ["diffusion" if lookup is None else "lookup" for lookup in drafted.lookups]
         self.stats.append(
             StepStats(
                 step=len(self.stats),
@@ -499,10 +472,10 @@ class AdaFlashEngine:
                 waiting=len(self.waiting),
                 admitted=len(admitted),
                 kv_reserved=sum(r.kv_reservation for r in decoding + admitted),
-                prefill_tokens=prefill_tokens,
+                prefill_tokens=sum(len(r.prompt) for r in admitted),
                 draft_tokens=sum(lengths),
                 verify_tokens=sum(lengths) + len(lengths),
-                accepted=sum(accepted[len(admitted) :]),
+                accepted=sum(verified),
                 committed=committed,
                 verifies=len(decoding),
                 gamma=gamma,
@@ -512,12 +485,11 @@ class AdaFlashEngine:
                 target_seconds=target_seconds,
                 seconds=time.perf_counter() - started,
                 lookup_verifies=sources.count("lookup"),
-                lookup_accepted=sum(a for a, s in zip(accepted[len(admitted) :], sources) if s == "lookup"),
+                lookup_accepted=sum(a for a, s in zip(verified, sources) if s == "lookup"),
                 skipped_drafter=drafted.ran.count(False) if self.drafter is not None else 0,
                 zero_length_verifies=lengths.count(0),
             )
         )
-        return aborted + outputs
 
     def _draft(self, policy: DraftingPolicy, decoding: list[Request], shape: Step, gamma: float) -> _Drafted:
         """The step's drafting: ``policy.start`` says who runs the drafter; ONE batched drafter forward over them
@@ -546,7 +518,11 @@ class AdaFlashEngine:
             heads = [decoding[i].draft.last_acceptance for i in drafting]
             confidences, tokens = [[] for _ in drafting], [[] for _ in drafting]
             if policy.wants_confidences:
-                confidences, tokens = self._confidences(policy, states, [room[i] for i in drafting], heads)
+                lm_head = self.target.get_output_embeddings()
+                rooms = [room[i] for i in drafting]
+                confidences, tokens = block_confidences(
+                    states, rooms, heads, lm_head, self.drafter.draft_token_ids, policy.more_rows
+                )
             policy.observe_drafter(len(drafting), time.perf_counter() - tick)
             for row, i in enumerate(drafting):
                 if not finite[row]:
@@ -593,38 +569,6 @@ class AdaFlashEngine:
                 "(output unchanged; counted in StepStats.drafter_fallbacks and the request's "
                 "drafter_fallbacks; warned once per request)"
             )
-
-    def _confidences(self, policy: DraftingPolicy, states, rooms: list[int], heads: list[float]):
-        """Per drafting request, its argmax proposals for block rows 1..n and the drafter's confidence (softmax
-        maximum) in each: the first ``CONFIDENCE_ROWS`` rows, all ``room`` rows where the policy wants them
-        (lm_head rows are what costs)."""
-        lm_head = self.target.get_output_embeddings()
-
-        def project(widths, start):
-            pieces = [states[row, 1 + start : 1 + w] for row, w in enumerate(widths) if w > start]
-            if not pieces:
-                return [], []
-            logits, token_ids = draft_logits(torch.cat(pieces), lm_head, self.drafter.draft_token_ids)
-            confidence, best = torch.softmax(logits.float(), dim=-1).max(dim=-1)
-            best = best if token_ids is None else token_ids[best]
-            return confidence.nan_to_num(0.0).tolist(), best.tolist()
-
-        first = [min(room, CONFIDENCE_ROWS) for room in rooms]
-        more = [0] * len(rooms)
-        confidences, tokens = [[] for _ in rooms], [[] for _ in rooms]
-        for start, widths in ((0, first), (CONFIDENCE_ROWS, more)):
-            flat_confidence, flat_tokens = project(widths, start)
-            for row, w in enumerate(widths):
-                n = max(0, w - start)
-                confidences[row] += flat_confidence[:n]
-                tokens[row] += flat_tokens[:n]
-                flat_confidence, flat_tokens = flat_confidence[n:], flat_tokens[n:]
-            if start == 0:
-                more[:] = [
-                    room if room > w and policy.more_rows(confidences[row], heads[row]) else 0
-                    for row, (room, w) in enumerate(zip(rooms, first))
-                ]
-        return confidences, tokens
 
     def _drafter_forward(self, decoding: list[Request], gamma: float):
         """One batched drafter forward over ``decoding``: the adaptive rule's k̂ per request, the block states,
