@@ -1,19 +1,31 @@
 """The verify-cost model of ``length_mode="goodput"``: seconds of one target forward on the machine at hand, by the
 tokens in it (and, in the engine, the running requests and prefill tokens), and of one drafter forward, learnt from
-the rounds themselves after a one-second calibration at first use. Kept per target, device and dtype
-(``cost_model_for``); a known machine's profile can replace it (``CostModel.profile``, ``use_cost_model``)."""
+the rounds themselves after a short calibration at first use. Kept per target, device and dtype
+(``cost_model_for``); a known machine's profile can replace it (``CostModel.profile``, ``use_cost_model``).
+
+The calibration is saved per machine (``calibrate_once``: a small JSON file keyed by the CPU model and flags, torch,
+its thread count, the target's architecture and dtype, under ``$ADAFLASH_CACHE``, default
+``~/.cache/adaflash_hf/cost``; an empty ``ADAFLASH_CACHE`` turns that off), so a second process starts calibrated
+and its first ``generate`` decodes at once; the rounds' own timings then take over as before."""
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import math
+import os
 import statistics
 import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
+
+from adaflash_hf.atomic import atomic_write_json
+from adaflash_hf.cpu import bf16_units, cpu_model
 
 
 def _token_bucket(tokens: int) -> int:
@@ -371,3 +383,62 @@ def _coarse_to_fine(sizes: list[int]) -> list[int]:
         order.append(sizes[middle])
         pending += [(low, middle), (middle, high)]
     return list(dict.fromkeys(order))
+
+
+def calibration_path(target, kind: str) -> Path | None:
+    """Where this machine's calibration of ``target`` for ``kind`` forwards is kept (None: saving is off)."""
+    root = os.environ.get("ADAFLASH_CACHE", str(Path.home() / ".cache" / "adaflash_hf"))
+    if not root:
+        return None
+    parameter = next(target.parameters())
+    config = target.config.get_text_config()
+    names = (
+        "model_type",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "vocab_size",
+    )
+    key = {
+        "cpu": cpu_model(),
+        "bf16_units": list(bf16_units()),
+        "capability": torch.backends.cpu.get_cpu_capability(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "kind": kind,
+        "device": str(parameter.device),
+        "dtype": str(parameter.dtype),
+        "target": [type(target).__name__, *(getattr(config, name, None) for name in names)],
+        "forward": type(target).forward.__qualname__ + str(getattr(target, "_adaflash_preparation", "")),
+    }
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return Path(root) / "cost" / f"{kind}-{digest}.json"
+
+
+def calibrate_once(target, cost: CostModel, kind: str, **calibration) -> str:
+    """Calibrate ``cost`` unless it is: from this machine's saved calibration where there is one, else by timing
+    forwards (``calibrate_target``) and saving them. Returns ``"calibrated"``, ``"loaded"`` or ``"measured"``."""
+    if cost.calibrated:
+        return "calibrated"
+    path = calibration_path(target, kind)
+    if path is not None and path.exists():
+        try:
+            table = json.loads(path.read_text())["target"]
+            for tokens, seconds in table.items():
+                for value in seconds:
+                    cost.observe_target(int(tokens), float(value))
+            cost.calibrated = True
+            return "loaded"
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # a damaged file is measured again and rewritten
+    calibrate_target(target, cost, **calibration)
+    if path is not None:
+        table = {str(n): list(v) for n, v in sorted(cost.target[0].items())}
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_json(path, {"target": table})
+        except OSError:
+            pass  # a read-only home: calibrate in every process, as without saving
+    return "measured"

@@ -25,6 +25,7 @@ from transformers.utils import logging
 from adaflash_hf.drafting import DraftingSettings
 from adaflash_hf.generation import _DRAFTERS_WITH_STATS, AdaFlashCandidateGenerator, drafting_settings
 from adaflash_hf.modeling import AdaFlashDrafter
+from adaflash_hf.prepare import is_prepared
 
 logger = logging.get_logger(__name__)
 
@@ -134,14 +135,19 @@ def validate_adaflash_generation(
 
 
 def _warn_unless_fp32(target) -> None:
-    """Once per target: the token-for-token promise holds in float32."""
+    """Once per target: the token-for-token promise holds in float32, and on a target whose forward is batch-invariant
+    (``adaflash_hf.prepare_target``) in any dtype."""
     dtype = next(target.parameters()).dtype
+    preparation = is_prepared(target)
+    if preparation is not None and preparation.invariant:
+        return
     if dtype != torch.float32 and target not in _WARNED_DTYPE:
         _WARNED_DTYPE.add(target)
         logger.warning(
             f"target dtype {dtype}: greedy outputs equal plain decoding token for token in float32; in {dtype} a "
             "row's logits can depend on how many rows share the forward, so speculative and plain greedy text may "
-            "differ where two tokens are nearly tied"
+            "differ where two tokens are nearly tied (adaflash_hf.prepare_target gives the target a batch-invariant "
+            "forward that makes them equal)"
         )
 
 

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from adaflash_hf.acceptance import AcceptanceModel, LookupModel, ShadowLabels, acceptance_model_for
-from adaflash_hf.cost_model import CostModel, calibrate_target, cost_model_for
+from adaflash_hf.cost_model import CostModel, calibrate_once, cost_model_for
 from adaflash_hf.drafting import REACH_FOR_MORE_ROWS, DraftingSettings, SkipGate, draft_surplus, plan_round
 from adaflash_hf.lookup import LookupProposal
 
@@ -235,10 +235,16 @@ class GoodputPolicy(DraftingPolicy):
     wants_confidences = True
 
     def __init__(
-        self, settings: DraftingSettings, block_size: int, cost: CostModel, acceptance: AcceptanceModel
+        self,
+        settings: DraftingSettings,
+        block_size: int,
+        cost: CostModel,
+        acceptance: AcceptanceModel,
+        kind: str = "generate",
     ):
         super().__init__(settings, block_size)
         self.cost = cost
+        self.kind = kind  # the forwards the cost model prices: "generate" or "engine"
         self.acceptance = acceptance
         self.batch_gate = SkipGate(max_skip=settings.max_skip)
         self.round = _Round([], [])
@@ -250,8 +256,9 @@ class GoodputPolicy(DraftingPolicy):
         return state
 
     def calibrate(self, target, **forward_kwargs):
+        """Once per cost model: this machine's saved calibration, else timed forwards (``calibrate_once``)."""
         if self.settings.calibrate and not self.cost.calibrated:
-            calibrate_target(target, self.cost, **forward_kwargs)
+            calibrate_once(target, self.cost, self.kind, **forward_kwargs)
 
     def start(self, slots, step):
         options = [[g] if (g := s.state.lookups.gains(s.proposal)) else [] for s in slots]

@@ -4,6 +4,9 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Goodput's calibration is saved per machine outside tests only: a test measures its own (tests/test_cost_model.py
+# turns saving on in a temporary folder).
+os.environ["ADAFLASH_CACHE"] = ""
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -254,3 +254,16 @@ def test_a_target_outside_float32_is_warned_about_once_per_target(
             target.generate(PROMPT, assistant_model=drafter, max_new_tokens=3, adaflash_length_mode="fixed")
     warned = [r.getMessage() for r in caplog.records if "target dtype torch.bfloat16" in r.getMessage()]
     assert len(warned) == 1 and "float32" in warned[0]
+
+
+def test_a_prepared_bf16_target_is_not_warned_about(target_factory, drafter_factory, monkeypatch, caplog):
+    import logging
+
+    import adaflash_hf
+
+    target = adaflash_hf.prepare_target(target_factory("qwen3"), dtype="bf16", check=False)
+    drafter = drafter_factory(target)
+    monkeypatch.setattr(logging.getLogger("transformers"), "propagate", True)  # to caplog's root handler
+    with caplog.at_level(logging.WARNING):
+        target.generate(PROMPT, assistant_model=drafter, max_new_tokens=3, adaflash_length_mode="fixed")
+    assert not [r for r in caplog.records if "target dtype" in r.getMessage()]
