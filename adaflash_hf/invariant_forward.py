@@ -44,16 +44,17 @@ def invariant_attention_forward(
     after this forward's update) -> ``([B, n, Hq, D], None)``."""
     if dropout:
         raise ValueError(f"{ATTENTION_NAME} attention: expected dropout 0 (inference only), got {dropout}")
-    batch, heads, count, dim = query.shape
-    start = key.shape[2] - count
-    out = query.new_empty(batch, count, heads, dim)
-    for b in range(batch):
+    start = key.shape[2] - query.shape[2]
+    outputs = []
+    for b in range(query.shape[0]):
         allowed = None
         if attention_mask is not None:
             mask = attention_mask[b if attention_mask.shape[0] > 1 else 0, 0]
             allowed = mask if mask.dtype == torch.bool else mask == 0
-        out[b] = sequence_attention(query[b], key[b], value[b], start, scaling, allowed).transpose(0, 1)
-    return out, None
+        outputs.append(
+            sequence_attention(query[b], key[b], value[b], start, scaling, allowed).transpose(0, 1)
+        )
+    return torch.stack(outputs), None
 
 
 def register_invariant_attention() -> str:

@@ -44,13 +44,23 @@ def _sample(heads: int, dim: int, span: int, dtype, device, rows: int, generator
     return query, (torch.arange(span)[None, :] <= last).to(device)
 
 
-def _keys_of_block(keys: torch.Tensor, span: int) -> torch.Tensor:
-    """``keys [Hkv, L, D]`` as a fresh ``[Hkv, span, D]``: its first ``span`` positions, zeros past ``L``."""
-    out = keys.new_empty(keys.shape[0], span, keys.shape[2])
+@functools.lru_cache(maxsize=256)
+def _causal_rows(first: int, last: int, span: int, group: int, device: torch.device) -> torch.Tensor:
+    """``[group * (last - first), span]`` bool: the queries at positions ``first .. last - 1`` may see keys up to their
+    own, repeated for the ``group`` heads of a GQA group. Every layer of a forward asks for the same: kept, never
+    written."""
+    index = torch.arange(span, device=device)
+    return (index[None, :] <= index[first:last, None]).repeat(group, 1)
+
+
+def _keys_of_block(keys: torch.Tensor, values: torch.Tensor, span: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``keys/values [Hkv, L, D]`` as fresh ``[Hkv, span, D]``: their first ``span`` positions, zeros past ``L``."""
+    out = keys.new_empty(2, keys.shape[0], span, keys.shape[2])
     available = min(span, keys.shape[1])
-    out[:, :available] = keys[:, :available]
-    out[:, available:] = 0
-    return out
+    out[0, :, :available] = keys[:, :available]
+    out[1, :, :available] = values[:, :available]
+    out[:, :, available:] = 0
+    return out[0], out[1]
 
 
 def sequence_attention(
@@ -68,26 +78,26 @@ def sequence_attention(
     kv_heads = keys.shape[0]
     group = heads // kv_heads
     scale = dim**-0.5 if scale is None else scale
-    out = query.new_empty(heads, count, dim)
+    outputs = []
     for block in range(start // key_block, (start + count - 1) // key_block + 1):
         first = max(start, block * key_block) - start
         last = min(start + count, (block + 1) * key_block) - start
         rows, span = last - first, (block + 1) * key_block
-        positions = torch.arange(start + first, start + last, device=query.device)
-        mask = torch.arange(span, device=query.device)[None, :] <= positions[:, None]
+        mask = _causal_rows(start + first, start + last, span, group, query.device)
         if allowed is not None:
+            extra = allowed.new_zeros(rows, span)
             width = min(span, allowed.shape[1])
-            mask[:, :width] &= allowed[first:last, :width]
-        block_keys, block_values = _keys_of_block(keys, span), _keys_of_block(values, span)
+            extra[:, :width] = allowed[first:last, :width]
+            mask = mask & extra.repeat(group, 1)
+        block_keys, block_values = _keys_of_block(keys, values, span)
         op = functools.partial(block_attention, keys=block_keys, values=block_values, scale=scale)
         key = ("attention", kv_heads, dim, span, query.dtype, query.device)
         sample = functools.partial(_sample, kv_heads, dim, span, query.dtype, query.device)
         plan = plan_for(key, op, sample, pads=(0.0, True))
         # rows of the call: (head of the GQA group, query), the group's heads sharing their key/value head
         block_query = query[:, first:last].reshape(kv_heads, group * rows, dim)
-        attended = plan.run(op, block_query, mask.repeat(group, 1))
-        out[:, first:last] = attended.reshape(heads, rows, dim)
-    return out
+        outputs.append(plan.run(op, block_query, mask).reshape(heads, rows, dim))
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
 
 
 def slot_invariant_attention(
