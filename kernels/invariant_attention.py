@@ -44,7 +44,7 @@ def _sample(heads: int, dim: int, span: int, dtype, device, rows: int, generator
     return query, (torch.arange(span)[None, :] <= last).to(device)
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=32)
 def _causal_rows(first: int, last: int, span: int, group: int, device: torch.device) -> torch.Tensor:
     """``[group * (last - first), span]`` bool: the queries at positions ``first .. last - 1`` may see keys up to their
     own, repeated for the ``group`` heads of a GQA group. Every layer of a forward asks for the same: kept, never
