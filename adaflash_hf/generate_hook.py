@@ -25,7 +25,6 @@ from transformers.utils import logging
 from adaflash_hf.drafting import DraftingSettings
 from adaflash_hf.generation import _DRAFTERS_WITH_STATS, AdaFlashCandidateGenerator, drafting_settings
 from adaflash_hf.modeling import AdaFlashDrafter
-from adaflash_hf.prepare import is_prepared
 
 logger = logging.get_logger(__name__)
 
@@ -137,6 +136,8 @@ def validate_adaflash_generation(
 def _warn_unless_fp32(target) -> None:
     """Once per target: the token-for-token promise holds in float32, and on a target whose forward is batch-invariant
     (``adaflash_hf.prepare_target``) in any dtype."""
+    from adaflash_hf.prepare import is_prepared  # its kernels load with the first call, not with the package
+
     dtype = next(target.parameters()).dtype
     preparation = is_prepared(target)
     if preparation is not None and preparation.invariant:

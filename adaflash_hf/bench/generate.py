@@ -196,6 +196,59 @@ def _first_mismatch(output: torch.Tensor, reference: torch.Tensor) -> int | None
     return next((i for i, (a, b) in enumerate(zip(out, ref)) if a != b), min(len(out), len(ref)))
 
 
+def _caller(target, drafter, gamma, min_len, lookup_min_prob):
+    """``call(method, input_ids, tokens, model=None) -> (output, seconds)``: one timed greedy decoding."""
+    eos = target.generation_config.eos_token_id
+    pad = target.generation_config.pad_token_id
+    pad = pad if pad is not None else (eos[0] if isinstance(eos, list) else eos)
+
+    def call(method: str, input_ids: torch.Tensor, tokens: int, model=None) -> tuple[torch.Tensor, float]:
+        config = GenerationConfig(max_new_tokens=tokens, do_sample=False, pad_token_id=pad)
+        if method in ADAFLASH_METHODS:
+            config.adaflash_gamma, config.adaflash_min_len = gamma, min_len
+            config.adaflash_lookup_min_prob = lookup_min_prob
+        started = time.perf_counter()
+        with torch.inference_mode():
+            output = RUNNERS[method](target if model is None else model, drafter, input_ids, config)
+        return output, time.perf_counter() - started
+
+    return call
+
+
+def _run_prompts(
+    call, target, drafter, prompts, methods, repeats, max_new_tokens, timed, progress
+) -> list[dict]:
+    """Warm every method and baseline up once, then every prompt's records (``_bench_prompt``)."""
+    recorder = ForwardRecorder(target)
+    records = []
+    try:
+        first_ids = next(ids for pairs in prompts.values() for _, ids in pairs)
+        for method in methods:
+            call(method, first_ids, min(WARMUP_TOKENS, max_new_tokens))
+        for model in timed.values():
+            call("plain", first_ids, min(WARMUP_TOKENS, max_new_tokens), model)
+        total = sum(len(pairs) for pairs in prompts.values()) * repeats * (len(methods) + len(timed))
+        with tqdm(total=total, desc="bench generate", disable=not progress) as bar:
+            for domain, pairs in prompts.items():
+                for prompt_id, input_ids in pairs:
+                    records += _bench_prompt(
+                        call,
+                        recorder,
+                        drafter,
+                        methods,
+                        repeats,
+                        max_new_tokens,
+                        domain,
+                        prompt_id,
+                        input_ids,
+                        bar,
+                        timed,
+                    )
+    finally:
+        recorder.remove()
+    return records
+
+
 # --------------------------------------------------------------------------------------------------------- run
 def run_benchmark(
     target,
@@ -224,52 +277,10 @@ def run_benchmark(
     if drafter is not None:
         gamma = drafter.config.length_head_gamma if gamma is None else gamma
         min_len = drafter.config.length_head_min_len if min_len is None else min_len
-    eos = target.generation_config.eos_token_id
-    pad = target.generation_config.pad_token_id
-    pad = pad if pad is not None else (eos[0] if isinstance(eos, list) else eos)
-
     baselines = {"target": None} if not baselines else baselines
-    timed_baselines = [name for name, model in baselines.items() if model is not None]
-
-    def call(method: str, input_ids: torch.Tensor, tokens: int, model=None) -> tuple[torch.Tensor, float]:
-        config = GenerationConfig(max_new_tokens=tokens, do_sample=False, pad_token_id=pad)
-        if method in ADAFLASH_METHODS:
-            config.adaflash_gamma, config.adaflash_min_len = gamma, min_len
-            config.adaflash_lookup_min_prob = lookup_min_prob
-        started = time.perf_counter()
-        with torch.inference_mode():
-            output = RUNNERS[method](target if model is None else model, drafter, input_ids, config)
-        return output, time.perf_counter() - started
-
-    recorder = ForwardRecorder(target)
-    records = []
-    try:
-        first_ids = next(ids for pairs in prompts.values() for _, ids in pairs)
-        for method in methods:
-            call(method, first_ids, min(WARMUP_TOKENS, max_new_tokens))
-        for name in timed_baselines:
-            call("plain", first_ids, min(WARMUP_TOKENS, max_new_tokens), baselines[name])
-        total = (
-            sum(len(pairs) for pairs in prompts.values()) * repeats * (len(methods) + len(timed_baselines))
-        )
-        with tqdm(total=total, desc="bench generate", disable=not progress) as bar:
-            for domain, pairs in prompts.items():
-                for prompt_id, input_ids in pairs:
-                    records += _bench_prompt(
-                        call,
-                        recorder,
-                        drafter,
-                        methods,
-                        repeats,
-                        max_new_tokens,
-                        domain,
-                        prompt_id,
-                        input_ids,
-                        bar,
-                        {name: baselines[name] for name in timed_baselines},
-                    )
-    finally:
-        recorder.remove()
+    timed = {name: model for name, model in baselines.items() if model is not None}
+    call = _caller(target, drafter, gamma, min_len, lookup_min_prob)
+    records = _run_prompts(call, target, drafter, prompts, methods, repeats, max_new_tokens, timed, progress)
     fastest = _fastest_plain(records, baselines)
     summary = [
         _summarise([r for r in records if r["domain"] == domain and r["method"] == method])

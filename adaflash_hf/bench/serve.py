@@ -147,6 +147,66 @@ def _summarise(
     }
 
 
+def _check_run(drafter, prompts, concurrency, modes, requests_per_level, max_new_tokens, repeats) -> None:
+    if "plain" not in modes or not set(modes) <= set(MODES):
+        raise ValueError(f"modes: expected a subset of {MODES} including 'plain', got {list(modes)}")
+    if drafter is None and set(modes) != {"plain"}:
+        raise ValueError(f"drafter: expected an AdaFlashDrafter for modes {list(modes)}, got None")
+    if repeats < 1 or requests_per_level < 1 or max_new_tokens < 2:
+        raise ValueError(
+            f"repeats, requests_per_level, max_new_tokens: expected >= 1, >= 1, >= 2, got {repeats}, "
+            f"{requests_per_level}, {max_new_tokens}"
+        )
+    needed = max(max(concurrency), requests_per_level)
+    if len(prompts) < needed:
+        raise ValueError(
+            f"prompts: expected at least {needed} (requests at the highest level), got {len(prompts)}"
+        )
+
+
+def _run_level_repeats(
+    target, drafter, modes, prompts, level, max_new_tokens, repeats, lookup_min_prob, timed
+):
+    """Every mode and timed baseline at one concurrency, interleaved per repeat."""
+    runs = {mode: [] for mode in modes}
+    baseline_runs = {name: [] for name in timed}
+    outputs = {}
+    for _ in range(repeats):
+        for mode in modes:
+            run, outputs[mode] = run_level(
+                target, drafter, mode, prompts, level, max_new_tokens, lookup_min_prob
+            )
+            runs[mode].append(run)
+            logger.info(f"c={level} {mode}: {run['generated'] / run['seconds']:.1f} tok/s")
+        for name, model in timed.items():
+            baseline_runs[name].append(run_level(model, None, "plain", prompts, level, max_new_tokens)[0])
+    return runs, baseline_runs, outputs
+
+
+def _level_rows(level, modes, runs, baseline_runs, outputs, baselines, requests) -> list[dict]:
+    """One summary row per mode at this level, against plain and against the fastest plain baseline."""
+    plain_tps = statistics.median(r["generated"] / r["seconds"] for r in runs["plain"])
+    baseline_tps = {
+        name: statistics.median(r["generated"] / r["seconds"] for r in baseline_runs[name])
+        if name in baseline_runs
+        else plain_tps
+        for name in baselines
+    }
+    fastest = max(baseline_tps, key=baseline_tps.get)
+    rows = []
+    for mode in modes:
+        lossless = outputs[mode] == outputs["plain"]
+        row = _summarise(level, mode, runs[mode], plain_tps, lossless, requests)
+        row.update(
+            fastest_plain=fastest,
+            plain_baseline_tokens_per_s=baseline_tps,
+            speedup_vs_fastest_plain=row["tokens_per_s"] / baseline_tps[fastest],
+            exact_rate=statistics.fmean(o == p for o, p in zip(outputs[mode], outputs["plain"])),
+        )
+        rows.append(row)
+    return rows
+
+
 def run_benchmark(
     target,
     drafter: AdaFlashDrafter | None,
@@ -165,20 +225,7 @@ def run_benchmark(
     level the fastest is each row's ``fastest_plain`` and ``speedup_vs_fastest_plain`` is measured against it."""
     baselines = {"target": None} if not baselines else baselines
     timed_baselines = {name: model for name, model in baselines.items() if model is not None}
-    if "plain" not in modes or not set(modes) <= set(MODES):
-        raise ValueError(f"modes: expected a subset of {MODES} including 'plain', got {list(modes)}")
-    if drafter is None and set(modes) != {"plain"}:
-        raise ValueError(f"drafter: expected an AdaFlashDrafter for modes {list(modes)}, got None")
-    if repeats < 1 or requests_per_level < 1 or max_new_tokens < 2:
-        raise ValueError(
-            f"repeats, requests_per_level, max_new_tokens: expected >= 1, >= 1, >= 2, got {repeats}, "
-            f"{requests_per_level}, {max_new_tokens}"
-        )
-    needed = max(max(concurrency), requests_per_level)
-    if len(prompts) < needed:
-        raise ValueError(
-            f"prompts: expected at least {needed} (requests at the highest level), got {len(prompts)}"
-        )
+    _check_run(drafter, prompts, concurrency, modes, requests_per_level, max_new_tokens, repeats)
     modes = tuple(m for m in MODES if m in modes)  # plain first: it is the reference
     for mode in modes:
         run_level(target, drafter, mode, prompts[:1], 1, WARMUP_TOKENS, lookup_min_prob)
@@ -187,39 +234,18 @@ def run_benchmark(
     summary = []
     for level in concurrency:
         level_prompts = prompts[: max(requests_per_level, level)]
-        runs = {mode: [] for mode in modes}
-        baseline_runs = {name: [] for name in timed_baselines}
-        outputs = {}
-        for _ in range(repeats):
-            for mode in modes:
-                run, outputs[mode] = run_level(
-                    target, drafter, mode, level_prompts, level, max_new_tokens, lookup_min_prob
-                )
-                runs[mode].append(run)
-                logger.info(f"c={level} {mode}: {run['generated'] / run['seconds']:.1f} tok/s")
-            for name, model in timed_baselines.items():
-                baseline_runs[name].append(
-                    run_level(model, None, "plain", level_prompts, level, max_new_tokens)[0]
-                )
-        plain_tps = statistics.median(r["generated"] / r["seconds"] for r in runs["plain"])
-        baseline_tps = {
-            name: statistics.median(r["generated"] / r["seconds"] for r in baseline_runs[name])
-            if name in timed_baselines
-            else plain_tps
-            for name in baselines
-        }
-        fastest = max(baseline_tps, key=baseline_tps.get)
-        for mode in modes:
-            lossless = outputs[mode] == outputs["plain"]
-            row = _summarise(level, mode, runs[mode], plain_tps, lossless, len(level_prompts))
-            exact = statistics.fmean(o == p for o, p in zip(outputs[mode], outputs["plain"]))
-            row.update(
-                fastest_plain=fastest,
-                plain_baseline_tokens_per_s=baseline_tps,
-                speedup_vs_fastest_plain=row["tokens_per_s"] / baseline_tps[fastest],
-                exact_rate=exact,
-            )
-            summary.append(row)
+        runs, baseline_runs, outputs = _run_level_repeats(
+            target,
+            drafter,
+            modes,
+            level_prompts,
+            level,
+            max_new_tokens,
+            repeats,
+            lookup_min_prob,
+            timed_baselines,
+        )
+        summary += _level_rows(level, modes, runs, baseline_runs, outputs, baselines, len(level_prompts))
     return {
         "settings": {
             "modes": list(modes),
