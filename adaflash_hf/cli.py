@@ -305,7 +305,10 @@ def _add_serve(commands) -> None:
         "--drafter", help="drafter folder or repo id (default: the shipped SmolLM2 drafter); none = plain"
     )
     serve.add_argument(
-        "--draft-source", choices=("diffusion", "hybrid"), default="diffusion", help="drafts from"
+        "--draft-source",
+        choices=("auto", "diffusion", "hybrid"),
+        default="auto",
+        help="drafts from (auto: hybrid)",
     )
     serve.add_argument(
         "--length-mode",

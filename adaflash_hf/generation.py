@@ -18,9 +18,9 @@ transformers' native fixed-length DFlash path (no AdaFlash knobs, no ``last_stat
 - ``adaflash_gamma`` / ``adaflash_min_len``: override the config's γ and minimum draft length;
 - ``adaflash_proposal``: under sampling, ``"argmax"`` (default: one-hot q on the drafter's argmax, lossless) or
   ``"sample"`` (q = the processed drafter distribution the proposals were drawn from);
-- ``adaflash_draft_source``: ``"diffusion"`` (default: every round drafts a block) or ``"hybrid"`` (each round
-  verifies either the block or a lookup continuation from the sequence itself, whichever is expected to keep more
-  tokens: ``adaflash_hf.lookup``; lookup proposals have one-hot q, so sampling stays lossless);
+- ``adaflash_draft_source``: ``"auto"`` (default: ``"hybrid"``), ``"hybrid"`` (each round verifies either the block
+  or a lookup continuation from the sequence itself, whichever is expected to keep more tokens: ``adaflash_hf.lookup``;
+  lookup proposals have one-hot q, so sampling stays lossless) or ``"diffusion"`` (every round drafts a block);
 - ``adaflash_lookup_min_prob``: hybrid only, cut a lookup continuation to the tokens whose estimated chance of being
   reached and accepted is at least this (default 0: the whole continuation; ``policy.truncate_lookup``).
 

@@ -19,7 +19,7 @@ from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-DRAFT_SOURCES = ("diffusion", "hybrid")
+DRAFT_SOURCES = ("auto", "diffusion", "hybrid")  # "auto": "hybrid" wherever a drafter drafts
 MAX_NGRAM = 8
 PRIOR_STRENGTH = 2.0  # pseudo-rounds behind a match's own prior, before the request's lookup rounds speak
 SUPPORT_WINDOW = 64  # most recent occurrences of the n-gram counted for its support

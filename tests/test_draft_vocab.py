@@ -121,7 +121,9 @@ def test_generate_proposes_only_subset_tokens(config, qwen3_target, drafter_fact
     drafter = drafter_factory(qwen3_target, draft_token_ids=EVERY_EIGHTH)
     records = recorded_drafts(drafter)
     qwen3_target.generate(
-        PROMPT, assistant_model=drafter, generation_config=GenerationConfig(max_new_tokens=24, **config)
+        PROMPT,
+        assistant_model=drafter,
+        generation_config=GenerationConfig(max_new_tokens=24, adaflash_draft_source="diffusion", **config),
     )
     drafted = {t for r in records for t in r.drafted_tokens}
     assert drafted and drafted <= set(EVERY_EIGHTH)

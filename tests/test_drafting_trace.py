@@ -115,8 +115,16 @@ def _engine_scenario(factories, curve, settings: DraftingSettings | None, temper
 
 
 GENERATE = {
-    "generate/goodput/steep": (STEEP, {"adaflash_length_mode": "goodput"}, False),
-    "generate/goodput/flat": (FLAT, {"adaflash_length_mode": "goodput"}, False),
+    "generate/goodput/steep": (
+        STEEP,
+        {"adaflash_draft_source": "diffusion", "adaflash_length_mode": "goodput"},
+        False,
+    ),
+    "generate/goodput/flat": (
+        FLAT,
+        {"adaflash_draft_source": "diffusion", "adaflash_length_mode": "goodput"},
+        False,
+    ),
     "generate/hybrid_goodput/steep": (
         STEEP,
         {"adaflash_length_mode": "goodput", "adaflash_draft_source": "hybrid"},
@@ -127,8 +135,12 @@ GENERATE = {
         {"adaflash_length_mode": "goodput", "adaflash_draft_source": "hybrid"},
         False,
     ),
-    "generate/adaptive": (STEEP, {"adaflash_length_mode": "adaptive"}, False),
-    "generate/fixed": (STEEP, {"adaflash_length_mode": "fixed"}, False),
+    "generate/adaptive": (
+        STEEP,
+        {"adaflash_draft_source": "diffusion", "adaflash_length_mode": "adaptive"},
+        False,
+    ),
+    "generate/fixed": (STEEP, {"adaflash_draft_source": "diffusion", "adaflash_length_mode": "fixed"}, False),
     "generate/hybrid_adaptive": (
         STEEP,
         {"adaflash_length_mode": "adaptive", "adaflash_draft_source": "hybrid"},
@@ -136,16 +148,24 @@ GENERATE = {
     ),
     "generate/goodput/max_skip_2": (
         STEEP,
-        {"adaflash_length_mode": "goodput", "adaflash_max_skip": 2},
+        {"adaflash_draft_source": "diffusion", "adaflash_length_mode": "goodput", "adaflash_max_skip": 2},
         False,
     ),
-    "generate/goodput/sampling": (FLAT, {"adaflash_length_mode": "goodput"}, True),
-    "generate/auto/sampling": (FLAT, {}, True),
+    "generate/goodput/sampling": (
+        FLAT,
+        {"adaflash_draft_source": "diffusion", "adaflash_length_mode": "goodput"},
+        True,
+    ),
+    "generate/auto/sampling": (FLAT, {"adaflash_draft_source": "diffusion"}, True),
 }
 GREEDY = (0, 0, 0, 0)
 ENGINE = {
-    "engine/goodput/steep": (STEEP, DraftingSettings(length_mode="goodput"), GREEDY),
-    "engine/goodput/flat": (FLAT, DraftingSettings(length_mode="goodput"), GREEDY),
+    "engine/goodput/steep": (
+        STEEP,
+        DraftingSettings(draft_source="diffusion", length_mode="goodput"),
+        GREEDY,
+    ),
+    "engine/goodput/flat": (FLAT, DraftingSettings(draft_source="diffusion", length_mode="goodput"), GREEDY),
     "engine/hybrid_goodput/flat": (
         FLAT,
         DraftingSettings(length_mode="goodput", draft_source="hybrid"),
@@ -156,14 +176,14 @@ ENGINE = {
         DraftingSettings(length_mode="goodput", draft_source="hybrid"),
         GREEDY,
     ),
-    "engine/adaptive": (STEEP, DraftingSettings(length_mode="adaptive"), GREEDY),
-    "engine/fixed": (STEEP, DraftingSettings(length_mode="fixed"), GREEDY),
+    "engine/adaptive": (STEEP, DraftingSettings(draft_source="diffusion", length_mode="adaptive"), GREEDY),
+    "engine/fixed": (STEEP, DraftingSettings(draft_source="diffusion", length_mode="fixed"), GREEDY),
     "engine/hybrid_adaptive": (
         STEEP,
         DraftingSettings(length_mode="adaptive", draft_source="hybrid"),
         GREEDY,
     ),
-    "engine/auto/mixed_sampling": (FLAT, DraftingSettings(), (0, 1.0, 0, 0.7)),
+    "engine/auto/mixed_sampling": (FLAT, DraftingSettings(draft_source="diffusion"), (0, 1.0, 0, 0.7)),
     "engine/plain": (STEEP, None, GREEDY),
 }
 

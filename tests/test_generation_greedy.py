@@ -212,7 +212,13 @@ def test_nan_drafter_stays_lossless_warns_once_and_counts_in_stats(target_factor
         drafter.fc.weight[0, 0] = float("nan")
     reference = greedy(target, PROMPT, 20)
     assert torch.equal(
-        greedy(target, PROMPT, 20, assistant_model=drafter, config={"adaflash_length_mode": "adaptive"}),
+        greedy(
+            target,
+            PROMPT,
+            20,
+            assistant_model=drafter,
+            config={"adaflash_length_mode": "adaptive", "adaflash_draft_source": "diffusion"},
+        ),
         reference,
     )
     stats = drafter.last_stats

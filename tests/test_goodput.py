@@ -290,8 +290,9 @@ def test_the_acceptance_model_learns_the_heads_signal():
         ({"max_skip": 0}, r"^max_skip: expected an int >= 1, got 0"),
         ({"calibrate": "yes"}, r"^calibrate: expected True or False, got 'yes'"),
         (
-            {"lookup_history_tokens": 64},
-            r"^lookup_history_tokens: expected None, or an int >= 1 with draft_source",
+            {"lookup_history_tokens": 64, "draft_source": "diffusion"},
+            r"^lookup_history_tokens: expected None, or an int >= 1 with draft_source 'hybrid' or 'auto' "
+            r"\(draft_source is 'diffusion'\), got 64",
         ),
     ],
 )
@@ -329,6 +330,9 @@ def test_bad_goodput_settings_fail_before_any_forward(target_factory, drafter_fa
 
 # ------------------------------------------------------------------------------------------ lossless runs
 def greedy(target, prompt, tokens, **kwargs):
+    """Greedy ``generate``; with an assistant, its blocks alone (these tests are about the drafter's goodput)."""
+    if "assistant_model" in kwargs:
+        kwargs.setdefault("adaflash_draft_source", "diffusion")
     return target.generate(prompt, max_new_tokens=tokens, do_sample=False, **kwargs)
 
 
@@ -400,7 +404,7 @@ def test_goodput_engine_equals_greedy_and_reports_k0_and_skips(fresh_target, dra
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, 500, (n,), generator=g) for n in (5, 12, 3, 8)]
     expected = [greedy(target, p[None], 16)[0, len(p) :].tolist() for p in prompts]
-    engine = AdaFlashEngine(target, drafter, length_mode="goodput")
+    engine = AdaFlashEngine(target, drafter, length_mode="goodput", draft_source="diffusion")
     assert engine.generate(prompts, SamplingParams(max_new_tokens=16)) == expected
     assert sum(s.zero_length_verifies for s in engine.stats) > 0
     assert sum(s.skipped_drafter for s in engine.stats) > 0
@@ -421,7 +425,9 @@ def test_the_engines_block_after_skipped_forwards_equals_the_block_without_skipp
     runs = {}
     for length_mode in ("fixed", "goodput"):
         engine = AdaFlashEngine(
-            target, drafter, drafting=DraftingSettings(length_mode=length_mode, max_skip=4)
+            target,
+            drafter,
+            drafting=DraftingSettings(length_mode=length_mode, max_skip=4, draft_source="diffusion"),
         )
         engine.record_full_drafts = True
         records = []
@@ -545,7 +551,7 @@ def test_the_engine_in_auto_mode_drafts_by_goodput_only_in_steps_where_no_reques
 ):
     target = fresh_target
     use_cost_model(target, "engine", CostModel.profile({1: 1.0, 2: 3.0, 8: 9.0}, drafter_seconds=0.5))
-    engine = AdaFlashEngine(target, drafter_factory(target))
+    engine = AdaFlashEngine(target, drafter_factory(target), draft_source="diffusion")
     assert engine.settings.length_mode == "auto"
     g = torch.Generator().manual_seed(6)
     prompts = [torch.randint(0, 500, (n,), generator=g) for n in (6, 9)]
@@ -586,3 +592,21 @@ def test_a_profile_that_prices_no_plain_step_or_no_real_forward_is_refused(
 ):
     with pytest.raises(ValueError, match=match):
         CostModel.profile(target_seconds, drafter_seconds=drafter_seconds)
+
+
+def test_a_flat_verify_curve_makes_goodput_verify_longer_drafts(target_factory, oracle_factory):
+    # bf16 on a CPU with bf16 dot products: a 16-token verify costs about a 1-token step; fp32 on AVX2: 2-3x.
+    flat = {1: 1.0, 2: 1.05, 4: 1.06, 8: 1.04, 16: 1.4}
+    steep = {1: 1.0, 2: 1.7, 4: 1.5, 8: 1.8, 16: 2.2}
+    lengths = {}
+    for name, curve in (("flat", flat), ("steep", steep)):
+        target = target_factory("llama", seed=3)
+        prompt = torch.randint(0, 500, (1, 10), generator=torch.Generator().manual_seed(7))
+        reference = greedy(target, prompt, 48)
+        drafter = oracle_factory(target, reference, seed=2)
+        use_cost_model(target, "generate", CostModel.profile(curve, drafter_seconds=0.2))
+        knobs = {"adaflash_length_mode": "goodput", "adaflash_draft_source": "diffusion"}
+        assert torch.equal(greedy(target, prompt, 48, assistant_model=drafter, **knobs), reference)
+        verified = [n for n in drafter.last_stats.verify_lengths if n]
+        lengths[name] = sum(verified) / len(verified)
+    assert lengths["flat"] > lengths["steep"] + 1

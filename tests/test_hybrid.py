@@ -496,7 +496,8 @@ def test_bad_adaflash_draft_source_raises_before_any_forward(target_factory, dra
     config = GenerationConfig(max_new_tokens=4, adaflash_draft_source="ngram")
     with pytest.raises(
         ValueError,
-        match=r"^generation_config.adaflash_draft_source: expected one of \('diffusion', 'hybrid'\), got 'ngram'",
+        match=r"^generation_config.adaflash_draft_source: expected one of \('auto', 'diffusion', 'hybrid'\), "
+        r"got 'ngram'",
     ):
         target.generate(PROMPT, assistant_model=drafter, generation_config=config)
     assert calls == []
@@ -505,8 +506,8 @@ def test_bad_adaflash_draft_source_raises_before_any_forward(target_factory, dra
 @pytest.mark.parametrize(
     ("with_drafter", "source", "match"),
     [
-        (True, "ngram", r"^draft_source: expected one of \('diffusion', 'hybrid'\), got 'ngram'"),
-        (False, "hybrid", r"^draft_source: expected 'diffusion' without a drafter .*got 'hybrid'"),
+        (True, "ngram", r"^draft_source: expected one of \('auto', 'diffusion', 'hybrid'\), got 'ngram'"),
+        (False, "hybrid", r"^draft_source: expected 'auto' or 'diffusion' without a drafter .*got 'hybrid'"),
     ],
 )
 def test_bad_engine_draft_source_raises_at_construction(

@@ -154,7 +154,7 @@ def test_engine_records_each_finished_request_with_its_rounds(target_factory, dr
     drafter = drafter_factory(target)
     drafter.weights_version = 7
     buffer = ReplayBuffer(train_threshold=3)
-    engine = AdaFlashEngine(target, drafter)
+    engine = AdaFlashEngine(target, drafter, draft_source="diffusion")  # every round a block
     recorder = EngineRecorder(buffer)
     engine.round_recorder = recorder
     prompts = [torch.arange(4, 4 + n) for n in (5, 9, 3)]
@@ -183,7 +183,7 @@ def test_generate_records_its_trajectory_with_the_drafter_version(target_factory
     drafter = drafter_factory(target)
     buffer = ReplayBuffer(train_threshold=2)
     prompt = torch.arange(4, 12)[None]
-    config = GenerationConfig(max_new_tokens=20, do_sample=False)
+    config = GenerationConfig(max_new_tokens=20, do_sample=False, adaflash_draft_source="diffusion")
     first = record_generate(target, drafter, buffer, prompt, domain="code", generation_config=config)
     drafter.weights_version = 1  # what a hot reload between calls does
     second = record_generate(target, drafter, buffer, prompt, domain="code", generation_config=config)

@@ -186,7 +186,7 @@ def _serve_without_updates(target, drafter, tmp_path, monkeypatch, traffic, **se
             taken.append(batch)
             return batch
 
-    engine = AdaFlashEngine(target, copy.deepcopy(drafter))
+    engine = AdaFlashEngine(target, copy.deepcopy(drafter), draft_source="diffusion")
     config = OnlineConfig(
         online_updates=False, serving_backpressure=True, resume=False, checkpoint_every=0, **settings
     )

@@ -107,7 +107,7 @@ def test_nan_from_the_drafter_falls_back_to_no_drafts_for_that_request_only(setu
     target, drafter = setup
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 500, (n,), generator=g) for n in (6, 9, 4)]
-    engine = AdaFlashEngine(target, drafter, length_mode="fixed")
+    engine = AdaFlashEngine(target, drafter, length_mode="fixed", draft_source="diffusion")
     ids = [engine.add_request(p, SamplingParams(max_new_tokens=12)) for p in prompts]
     poisoned = engine.requests[ids[1]]
     forward = type(drafter).forward

@@ -84,10 +84,10 @@ def test_demo_runs_and_checks_against_plain_greedy(capsys):
     spec.loader.exec_module(demo)
     assert demo.main(["--prompts-per-domain", "1", "--max-new-tokens", "24", "--threads", "1"]) == 0
     out = capsys.readouterr().out
-    for mode in ("default", "hybrid"):  # side by side on every prompt, each checked against plain greedy
+    for mode in ("default", "diffusion"):  # side by side on every prompt, each checked against plain greedy
         assert out.count(f"--- {mode + ':':8} identical to plain greedy: True") == 3
     assert "All outputs identical to plain greedy: True" in out
-    assert "default  tau" in out and 'adaflash_length_mode="auto"' in out and "hybrid   tau" in out
+    assert "default  tau" in out and "diffusion tau" in out and 'adaflash_draft_source="diffusion"' in out
     assert "On this CPU (measured in this run) a 2-token verify forward costs" in out
 
 

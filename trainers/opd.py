@@ -153,9 +153,11 @@ def main(
         serving_drafter,
         admission=AdmissionConfig(),
         gamma=script_args.gamma,
-        # The paper's rule: every request verifies its drafts each step, which is the feedback OPD learns from
-        # (goodput, the greedy default, would stop drafting where the young drafter does not pay yet).
+        # The paper's rule on the drafter's blocks: every request verifies its drafts each step, which is the
+        # feedback OPD learns from (goodput, the greedy default, would stop drafting where the young drafter does not
+        # pay yet, and a lookup round, the default's other source, has no block to learn from).
         length_mode="adaptive" if script_args.serving_mode == "adaflash" else "fixed",
+        draft_source="diffusion",
     )
     traffic = TrafficSource.from_domains(
         tokenizer,

@@ -495,7 +495,10 @@ def _evaluate_all(args, config, prompts, run_dirs, target) -> dict:
         load_state(base, initial if weights is None else load_file(str(weights)))
         started = time.perf_counter()
         # The adaptive rule: τ and acceptance measure the drafter, not this machine's verify costs.
-        engine = AdaFlashEngine(target, base, admission=admission, length_mode="adaptive")
+        # The drafter's blocks every step: what OPD learns from (a lookup round has no block).
+        engine = AdaFlashEngine(
+            target, base, admission=admission, length_mode="adaptive", draft_source="diffusion"
+        )
         summary, outputs = evaluate_drafter(engine, prompts, max_new)
         record = {"settings": key, "summary": summary, "outputs": _digest(outputs)}
         path.write_text(json.dumps(record, indent=1) + "\n")

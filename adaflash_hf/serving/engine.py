@@ -15,7 +15,7 @@ every k_i is 0; ``length_mode="fixed"`` is DFlash; every mode shares every other
 Knobs come as one ``DraftingSettings`` (``drafting=``) or its fields as keyword arguments. ``length_mode="auto"``
 (the default) is resolved per step by ``length_mode_for``: goodput where every decoding request is greedy, the
 adaptive rule while any samples (a seeded sampling request's output then depends on its seed alone).
-``draft_source="hybrid"``: each request also keeps a ``LookupIndex`` of its committed tokens and verifies either its
+``draft_source="hybrid"`` (what the default ``"auto"`` is with a drafter): each request also keeps a ``LookupIndex`` of its committed tokens and verifies either its
 block or its lookup continuation; a request that skips the drafter keeps its new context in ``pending_context``
 until its next block. ``lookup_history_tokens=N`` also indexes the outputs of finished requests (at most N tokens,
 the oldest evicted): a request takes the longer of its own match and its match there.
@@ -200,10 +200,10 @@ class AdaFlashEngine:
                 f"drafter: expected an AdaFlashDrafter for length_mode={settings.length_mode!r} (without one the "
                 "engine decodes plainly), got None"
             )
-        if drafter is None and settings.draft_source != "diffusion":
+        if drafter is None and settings.draft_source == "hybrid":
             raise ValueError(
-                f"draft_source: expected 'diffusion' without a drafter (hybrid compares against a drafter), "
-                f"got {settings.draft_source!r}"
+                "draft_source: expected 'auto' or 'diffusion' without a drafter (hybrid compares against a drafter), "
+                "got 'hybrid'"
             )
         drafter = _resolve_drafter(drafter)
         text_config = _check_engine_target(target)

@@ -47,7 +47,7 @@ def build_engine(
     target,
     drafter=None,
     *,
-    draft_source: str = "diffusion",
+    draft_source: str = "auto",
     length_mode: str = "auto",
     max_running: int = 16,
     seed: int = 0,
