@@ -134,8 +134,12 @@ class DraftingPolicy:
         self.block_size = block_size
 
     def new_state(self, lookups: LookupModel, greedy: bool) -> DraftState:
-        """A request's fresh state; its lookup model starts from ``lookups`` (the caller's shared one)."""
-        return DraftState(gate=SkipGate(max_skip=self.settings.max_skip), lookups=LookupModel(parent=lookups))
+        """A request's fresh state. A greedy request's lookup model starts from ``lookups`` (the caller's shared one)
+        and teaches it; a sampled request's starts from its own matches alone, so that its drafts, and with them the
+        random numbers its verification draws, depend on its own tokens only: a seed reproduces its sample whatever
+        ran before or beside it."""
+        shared = lookups if greedy else None
+        return DraftState(gate=SkipGate(max_skip=self.settings.max_skip), lookups=LookupModel(parent=shared))
 
     def calibrate(self, target, **forward_kwargs) -> None:
         """Measure what the policy's cost model needs before its first round (goodput)."""

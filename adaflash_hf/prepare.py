@@ -102,7 +102,8 @@ def choose_dtype(device: torch.device, units: tuple[str, ...]) -> tuple[torch.dt
     if not units:
         return (
             torch.float32,
-            f"fp32: this CPU has neither {missing}, so bf16 matrix products run slower than fp32",
+            f"fp32: this CPU has neither {missing}, so the bf16 matrix products of a verify forward (several tokens) "
+            "run slower than fp32 ones",
         )
     if not torch.backends.mkldnn.is_available():
         return torch.float32, f"fp32: this CPU has {', '.join(units)} but torch is built without oneDNN"

@@ -11,6 +11,7 @@ import adaflash_hf.policy
 import adaflash_hf.serving.engine
 from adaflash_hf import AdaFlashCandidateGenerator
 from adaflash_hf.acceptance import LookupModel
+from adaflash_hf.drafting import DraftingSettings
 from adaflash_hf.lookup import LookupIndex, LookupProposal
 from adaflash_hf.policy import lookup_beats_block, truncate_lookup
 from adaflash_hf.serving import AdaFlashEngine, AdmissionConfig, SamplingParams
@@ -143,6 +144,19 @@ def test_choice_lookup_rejections_lower_its_estimate():
 def test_choice_non_finite_block_lets_any_proposal_win():
     proposal = LookupProposal(tokens=[1], match_length=1, support=0.5)
     assert lookup_beats_block(proposal, LookupModel(), float("nan"), 16)
+
+
+def test_a_sampled_requests_lookup_model_neither_reads_nor_teaches_the_shared_one():
+    # A seed must reproduce a sample: a sampled request's drafts (and so the random numbers its verification draws)
+    # may depend on its own tokens only, not on what earlier calls taught the shared model.
+    shared = LookupModel(strength=2.0)
+    policy = adaflash_hf.policy.RulePolicy(DraftingSettings(), block_size=16, fixed=False)
+    sampled, greedy = policy.new_state(shared, greedy=False), policy.new_state(shared, greedy=True)
+    assert sampled.lookups.parent is None and greedy.lookups.parent is shared
+    sampled.lookups.observe(3, 4, 0)
+    assert shared.counts == {}
+    greedy.lookups.observe(3, 4, 0)
+    assert shared.counts != {}
 
 
 def test_truncation_keeps_the_tokens_likely_to_be_reached_and_accepted():
