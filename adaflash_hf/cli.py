@@ -315,6 +315,14 @@ def _add_serve(commands) -> None:
         choices=("auto", "adaptive", "fixed", "goodput"),
         help="draft lengths (default auto; adaptive with --learn, the feedback OPD learns from)",
     )
+    serve.add_argument(
+        "--dtype",
+        choices=("auto", "fp32", "bf16"),
+        default="auto",
+        help="the target's dtype (auto: adaflash_hf.prepare_target's choice, bf16 with the batch-invariant forward "
+        "where this CPU has bf16 units, else fp32; fp32 with --learn); bf16 is always prepared, so every greedy "
+        "output equals plain decoding of the same target",
+    )
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     serve.add_argument(
         "--port", type=int_at_least(0), default=8000, help="port (default 8000; 0 = a free one, printed)"

@@ -16,6 +16,7 @@ import torch
 from adaflash_hf import assets, data
 from adaflash_hf.assets import chat_prompt_ids, load_target
 from adaflash_hf.data import load_domain
+from tests.conftest import tiny_tokenizer
 
 EQUATION = re.compile(r"(\d+) ([-+*/]) (\d+) = (\d+)")
 OPERATIONS = {"+": int.__add__, "-": int.__sub__, "*": int.__mul__, "/": int.__floordiv__}
@@ -261,7 +262,6 @@ def _row(words: int) -> dict:
 
 
 def test_prompt_ids_are_the_chat_prompt_of_a_row_or_a_text():
-    from tests.test_corpus import tiny_tokenizer
 
     tokenizer = tiny_tokenizer(64)
     row = _row(5)
@@ -270,7 +270,6 @@ def test_prompt_ids_are_the_chat_prompt_of_a_row_or_a_text():
 
 
 def test_a_long_prompt_keeps_its_last_tokens_or_is_skipped_as_the_caller_says():
-    from tests.test_corpus import tiny_tokenizer
 
     tokenizer = tiny_tokenizer(64)
     whole = data.prompt_ids(tokenizer, _row(9))
@@ -290,7 +289,6 @@ def test_a_long_prompt_keeps_its_last_tokens_or_is_skipped_as_the_caller_says():
     ],
 )
 def test_prompt_ids_refuse_a_limit_without_a_policy(kwargs, message):
-    from tests.test_corpus import tiny_tokenizer
 
     with pytest.raises(ValueError, match=message):
         data.prompt_ids(tiny_tokenizer(64), _row(3), **kwargs)

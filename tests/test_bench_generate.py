@@ -4,21 +4,11 @@ import json
 import re
 
 import pytest
-import torch
 
 from adaflash_hf.bench import generate as bench
+from tests.conftest import BENCH_PROMPTS as PROMPTS
 
-PROMPTS = {
-    "chat": [("chat-0", torch.tensor([[5, 17, 99, 3, 250, 8, 41, 77, 12]]))],
-    "code": [("code-0", torch.tensor([[7, 7, 21, 300, 21, 300, 21, 300, 9, 4]]))],
-}
 NEW_TOKENS = 24
-
-
-@pytest.fixture(scope="module")
-def tiny_pair(target_factory, drafter_factory):
-    target = target_factory("llama")
-    return target, drafter_factory(target)
 
 
 @pytest.fixture(scope="module")
@@ -150,26 +140,6 @@ def test_methods_must_include_plain(tiny_pair):
         bench.run_benchmark(target, drafter, PROMPTS, methods=("adaflash_fixed",), progress=False)
 
 
-@pytest.fixture
-def offline_main(tiny_pair, tmp_path, monkeypatch):
-    """main() on the tiny target: load_target, the chat template and the data sets replaced, the drafter saved."""
-    target, drafter = tiny_pair
-    drafter.save_pretrained(tmp_path / "drafter")
-    monkeypatch.setattr("adaflash_hf.assets.load_target", lambda name: (target, None))
-    monkeypatch.setattr("adaflash_hf.data.prompt_ids", lambda tokenizer, row: PROMPTS["chat"][0][1])
-    monkeypatch.setattr(
-        "adaflash_hf.data.load_domain",
-        lambda domain, split, n=None: [{"id": f"{domain}-{i}", "prompt": "p"} for i in range(n or 8)],
-    )
-
-    def run(*extra):
-        out = tmp_path / "out"
-        argv = ["--quick", "--drafter", str(tmp_path / "drafter"), "--output-dir", str(out), "--threads", "1"]
-        return bench.main([*argv, "--domains", "chat", "math", *extra]), out
-
-    return run
-
-
 def test_main_writes_json_table_and_plots(offline_main):
     status, out = offline_main()
     assert status == 0
@@ -194,16 +164,6 @@ def test_main_writes_json_table_and_plots(offline_main):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     adaptive = [r for r in results["summary"] if r["method"] == "adaflash_adaptive"]
     assert all(sum(r["k_hat_histogram"]) > 0 for r in adaptive)
-
-
-@pytest.fixture
-def no_target(monkeypatch):
-    """load_target fails the test: what is checked here must be refused before the target loads."""
-
-    def load_target(name):
-        raise AssertionError("the target loaded before the options were checked")
-
-    monkeypatch.setattr("adaflash_hf.assets.load_target", load_target)
 
 
 @pytest.mark.parametrize(

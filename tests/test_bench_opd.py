@@ -16,9 +16,7 @@ from adaflash_hf.bench import opd, opd_report
 from adaflash_hf.online.buffer import ReplayBuffer, Trajectory
 from adaflash_hf.online.loop import TrafficSource
 from adaflash_hf.serving import AdaFlashEngine
-
-from .test_opd_loop import tiny_tokenizer
-from .test_serving_engine import greedy_reference, make_batched_oracle, random_prompts
+from tests.conftest import greedy_reference, make_batched_oracle, random_prompts, tiny_tokenizer
 
 
 def test_leading_matches_counts_proposals_equal_to_the_sequence_in_a_row():

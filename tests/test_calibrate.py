@@ -1,13 +1,27 @@
-"""`adaflash calibrate-head`: only the length head learns, from realised acceptance, and it learns it."""
+"""`adaflash calibrate-head`: only the length head learns, from realised acceptance, and it learns it; its figures
+are scored on a held-out part of the sequences (at least one, even of fewer than one split period) or labelled as
+the fit set's when nothing is held out; and bad settings and inputs are refused, naming the option, before anything
+loads."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
-from adaflash_hf.trainers.calibrate_head import calibrate_length_head, collect_blocks, main
-from tests.test_learning_curve import drafts_one_token, features_of
+from adaflash_hf import cli
+from adaflash_hf.trainers.calibrate_head import (
+    calibrate_length_head,
+    collect_blocks,
+    head_figures,
+    main,
+    make_parser,
+    summary_line,
+)
+from tests.conftest import drafts_one_token, features_of
 
+REPO = Path(__file__).resolve().parents[1]
+SHIPPED = REPO / "examples" / "drafters" / "smollm2-135m-adaflash"
 BLOCK = 4
 
 
@@ -119,3 +133,100 @@ def test_cli_calibrates_the_shipped_drafter_on_the_offline_target(tmp_path):
     fitted = dict(reloaded.named_parameters())
     for name in reloaded.length_head_parameter_names():
         assert torch.isfinite(fitted[name]).all()
+
+
+# ------------------------------------------------------------------------------------------ the held-out part
+def _two_cycle_records(token: int, count: int) -> list[dict]:
+    """Answers whose blocks after anchor 7 are accepted in full and after anchor 9 not at all."""
+    response = ([7] + [token] * 5 + [9] + [(token + 5) % 200 + 20] * 5) * 2
+    return [
+        {"id": f"r{i}", "domain": "chat", "input_ids": [3, 4 + i, 5] + response, "prompt_length": 3}
+        for i in range(count)
+    ]
+
+
+@pytest.fixture
+def calibration(target_factory, drafter_factory):
+    target = target_factory("llama")
+    drafter = drafter_factory(target, block_size=BLOCK)
+    token = drafts_one_token(drafter, target)
+
+    def records_and_features(count: int):
+        records = _two_cycle_records(token, count)
+        with torch.no_grad():
+            features = [features_of(target, r, drafter.config.target_layer_ids) for r in records]
+        return records, features
+
+    return target, drafter, records_and_features
+
+
+def test_calibration_with_fewer_sequences_than_one_split_period_still_holds_one_out(calibration):
+    target, drafter, records_and_features = calibration
+    records, features = records_and_features(2)  # holdout_fraction 0.25 holds out every 4th: none of 2 before
+    report = calibrate_length_head(drafter, records, features, target, steps=3)
+    assert report["scored_on"] == "held_out"
+    assert report["sequences"] == {"fit": 1, "held_out": 1}
+    # the "after" figures are those of the held-out record's blocks, not of the blocks the head was fitted on
+    (states, realised) = collect_blocks(drafter, target, records[1:], features[1:])[0]
+    assert report["after"] == head_figures(drafter, states, realised)
+    assert summary_line(report).startswith("held-out |â - a*|")
+
+
+def test_calibration_of_a_single_sequence_with_a_holdout_is_refused(calibration):
+    target, drafter, records_and_features = calibration
+    records, features = records_and_features(1)
+    with pytest.raises(
+        ValueError,
+        match=r"records with a full block \(4 tokens\): expected at least 2 sequences to hold one out",
+    ):
+        calibrate_length_head(drafter, records, features, target, steps=3)
+
+
+def test_calibration_without_a_holdout_labels_its_figures_as_the_fit_set(calibration):
+    target, drafter, records_and_features = calibration
+    records, features = records_and_features(1)
+    report = calibrate_length_head(drafter, records, features, target, steps=3, holdout_fraction=0.0)
+    assert report["scored_on"] == "fit" and report["sequences"] == {"fit": 1, "held_out": 0}
+    assert summary_line(report).startswith("fit-set (nothing held out) |â - a*|")
+
+
+def test_calibrate_cli_refuses_a_split_with_no_held_out_part_before_loading(tmp_path):
+    argv = ["--drafter", str(SHIPPED), "--output-dir", str(tmp_path), "--domains", "chat"]
+    with pytest.raises(
+        ValueError, match=r"--prompts-per-domain 1 x 1 domain\(s\): expected at least 2 sequences"
+    ):
+        main([*argv, "--prompts-per-domain", "1"])
+    assert not any(tmp_path.iterdir())
+
+
+# -------------------------------------------------------------------------------------- calibrate-head inputs
+def test_calibrate_corpus_dir_without_features_dir_is_refused_before_loading(tmp_path, capsys):
+    corpus = REPO / "examples" / "corpus" / "smollm2"
+    argv = [
+        "calibrate-head",
+        "--drafter",
+        str(SHIPPED),
+        "--output-dir",
+        str(tmp_path),
+        "--corpus-dir",
+        str(corpus),
+    ]
+    assert cli.main(argv) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "adaflash calibrate-head: error: --features-dir: expected the features of --corpus-dir "
+        "(adaflash corpus --features-dir), got none"
+    )
+
+
+def test_calibrate_help_says_when_features_dir_is_required():
+    assert "required with --corpus-dir" in " ".join(make_parser().format_help().split())
+
+
+def test_calibrate_head_with_a_missing_drafter_says_no_such_folder(tmp_path, capsys):
+    missing = tmp_path / "no-drafter"
+    assert cli.main(["calibrate-head", "--drafter", str(missing), "--output-dir", str(tmp_path / "out")]) == 1
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith(
+        "adaflash calibrate-head: error: pretrained_model_name_or_path: expected an existing"
+    )
+    assert f"got '{missing}', which does not exist" in line and "Repo id" not in line

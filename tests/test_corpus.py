@@ -1,4 +1,5 @@
-"""The corpus builder: the target's own greedy responses, the features its loop computes, resume, clear errors."""
+"""The corpus builder: the target's own greedy responses, the features its loop computes, the target's top-k
+recorded beside them at the positions of the tokens it predicts, resume, clear errors."""
 
 import gzip
 import importlib.util
@@ -6,10 +7,6 @@ import json
 
 import pytest
 import torch
-from tokenizers import Tokenizer
-from tokenizers.models import WordLevel
-from tokenizers.pre_tokenizers import WhitespaceSplit
-from transformers import PreTrainedTokenizerFast
 
 from adaflash_hf.trainers import corpus, corpus_format
 from adaflash_hf.trainers.corpus import build_corpus, greedy_with_features
@@ -20,28 +17,11 @@ from adaflash_hf.trainers.corpus_format import (
     load_soft_targets,
     read_corpus,
 )
+from adaflash_hf.trainers.target_features import SequenceCollator, TargetFeatures
+from tests.conftest import corpus_with_top_k as _corpus
+from tests.conftest import rows, tiny_tokenizer
 
 LAYERS = [0, 2]
-
-
-def tiny_tokenizer(vocab_size: int, eos: str = "t1") -> PreTrainedTokenizerFast:
-    backend = Tokenizer(WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
-    backend.pre_tokenizer = WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="t0", eos_token=eos)
-    tokenizer.chat_template = "{% for m in messages %}t2 {{ m['content'] }} t3 {% endfor %}"
-    return tokenizer
-
-
-def rows(domains=("chat", "math"), per_domain=3):
-    return [
-        {
-            "id": f"{d}/{i}",
-            "domain": d,
-            "prompt": " ".join(f"t{4 + (i * 7 + j) % 400}" for j in range(3 + 2 * i)),
-        }
-        for d in domains
-        for i in range(per_domain)
-    ]
 
 
 def test_responses_are_the_targets_greedy_continuations_and_features_its_hidden_states(target_factory):
@@ -265,3 +245,28 @@ def test_drop_prompt_twins_compares_whole_prompts_not_prefixes_or_responses():
     ]
     kept, dropped = drop_prompt_twins(records, [[1, 2, 3], (5,)])
     assert dropped == 1 and kept == records[1:]
+
+
+# --------------------------------------------------------------------------------------------- recorded top-k
+def test_recorded_top_k_sits_at_the_positions_of_the_tokens_it_predicts(
+    target_factory, drafter_factory, tmp_path
+):
+    target = target_factory("llama")
+    layer_ids = drafter_factory(target).config.target_layer_ids
+    records, _ = _corpus(target, tmp_path, layer_ids, topk=8)
+    batch = SequenceCollator(0, 512)(records[:3])
+    recorded = TargetFeatures(target, layer_ids, tmp_path / "f", soft_topk=8)(
+        batch["input_ids"], batch["attention_mask"], batch["records"]
+    )[1]
+    on_the_fly = TargetFeatures(target, layer_ids, soft_topk=8)(batch["input_ids"], batch["attention_mask"])[
+        1
+    ]
+    for i, record in enumerate(records[:3]):
+        prompt, n = record["prompt_length"], len(record["input_ids"])
+        assert torch.all(recorded.ids[i, :prompt] == -1) and torch.all(recorded.ids[i, n:] == -1)
+        # Greedy responses: the likeliest token at each response position is the token there.
+        assert torch.equal(recorded.ids[i, prompt:n, 0], batch["input_ids"][i, prompt:n])
+        assert torch.equal(on_the_fly.ids[i, prompt:n, 0], batch["input_ids"][i, prompt:n])
+        torch.testing.assert_close(
+            recorded.logprobs[i, prompt:n, 0], on_the_fly.logprobs[i, prompt:n, 0], atol=1e-2, rtol=0
+        )

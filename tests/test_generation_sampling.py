@@ -12,33 +12,23 @@ that lacks the target's most likely first token, so its mass must come from the 
 import pytest
 import torch
 from transformers import GenerationConfig
-from transformers.generation.logits_process import (
-    LogitsProcessorList,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
 
 from adaflash_hf import AdaFlashCandidateGenerator
 from adaflash_hf.cost_model import CostModel, use_cost_model
+from tests.conftest import (
+    FAMILY_ALPHA,
+    POSITIONS,
+    PROMPT,
+    SCALE,
+    SHARPNESS,
+    VOCAB,
+    exact_marginals,
+    min_p_value,
+    sample_counts,
+)
 
-VOCAB = 16
-SCALE = 12.0
-SHARPNESS = 0.5
-NUM_SAMPLES = 1000
-POSITIONS = 3
-TEMPERATURE, TOP_K, TOP_P = 0.6, 6, 0.95
-FAMILY_ALPHA = 1e-3
-PROMPT = torch.tensor([[3, 9, 1, 12, 5]])
 # Holds the greedy continuation's 1 and 12 but not its first token 8 (target probability ~0.59 at position 1).
 DRAFT_VOCAB = [0, 1, 2, 4, 7, 12, 14]
-
-
-def processors() -> LogitsProcessorList:
-    # The order transformers' generate uses for these three warpers.
-    return LogitsProcessorList(
-        [TemperatureLogitsWarper(TEMPERATURE), TopKLogitsWarper(top_k=TOP_K), TopPLogitsWarper(top_p=TOP_P)]
-    )
 
 
 @pytest.fixture(scope="module", params=[None, DRAFT_VOCAB], ids=["full_vocab", "draft_vocab"])
@@ -52,72 +42,6 @@ def setup(request, target_factory, oracle_factory):
         target, reference, seed=8, sharpness=SHARPNESS, mask_token_id=VOCAB - 1, draft_token_ids=request.param
     )
     return target, drafter, exact_marginals(target)
-
-
-def exact_marginals(target, prompt=PROMPT) -> torch.Tensor:
-    """[POSITIONS, VOCAB] exact marginal law of generated positions 1..3 under the processed target distribution."""
-    pairs = torch.cartesian_prod(torch.arange(VOCAB), torch.arange(VOCAB))  # every (x1, x2)
-    ids = torch.cat([prompt.expand(pairs.shape[0], -1), pairs], dim=1)
-    with torch.no_grad():
-        logits = target(ids).logits.double()[:, -3:]
-    warp = processors()
-    probs = [torch.softmax(warp(ids, logits[:, i].float()).double(), -1) for i in range(3)]
-    p1 = probs[0][0]
-    p2_given_x1 = probs[1].view(VOCAB, VOCAB, VOCAB)[:, 0]  # rows indexed by x1
-    p3_given_x1x2 = probs[2].view(VOCAB, VOCAB, VOCAB)
-    m2 = p1 @ p2_given_x1
-    m3 = torch.einsum("a,ab,abc->c", p1, p2_given_x1, p3_given_x1x2)
-    return torch.stack([p1, m2, m3])
-
-
-def chi_square_p_value(counts: torch.Tensor, expected_probs: torch.Tensor) -> float:
-    expected = expected_probs * counts.sum()
-    order = torch.argsort(expected, descending=True)
-    observed_bins, expected_bins = [], []
-    obs_acc = exp_acc = 0.0
-    for index in order.tolist():
-        obs_acc += float(counts[index])
-        exp_acc += float(expected[index])
-        if exp_acc >= 5:
-            observed_bins.append(obs_acc)
-            expected_bins.append(exp_acc)
-            obs_acc = exp_acc = 0.0
-    if exp_acc > 0 or obs_acc > 0:  # fold the small remainder into the last bin
-        observed_bins[-1] += obs_acc
-        expected_bins[-1] += exp_acc
-    observed_t = torch.tensor(observed_bins, dtype=torch.float64)
-    expected_t = torch.tensor(expected_bins, dtype=torch.float64)
-    statistic = ((observed_t - expected_t) ** 2 / expected_t).sum()
-    dof = len(observed_bins) - 1
-    if dof == 0:
-        return 1.0
-    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64), statistic / 2))
-
-
-def sample_counts(
-    target, drafter, proposal: str, prompt=PROMPT, num_samples=NUM_SAMPLES, **settings
-) -> torch.Tensor:
-    torch.manual_seed(1234)
-    config = GenerationConfig(
-        do_sample=True,
-        temperature=TEMPERATURE,
-        top_k=TOP_K,
-        top_p=TOP_P,
-        max_new_tokens=POSITIONS,
-        adaflash_proposal=proposal,
-        adaflash_min_len=POSITIONS,
-        **settings,
-    )
-    counts = torch.zeros(POSITIONS, VOCAB)
-    for _ in range(num_samples):
-        out = target.generate(prompt, assistant_model=drafter, generation_config=config)
-        tokens = out[0, prompt.shape[1] :]
-        counts[torch.arange(POSITIONS), tokens] += 1
-    return counts
-
-
-def min_p_value(counts, marginals) -> float:
-    return min(chi_square_p_value(counts[i], marginals[i]) for i in range(POSITIONS))
 
 
 def goodput_settings(target) -> dict:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_train_drafter import tiny_script_inputs
+from tests.conftest import tiny_script_inputs
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "gpu" / "train_drafter.sh"

@@ -1,4 +1,5 @@
-"""Hub publishing and downloading, offline: the model card, one-commit uploads recorded by an autospec'd HfApi,
+"""Hub publishing and downloading, offline: the model card (and the shipped drafter's, which say to load the drafter
+in the target's dtype for the native path), one-commit uploads recorded by an autospec'd HfApi,
 ``drafter.push_to_hub``, loading from a hand-built Hub cache with HF_HUB_OFFLINE=1, and the remote-code path in a
 process where adaflash_hf cannot be imported."""
 
@@ -20,6 +21,7 @@ from huggingface_hub.errors import EntryNotFoundError
 from adaflash_hf.hub import load_bench_results, push_drafter, render_model_card
 from adaflash_hf.interop import export_dflash
 
+REPO = Path(__file__).resolve().parents[1]
 BENCH = {
     "device": "cpu",
     "target": "HuggingFaceTB/SmolLM2-135M-Instruct",
@@ -338,3 +340,13 @@ def test_the_bench_jsons_we_write_render_as_a_card(drafter):
             assert all(hidden not in row for row in rows), (name, hidden)  # ... that a card leaves out
         assert "drafter" not in setup and "records" not in setup, name
         assert first in render_model_card(drafter.config, "org/x", bench_json=results / name).text, name
+
+
+@pytest.mark.parametrize(
+    "card", ["adaflash_hf/templates/model_card.md", "examples/drafters/smollm2-135m-adaflash/README.md"]
+)
+def test_the_model_card_says_to_load_the_drafter_in_the_target_dtype_for_the_native_path(card):
+    text = " ".join((REPO / card).read_text().split())
+    assert (
+        "Load it in the target's dtype (`dtype=target.dtype` as above, or `drafter.to(target.dtype)`)" in text
+    )

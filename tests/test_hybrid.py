@@ -15,21 +15,19 @@ from adaflash_hf.drafting import DraftingSettings
 from adaflash_hf.lookup import LookupIndex, LookupProposal
 from adaflash_hf.policy import lookup_beats_block, truncate_lookup
 from adaflash_hf.serving import AdaFlashEngine, AdmissionConfig, SamplingParams
-from tests.test_generation_sampling import (
+from tests.conftest import (
     FAMILY_ALPHA,
     POSITIONS,
     SCALE,
     SHARPNESS,
     VOCAB,
-    exact_marginals,
-    min_p_value,
-    sample_counts,
-)
-from tests.test_serving_engine import (
     assert_outputs_equal_references,
+    exact_marginals,
     greedy_reference,
     make_batched_oracle,
+    min_p_value,
     run_with_churn,
+    sample_counts,
 )
 
 # A prompt that repeats itself, so lookup has matches from the first round on.

@@ -22,6 +22,9 @@ The layers, from the bottom; a module may import its own layer and the layers be
    curve, the head calibration);
 5. benchmarks: ``bench.*``;
 6. the console script: ``cli``, which only dispatches; nothing imports it.
+
+The tests have a graph too: no test file imports another one. What several test files share (builders, fixtures)
+lives in ``tests/conftest.py``, which they import as ``tests.conftest``.
 """
 
 import ast
@@ -211,3 +214,36 @@ def test_importing_every_other_module_loads_no_cli():
     result = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().splitlines()[-1] == "False"
+
+
+def names_a_test_module(name: str) -> bool:
+    """``tests.test_x``, ``test_x`` or ``.test_x`` (any number of dots), and anything inside one."""
+    return name.lstrip(".").removeprefix("tests.").split(".")[0].startswith("test_")
+
+
+def imported_test_modules(path: Path) -> list[str]:
+    """Every ``test_*`` module an import statement in ``path`` names, as written: ``import tests.test_x``,
+    ``from tests.test_x import f``, ``from .test_x import f``, and ``from tests import test_x`` /
+    ``from . import test_x``."""
+    named = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            named.extend(alias.name for alias in node.names if names_a_test_module(alias.name))
+        elif isinstance(node, ast.ImportFrom):
+            base = "." * node.level + (node.module or "")
+            if names_a_test_module(base):
+                named.append(base)
+                continue
+            joiner = "" if base.endswith(".") else "."
+            modules = [f"{base}{joiner}{alias.name}" for alias in node.names]
+            named.extend(name for name in modules if names_a_test_module(name))
+    return named
+
+
+def test_no_test_file_imports_another_test_file():
+    offending = [
+        f"{path.relative_to(REPO)}: {name}"
+        for path in sorted((REPO / "tests").rglob("*.py"))
+        for name in imported_test_modules(path)
+    ]
+    assert offending == []

@@ -7,42 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from adaflash_hf.trainers.corpus import build_corpus
-from adaflash_hf.trainers.corpus_format import read_corpus
 from adaflash_hf.trainers.learning_curve import LearningCurve, heldout_acceptance
 from adaflash_hf.trainers.train_drafter_config import DrafterTrainingConfig
 from adaflash_hf.trainers.train_drafter_trainer import DrafterTrainer
-from tests.test_corpus import rows, tiny_tokenizer
-
-
-def corpus(target, tmp_path, layer_ids, name="c", per_domain=3, max_new_tokens=24):
-    tokenizer = tiny_tokenizer(target.config.vocab_size, eos="t511")
-    build_corpus(
-        target,
-        tokenizer,
-        rows(per_domain=per_domain),
-        tmp_path / name,
-        tmp_path / f"{name}-features",
-        layer_ids=layer_ids,
-        max_new_tokens=max_new_tokens,
-    )
-    return read_corpus(tmp_path / name, ["chat", "math"]), tokenizer
-
-
-def features_of(target, record, layer_ids):
-    hidden = target(torch.tensor([record["input_ids"]]), output_hidden_states=True).hidden_states
-    return torch.cat([hidden[i + 1][0, :-1] for i in layer_ids], dim=-1)
-
-
-def drafts_one_token(drafter, target) -> int:
-    """Zero every drafter layer's output so each MASK row drafts the same token; return it."""
-    embedding, lm_weight = target.get_input_embeddings().weight, target.get_output_embeddings().weight
-    with torch.no_grad():
-        for layer in drafter.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-        mask_row = drafter.norm(F.embedding(torch.tensor([drafter.config.mask_token_id]), embedding))
-    return int((mask_row @ lm_weight.T).argmax())
+from tests.conftest import corpus, drafts_one_token, features_of
 
 
 def test_batched_teacher_forced_acceptance_equals_one_block_at_a_time(

@@ -12,10 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tokenizers import Tokenizer
-from tokenizers.models import WordLevel
-from tokenizers.pre_tokenizers import WhitespaceSplit
-from transformers import PreTrainedTokenizerFast, TrainerCallback
+from transformers import TrainerCallback
 
 from adaflash_hf.online import loop
 from adaflash_hf.online.buffer import ReplayBuffer
@@ -24,14 +21,7 @@ from adaflash_hf.online.loop import MetricsLogger, TrafficSource, run_online
 from adaflash_hf.serving import AdaFlashEngine, SamplingParams
 from adaflash_hf.trainers.opd_config import OPDConfig
 from adaflash_hf.trainers.opd_trainer import OPDTrainer
-
-
-def tiny_tokenizer(vocab_size=512):
-    backend = Tokenizer(WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
-    backend.pre_tokenizer = WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="t0", eos_token="t1")
-    tokenizer.chat_template = "{% for m in messages %}t2 {{ m['content'] }} t3 {% endfor %}"
-    return tokenizer
+from tests.conftest import tiny_tokenizer
 
 
 def synthetic_traffic(n=6):

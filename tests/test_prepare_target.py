@@ -15,7 +15,7 @@ from adaflash_hf.cpu import bf16_units, cpu_model
 from adaflash_hf.kernels.invariant_linear import InvariantLinear
 from adaflash_hf.prepare import is_prepared
 from adaflash_hf.serving import AdaFlashEngine, AdmissionConfig, SamplingParams
-from tests.test_serving_engine import greedy_reference, make_batched_oracle, random_prompts
+from tests.conftest import greedy_reference, make_batched_oracle, random_prompts
 
 # 70 tokens: generation crosses the attention's key-block boundary at 128 only with longer runs; the prompt
 # itself spans two blocks.

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-HISTORY = re.compile(r"session [0-9]|stage [0-9]|issue [0-9]|working period", re.IGNORECASE)
+HISTORY = re.compile(r"session [0-9]|stage [0-9]|issue [0-9]|working[ ]period", re.IGNORECASE)
 # The same words as a file or test name spells them: issue_22, stage3, session-10, working_period, newcomer.
 HISTORY_NAME = re.compile(
     r"session[_ -]?[0-9]|stage[_ -]?[0-9]|issue[_ -]?[0-9]|working[_ -]?period|newcomer", re.I

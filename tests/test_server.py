@@ -13,7 +13,9 @@ import openai
 import pytest
 import torch
 
-from adaflash_hf.serving.server import BackgroundServer, build_engine, create_app
+from adaflash_hf import cli
+from adaflash_hf.prepare import is_prepared
+from adaflash_hf.serving.server import BackgroundServer, build_engine, create_app, prepare_served_target
 from adaflash_hf.serving.worker import EngineWorker
 
 PROMPTS = [
@@ -267,6 +269,27 @@ def test_overload_answers_429_with_retry_after_and_every_accepted_request_comple
         done = [list(stream)[-1].choices[0].finish_reason for stream in accepted]
         assert done == ["length", "length"]
         assert metrics(busy)["adaflash_requests_rejected_total"] == 4
+
+
+@pytest.mark.parametrize(
+    "dtype, learn, expected",
+    [("fp32", False, None), ("bf16", False, torch.bfloat16), ("auto", True, None), ("fp32", True, None)],
+)
+def test_the_served_targets_dtype(target_factory, dtype, learn, expected):
+    # --dtype bf16 always gets the batch-invariant forward (lossless against plain decoding of the same target);
+    # auto with --learn stays fp32, where the trainer's drafter copy trains.
+    target = target_factory("llama")
+    prepare_served_target(target, dtype, learn)
+    preparation = is_prepared(target)
+    assert (preparation and preparation.dtype) == expected
+    assert next(target.parameters()).dtype == (expected or torch.float32)
+    assert preparation is None or preparation.invariant
+
+
+def test_serve_refuses_bf16_with_learn_before_loading_anything(capsys):
+    assert cli.main(["serve", "--learn", "--dtype", "bf16", "--target", "/nonexistent"]) == 1
+    err = capsys.readouterr().err
+    assert "--dtype: expected auto or fp32 with --learn" in err and "got bf16" in err
 
 
 @pytest.mark.integration

@@ -41,12 +41,12 @@ def test_packed_verify_equals_per_request_verification(target_factory, kind):
     expected = torch.cat([alone_logits(target, p, 0) for p in prefixes])
     assert (logits - expected).abs().max() < ATOL
     # Step 2: ragged verifies (k̂ = 4, 0, 15, 8) plus a new request's prefill, in one forward.
-    newcomer = torch.randint(0, 512, (23,), generator=g)
+    arriving = torch.randint(0, 512, (23,), generator=g)
     logits = packed_logits(
-        target, store, slots + [1], [p.numel() for p in prefixes] + [0], blocks + [newcomer]
+        target, store, slots + [1], [p.numel() for p in prefixes] + [0], blocks + [arriving]
     )
     expected = [alone_logits(target, torch.cat([p, b]), p.numel()) for p, b in zip(prefixes, blocks)]
-    expected = torch.cat(expected + [alone_logits(target, newcomer, 0)])
+    expected = torch.cat(expected + [alone_logits(target, arriving, 0)])
     assert (logits - expected).abs().max() < ATOL
 
 

@@ -7,37 +7,15 @@ import random
 import pytest
 import torch
 
-from adaflash_hf import AdaFlashDrafter
 from adaflash_hf.cost_model import CostModel, use_cost_model
 from adaflash_hf.serving import AdaFlashEngine, AdmissionConfig, DraftingSettings, SamplingParams
-
-
-class BatchedOracle(AdaFlashDrafter):
-    """A real drafter whose block rows are overwritten, per batch row, so the target's lm_head proposes the
-    request's greedy reference for a random 0..15 rows, then a wrong token: partial acceptance and rollback."""
-
-    def arm(self, engine, references, lm_weight, seed=0):
-        self.engine, self.references, self.lm_weight = engine, references, lm_weight
-        self.rng = torch.Generator().manual_seed(seed)
-        return self
-
-    def forward(self, *args, **kwargs):
-        out = super().forward(*args, **kwargs)
-        block, vocab = self.config.block_size, self.lm_weight.shape[0]
-        by_slot = {r.slot: r for r in self.engine.running}
-        states = out.last_hidden_state.clone()
-        for b, slot in enumerate(kwargs["cache"].batch.slots.tolist()):
-            reference = self.references[by_slot[slot].request_id]
-            anchor = int(kwargs["position_ids"][b, -block])
-            right = int(torch.randint(0, block, (1,), generator=self.rng))
-            for row in range(1, block):
-                position = anchor + row
-                token = int(reference[position]) if position < len(reference) else 0
-                token = token if row <= right else (token + 1) % vocab
-                states[b, row] = self.lm_weight[token] * 4.0
-        out.last_hidden_state = states
-        return out
-
+from tests.conftest import (
+    assert_outputs_equal_references,
+    greedy_reference,
+    make_batched_oracle,
+    random_prompts,
+    run_with_churn,
+)
 
 MODES = ("plain", "dflash", "adaflash")
 
@@ -48,57 +26,10 @@ def engine_args(mode: str, drafter) -> dict:
     return {"drafter": None if mode == "plain" else drafter, "drafting": drafting}
 
 
-def make_batched_oracle(target, drafter):
-    oracle = BatchedOracle(drafter.config).eval()
-    oracle.load_state_dict(drafter.state_dict())
-    weight = target.get_output_embeddings().weight.detach()
-    assert torch.equal((weight @ weight.T).argmax(-1), torch.arange(weight.shape[0]))
-    return oracle, weight
-
-
-def random_prompts(n, seed, max_len=40):
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(1, max_len + 1, (n,), generator=g).tolist()
-    return [torch.randint(0, 500, (k,), generator=g) for k in lengths]
-
-
-def greedy_reference(target, prompt, max_new_tokens):
-    return target.generate(prompt[None], max_new_tokens=max_new_tokens, do_sample=False)[
-        0, len(prompt) :
-    ].tolist()
-
-
 @pytest.fixture(scope="module", params=["qwen3", "llama"])
 def setup(request, target_factory, drafter_factory):
     target = target_factory(request.param)
     return target, drafter_factory(target)
-
-
-def run_with_churn(engine, prompts, params, seed, aborts=2, on_add=None):
-    """Requests arrive at random steps, ``aborts`` of them are aborted at a random later step."""
-    rng = random.Random(seed)
-    arrivals = {i: rng.randint(0, 8) for i in range(len(prompts))}
-    abort_at = {i: arrivals[i] + rng.randint(0, 4) for i in rng.sample(range(len(prompts)), aborts)}
-    ids, step = {}, 0
-    while len(ids) < len(prompts) or engine.has_unfinished():
-        for i in [i for i, s in arrivals.items() if s == step]:
-            ids[i] = engine.add_request(prompts[i], params[i])
-            if on_add is not None:
-                on_add(ids[i], i)
-        for i in [i for i, s in abort_at.items() if s == step and i in ids]:
-            engine.abort(ids[i])
-        engine.step()
-        step += 1
-    return {i: engine.requests[rid] for i, rid in ids.items()}, set(abort_at)
-
-
-def assert_outputs_equal_references(results, aborted, expected):
-    """Finished requests equal their greedy reference; aborted ones a prefix of it."""
-    for i, request in results.items():
-        if i in aborted and request.finish_reason == "abort":
-            assert request.output == expected[i][: len(request.output)]
-        else:
-            assert request.output == expected[i], f"request {i}"
 
 
 @pytest.mark.parametrize("mode", MODES)

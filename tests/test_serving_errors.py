@@ -1,11 +1,15 @@
 """Bad requests are refused in ``add_request`` (before any forward) with an error naming the field, the expected
-and the actual value, and never disturb the other requests; a drafter that produces NaN for one request makes
-that request verify no drafts for the step (k̂ = 0) while its output and everyone else's stay exact."""
+and the actual value, and never disturb the other requests; ``generate`` queues none of a call's prompts when one
+prompt or params entry is bad, and takes one params per prompt or one for all; a drafter that produces NaN for one
+request makes that request verify no drafts for the step (k̂ = 0) while its output and everyone else's stay exact;
+and the KV budget defaults to half the available memory."""
 
 import pytest
 import torch
 
 from adaflash_hf.serving import AdaFlashEngine, AdmissionConfig, SamplingParams
+from adaflash_hf.serving.admission import default_kv_budget, kv_bytes_per_position
+from tests.conftest import SHORT_PROMPT as PROMPT
 
 
 @pytest.fixture(scope="module")
@@ -166,3 +170,95 @@ def test_the_old_mode_argument_still_works_and_says_what_to_write_instead(setup,
     assert engine.generate([[5, 17, 99]], SamplingParams(max_new_tokens=4))[0] == (
         target.generate(torch.tensor([[5, 17, 99]]), max_new_tokens=4, do_sample=False)[0, 3:].tolist()
     )
+
+
+# ----------------------------------------------------------------------------------------- prompts and params
+@pytest.fixture
+def engine(target_factory, drafter_factory):
+    target = target_factory("qwen3")
+    return AdaFlashEngine(target, drafter_factory(target))
+
+
+def test_a_batch_of_prompts_is_not_one_request(engine):
+    with pytest.raises(ValueError, match=r"^prompt_ids: expected one prompt, got a batch of shape \[2, 6\]"):
+        engine.add_request(torch.cat([PROMPT, PROMPT]))
+    assert not engine.requests
+    assert engine.add_request(PROMPT)  # a [1, L] tensor is one prompt
+
+
+def test_generate_needs_one_params_per_prompt_or_one_for_all(engine):
+    prompts = [[1, 2, 3], [4, 5], [6]]
+    with pytest.raises(ValueError, match=r"^params: expected one SamplingParams per prompt \(3\), got 1"):
+        engine.generate(prompts, [SamplingParams(max_new_tokens=4)])
+    assert not engine.requests
+    assert len(engine.generate(prompts, SamplingParams(max_new_tokens=2))) == 3
+
+
+def test_a_flat_prompt_given_as_prompts_is_refused(engine):
+    with pytest.raises(
+        TypeError, match=r"^prompts: expected a list of prompts .*one flat list of 5 ints; pass \[prompt\]"
+    ):
+        engine.generate(PROMPT[0, :5].tolist(), SamplingParams(max_new_tokens=2))
+    assert not engine.requests
+
+
+def test_one_bad_prompt_queues_none_of_the_others(engine):
+    with pytest.raises(TypeError, match=r"^prompts\[1\]: prompt_ids: expected token ids"):
+        engine.generate([[1, 2], "hello", [3]], SamplingParams(max_new_tokens=2))
+    assert not engine.requests and not engine.waiting
+
+
+@pytest.mark.parametrize(
+    ("prompts", "params", "match"),
+    [
+        ([[1, 2], [3, 99999]], None, r"^prompts\[1\]: prompt_ids: expected token ids in 0\.\.511"),
+        (
+            [[1, 2], [3]],
+            [SamplingParams(), SamplingParams(max_new_tokens=0)],
+            r"^params\[1\]: sampling params max_new_tokens",
+        ),
+        (
+            [[1, 2], [3]],
+            [SamplingParams(), "greedy"],
+            r"^params\[1\]: params: expected SamplingParams, got str",
+        ),
+        ([[1, 2], [3] * 600], None, r"^prompts\[1\]: prompt length \+ max_new_tokens: expected <= "),
+    ],
+)
+def test_a_bad_entry_queues_none_and_the_next_call_runs_only_its_own(engine, prompts, params, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        engine.generate(prompts, params)
+    assert not engine.requests and not engine.waiting
+    assert len(engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))) == 1
+    assert len(engine.requests) == 1
+
+
+@pytest.mark.parametrize(
+    "prompt, got",
+    [
+        ("Hello there", "got str 'Hello there'"),
+        (None, "got NoneType None"),
+        ([[1, 2], [3]], "got list"),
+        (torch.tensor([True, False, True]), r"got a torch.bool tensor of shape \[3\]"),
+        ([1.0, 2.0], r"got a torch.float32 tensor of shape \[2\]"),
+        ([True, 2], r"got a list holding booleans \[True, 2\]"),
+    ],
+)
+def test_a_prompt_that_is_not_token_ids_names_prompt_ids_and_what_it_got(engine, prompt, got):
+    with pytest.raises(TypeError, match=rf"^prompt_ids: expected token ids: .*{got}"):
+        engine.add_request(prompt)
+
+
+@pytest.mark.parametrize("field", ["max_new_tokens", "top_k", "seed"])
+def test_booleans_are_not_counts_in_sampling_params(engine, field):
+    with pytest.raises(ValueError, match=rf"^sampling params {field}: expected .*got True"):
+        engine.add_request([1, 2, 3], SamplingParams(**{field: True}))
+
+
+def test_the_kv_budget_defaults_to_half_the_available_memory(engine, target_factory):
+    target = engine.target
+    per_position = kv_bytes_per_position(target) + kv_bytes_per_position(engine.drafter)
+    assert default_kv_budget(target, engine.drafter, available=per_position * 1000) == 500
+    budget = engine.admission.config.kv_budget  # derived from this machine's memory when the engine started
+    assert isinstance(budget, int) and budget >= 1
+    assert budget == pytest.approx(default_kv_budget(target, engine.drafter), rel=0.5)

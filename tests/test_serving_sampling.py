@@ -15,8 +15,7 @@ from transformers.generation.logits_process import (
 
 import adaflash_hf.serving.engine as engine_module
 from adaflash_hf.serving import AdaFlashEngine, AdmissionConfig, SamplingParams
-
-from .test_serving_engine import make_batched_oracle
+from tests.conftest import make_batched_oracle
 
 VOCAB, SCALE, POSITIONS, NUM_REQUESTS = 16, 12.0, 3, 1000
 TEMPERATURE, TOP_K, TOP_P = 0.6, 6, 0.95

@@ -135,8 +135,8 @@ def test_a_checkpoint_ships_its_runs_points_up_to_its_step_and_a_later_one_repla
     run.write_text(json.dumps(_curve([(237, 1, 0.30), (87_000, 400, 0.33), (174_000, 800, 0.36)])))
     drafter = drafter_factory(target_factory("llama"))
     for step in (400, 800):
-        drafter.save_pretrained(tmp_path / "stage3" / f"checkpoint-{step}")
-        (tmp_path / "stage3" / f"checkpoint-{step}" / "trainer_state.json").write_text(
+        drafter.save_pretrained(tmp_path / "long_run" / f"checkpoint-{step}")
+        (tmp_path / "long_run" / f"checkpoint-{step}" / "trainer_state.json").write_text(
             json.dumps({"global_step": step})
         )
     common = [
@@ -149,13 +149,13 @@ def test_a_checkpoint_ships_its_runs_points_up_to_its_step_and_a_later_one_repla
         "--shipped-curve",
         str(shipped),
     ]
-    ship.main([str(tmp_path / "stage3" / "checkpoint-400"), *common, "--curve-offset", "539703"])
+    ship.main([str(tmp_path / "long_run" / "checkpoint-400"), *common, "--curve-offset", "539703"])
     points = json.loads(shipped.read_text())["points"]
-    assert [(p["step"], p.get("stage")) for p in points] == [(1778, None), (1, "stage3"), (400, "stage3")]
-    ship.main([str(tmp_path / "stage3" / "checkpoint-800"), *common, "--curve-offset", "539703"])
+    assert [(p["step"], p.get("stage")) for p in points] == [(1778, None), (1, "long_run"), (400, "long_run")]
+    ship.main([str(tmp_path / "long_run" / "checkpoint-800"), *common, "--curve-offset", "539703"])
     assert [p["step"] for p in json.loads(shipped.read_text())["points"]] == [1778, 1, 400, 800]
     run.write_text(json.dumps(_curve([(237_000, 900, 0.4)])))
     with pytest.raises(
         ValueError, match=r"curve: expected held-out points up to step 800 in .*run.json, got none"
     ):
-        ship.main([str(tmp_path / "stage3" / "checkpoint-800"), *common, "--curve-offset", "539703"])
+        ship.main([str(tmp_path / "long_run" / "checkpoint-800"), *common, "--curve-offset", "539703"])

@@ -1,4 +1,5 @@
-"""Offline drafter training: the DFlash recipe (anchors, masks, labels, weights), the loss, and DrafterTrainer."""
+"""Offline drafter training: the DFlash recipe (anchors, masks, labels, weights), the loss, DrafterTrainer, soft
+targets read from the corpus's recorded top-k, and resuming from the newest complete checkpoint."""
 
 import gzip
 import json
@@ -11,9 +12,7 @@ from pathlib import Path
 import datasets
 import pytest
 import torch
-from tokenizers import Tokenizer
-from tokenizers.models import WordLevel
-from transformers import PreTrainedTokenizerFast, TrainerCallback
+from transformers import TrainerCallback
 
 from adaflash_hf.trainers import DrafterTrainer, DrafterTrainingConfig
 from adaflash_hf.trainers.dflash_recipe import (
@@ -24,17 +23,11 @@ from adaflash_hf.trainers.dflash_recipe import (
     position_weights,
     sample_anchors,
 )
+from tests.conftest import corpus, tiny_script_inputs, toy_batch
+from tests.conftest import corpus_with_top_k as _corpus
+from tests.conftest import repetitive_sequences as _sequences
 
 BLOCK = 16
-
-
-def toy_batch(seq=60, prompt=10, batch=2, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    input_ids = torch.randint(0, 500, (batch, seq), generator=g)
-    loss_mask = torch.zeros(batch, seq, dtype=torch.long)
-    loss_mask[:, prompt:] = 1
-    loss_mask[1, seq - 7 :] = 0  # a shorter second sequence (padding)
-    return input_ids, loss_mask
 
 
 def test_anchors_have_context_and_a_supervised_next_token():
@@ -147,18 +140,6 @@ def test_loss_decreases_on_a_fixed_batch(target_factory, drafter_factory):
     assert losses[-1] < losses[0] * 0.5
 
 
-def _sequences(n=12, seq=48, prompt=8, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    # Repetitive sequences are learnable in a few steps.
-    rows = []
-    for _ in range(n):
-        period = int(torch.randint(2, 5, (1,), generator=g))
-        motif = torch.randint(0, 500, (period,), generator=g).tolist()
-        tokens = (motif * seq)[:seq]
-        rows.append({"input_ids": tokens, "prompt_length": prompt})
-    return datasets.Dataset.from_list(rows)
-
-
 @pytest.fixture
 def trainer_args(tmp_path):
     def make(**overrides):
@@ -224,7 +205,6 @@ class StopAt(TrainerCallback):
 def test_a_resumed_run_continues_the_step_count_the_lr_schedule_and_the_learning_curve(
     target_factory, drafter_factory, trainer_args, tmp_path
 ):
-    from tests.test_learning_curve import corpus
 
     target = target_factory("llama")
     corpus(target, tmp_path, drafter_factory(target).config.target_layer_ids, name="heldout", per_domain=2)
@@ -284,7 +264,6 @@ def test_a_run_resumed_from_a_weights_only_checkpoint_carries_on_the_step_weight
         restore_weights_only,
         save_weights_only,
     )
-    from tests.test_learning_curve import corpus
 
     target = target_factory("llama")
     corpus(target, tmp_path, drafter_factory(target).config.target_layer_ids, name="heldout", per_domain=2)
@@ -453,23 +432,6 @@ def test_recorded_corpus_features_equal_the_on_the_fly_ones_and_nothing_is_cache
     torch.testing.assert_close(mixed[1:], on_the_fly[1:], atol=0, rtol=0)
     torch.testing.assert_close(mixed[0, :47], on_the_fly[0, :47], atol=2e-2, rtol=2e-2)  # bf16 on disk
     assert torch.all(mixed[0, 47:] == 0)  # no anchor's context reaches the last token
-
-
-def tiny_script_inputs(target, folder: Path) -> None:
-    """What the training script needs on disk: ``folder/target`` (the model and a word-level tokenizer) and
-    ``folder/corpus`` (8 math sequences as `adaflash corpus` writes them)."""
-    target.save_pretrained(folder / "target")
-    vocab = {f"t{i}": i for i in range(target.config.vocab_size)}
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="t0")), pad_token="t0"
-    )
-    # A chat template, as every target the corpus serves has: the held-out twin drop tokenizes held-out prompts.
-    tokenizer.chat_template = "{% for m in messages %}t2 {{ m['content'] }} t3 {% endfor %}"
-    tokenizer.save_pretrained(folder / "target")
-    (folder / "corpus").mkdir()
-    with gzip.open(folder / "corpus" / "math.jsonl.gz", "wt") as handle:
-        for i, row in enumerate(_sequences(n=8)):
-            handle.write(json.dumps({"id": str(i), "domain": "math", **row}) + "\n")
 
 
 def test_script_trains_under_accelerate_launch_with_two_processes(target_factory, drafter_factory, tmp_path):
@@ -717,7 +679,6 @@ def test_offline_and_online_training_declare_the_drafter_arguments_once():
 def test_a_time_budget_stops_with_a_log_line_a_checkpoint_and_a_curve_point(
     target_factory, drafter_factory, trainer_args, tmp_path
 ):
-    from tests.test_learning_curve import corpus
 
     target = target_factory("llama")
     corpus(target, tmp_path, drafter_factory(target).config.target_layer_ids, name="heldout", per_domain=2)
@@ -845,3 +806,101 @@ def test_training_and_held_out_domains_must_be_known_and_not_empty(tmp_path, fie
         ValueError, match=rf"{field}: expected distinct domains among \['chat', 'code', 'math'\], "
     ):
         DrafterTrainingConfig(output_dir=str(tmp_path), report_to="none", **{field: value})
+
+
+# ----------------------------------------------------------------------------------------------- soft targets
+def _soft_args(tmp_path, **overrides):
+    values = dict(
+        output_dir=str(tmp_path / "out"),
+        domains=["chat", "math"],
+        corpus_dir=str(tmp_path / "c"),
+        corpus_features_dir=str(tmp_path / "f"),
+        soft_target_weight=0.5,
+        max_steps=2,
+        per_device_train_batch_size=2,
+        num_anchors=8,
+        logging_steps=1,
+        eval_prompts_per_domain=0,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    return DrafterTrainingConfig(**{**values, **overrides})
+
+
+def _dataset(records):
+    return datasets.Dataset.from_list(
+        [{k: r[k] for k in ("input_ids", "prompt_length", "id", "domain")} for r in records]
+    )
+
+
+def test_training_with_soft_targets_reads_the_recorded_top_k(
+    target_factory, drafter_factory, tmp_path, monkeypatch
+):
+    target = target_factory("llama")
+    drafter = drafter_factory(target)
+    records, tokenizer = _corpus(target, tmp_path, drafter.config.target_layer_ids, topk=8)
+    trainer = DrafterTrainer(
+        model=drafter,
+        args=_soft_args(tmp_path),
+        target=target,
+        tokenizer=tokenizer,
+        train_dataset=_dataset(records),
+    )
+    monkeypatch.setattr(
+        target, "forward", lambda *a, **k: (_ for _ in ()).throw(AssertionError("target ran"))
+    )
+    trainer.train()
+    logged = [e for e in trainer.state.log_history if "soft_kl" in e]
+    assert len(logged) == 2 and all(e["soft_kl"] > 0 and e["soft_target_rows"] == 1.0 for e in logged)
+
+
+def test_a_corpus_without_top_k_is_refused_before_any_forward(
+    target_factory, drafter_factory, tmp_path, monkeypatch
+):
+    target = target_factory("llama")
+    drafter = drafter_factory(target)
+    records, tokenizer = _corpus(target, tmp_path, drafter.config.target_layer_ids, topk=0)
+    monkeypatch.setattr(
+        target, "forward", lambda *a, **k: (_ for _ in ()).throw(AssertionError("target ran"))
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"soft_target_weight > 0: expected the target's top-k in every recorded feature file, got none in "
+        r"6 of 6 records \(first: 'chat/0', .*--topk 32`, or set soft_target_weight: 0",
+    ):
+        DrafterTrainer(
+            model=drafter,
+            args=_soft_args(tmp_path),
+            target=target,
+            tokenizer=tokenizer,
+            train_dataset=_dataset(records),
+        )
+    DrafterTrainer(  # the hard-CE recipe needs no top-k
+        model=drafter,
+        args=_soft_args(tmp_path, soft_target_weight=0.0),
+        target=target,
+        tokenizer=tokenizer,
+        train_dataset=_dataset(records),
+    )
+
+
+@pytest.mark.parametrize("value", [-0.1, 1.5])
+def test_soft_target_weight_outside_zero_one_is_refused(tmp_path, value):
+    with pytest.raises(ValueError, match=rf"soft_target_weight: expected a float in \[0, 1\], got {value}"):
+        DrafterTrainingConfig(output_dir=str(tmp_path), soft_target_weight=value, report_to="none")
+
+
+# ----------------------------------------------------------------------------------------------------- resume
+def test_resume_last_takes_the_newest_complete_checkpoint(tmp_path):
+    from adaflash_hf.trainers.train_drafter import last_complete_checkpoint
+
+    assert last_complete_checkpoint(tmp_path / "missing") is None
+    for step in (40, 400, 1200, 1600):  # numeric order, not lexical; 1600 was killed while saving
+        (tmp_path / f"checkpoint-{step}").mkdir()
+        if step != 1600:
+            (tmp_path / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
+    (tmp_path / "checkpoint-9999.tmp").mkdir()
+    assert last_complete_checkpoint(tmp_path) == str(tmp_path / "checkpoint-1200")
+    assert last_complete_checkpoint(tmp_path / "checkpoint-40") is None

@@ -347,6 +347,19 @@ def load_drafter_for(target, drafter: str | None):
     return load_drafter(drafter).to(next(target.parameters()).dtype).eval()  # the engine checks it fits
 
 
+def prepare_served_target(target, dtype: str, learn: bool) -> None:
+    """``--dtype``: "auto" runs ``prepare_target``'s choice (bf16 with the batch-invariant forward on a CPU with
+    bf16 units, where a verify forward of several tokens costs about what one token costs; fp32 elsewhere), except
+    with ``--learn``, whose trainer needs fp32 weights; "bf16" prepares a bf16 target whatever the CPU; "fp32"
+    leaves the target as loaded."""
+    from adaflash_hf.prepare import prepare_target
+
+    if dtype == "bf16" or (dtype == "auto" and not learn):
+        prepare_target(target, dtype=dtype)
+    elif dtype == "auto":
+        logger.info("--dtype auto: fp32 with --learn (the trainer's drafter trains and publishes in fp32)")
+
+
 def serve(options, learner_factory=None) -> int:
     """Load the target and drafter of ``options`` (``adaflash serve``'s arguments), build the engine, worker and
     app, and serve. ``learner_factory(engine, target, tokenizer)`` gives the learner of ``--learn``."""
@@ -354,8 +367,14 @@ def serve(options, learner_factory=None) -> int:
 
     if options.learn and options.drafter == "none":
         raise ValueError("--learn: expected a drafter to train, got --drafter none (plain decoding)")
+    if options.learn and options.dtype == "bf16":
+        raise ValueError(
+            "--dtype: expected auto or fp32 with --learn (the trainer's drafter publishes weights in the serving "
+            "dtype, and AdamW on bf16 weights loses its small updates), got bf16"
+        )
     sock = bind(options.host, options.port)
     target, tokenizer = load_target(options.target)
+    prepare_served_target(target, options.dtype, options.learn)
     drafter = load_drafter_for(target, options.drafter)
     length_mode = options.length_mode or ("adaptive" if options.learn else "auto")
     engine = build_engine(
@@ -370,5 +389,6 @@ def serve(options, learner_factory=None) -> int:
     model_name = options.served_model_name or Path(options.target).name
     app = create_app(worker, tokenizer, model_name, options.default_max_tokens, options.grace_period, learner)
     host, port = sock.getsockname()[:2]
-    print(f"adaflash serve: {model_name} on http://{host}:{port}/v1", flush=True)
+    dtype = str(next(target.parameters()).dtype).removeprefix("torch.")
+    print(f"adaflash serve: {model_name} ({dtype}) on http://{host}:{port}/v1", flush=True)
     return run(app, sock, options.grace_period)

@@ -1,12 +1,17 @@
-"""Bad drafters, targets and inputs raise a specific error naming the field, the expected and the actual value,
-before any forward pass runs."""
+"""Bad drafters, targets, configs and inputs raise a specific error naming the field, the expected and the actual
+value, before any forward pass runs: a drafter checked against a target (or given something else), a config of the
+wrong type or value at construction and at load, a folder that does not exist, and a drafter in another dtype than
+its inputs (which says to load it in the target's dtype, and runs under autocast)."""
 
 import json
 
 import pytest
 import torch
 from huggingface_hub.errors import StrictDataclassClassValidationError
+from tokenizers import Tokenizer, models
+from transformers import PreTrainedTokenizerFast
 
+import adaflash_hf
 from adaflash_hf import AdaFlashConfig, AdaFlashDrafter
 
 TINY = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, target_layer_ids=[0])
@@ -263,3 +268,79 @@ def test_generate_and_the_engine_cast_a_bf16_drafter_to_the_fp32_target_once(qwe
     engine = AdaFlashEngine(qwen3_target, drafter_factory(qwen3_target).to(torch.bfloat16))
     assert next(engine.drafter.parameters()).dtype == torch.float32
     assert engine.generate([prompt[0]], SamplingParams(max_new_tokens=8)) == [expected[0, 5:].tolist()]
+
+
+# ----------------------------------------------------------------------------------- loading a missing folder
+@pytest.mark.parametrize("name", ["absolute", "path object", "./relative", "a/b/c"])
+def test_from_pretrained_of_a_missing_folder_says_no_such_folder(tmp_path, name):
+    path = {"absolute": str(tmp_path / "nope"), "path object": tmp_path / "nope"}.get(name, name)
+    with pytest.raises(FileNotFoundError, match=rf"got '{path}', which does not exist"):
+        AdaFlashDrafter.from_pretrained(path)
+    with pytest.raises(FileNotFoundError, match=rf"got '{path}', which does not exist"):
+        AdaFlashConfig.from_pretrained(path)
+
+
+# --------------------------------------------------------------------------------------- config types at load
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("block_size", 16.5, r"block_size: expected int, got 16\.5 \(float\)"),
+        ("block_size", "16", r"block_size: expected int, got '16' \(str\)"),
+        ("block_size", True, r"block_size: expected int, got True \(bool\)"),
+        ("hidden_size", 64.0, r"hidden_size: expected int, got 64\.0 \(float\)"),
+        ("learned_mask_embedding", 1, r"learned_mask_embedding: expected bool, got 1 \(int\)"),
+        ("length_head_gamma", "1.0", r"length_head_gamma: expected float, got '1\.0' \(str\)"),
+        ("target_layer_ids", [1, 2.0], r"target_layer_ids: expected list\[int\] \| None, got \[1, 2\.0\]"),
+    ],
+)
+def test_a_drafter_config_of_the_wrong_type_fails_at_load_naming_the_field(
+    target_factory, drafter_factory, tmp_path, field, value, message
+):
+    drafter_factory(target_factory("qwen3")).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, field: value}))
+    with pytest.raises(ValueError, match=message):
+        AdaFlashDrafter.from_pretrained(tmp_path)
+
+
+def test_an_int_is_a_valid_float_field(target_factory):
+    config = AdaFlashConfig.for_target(target_factory("qwen3").config, length_head_gamma=1, mask_token_id=3)
+    assert config.length_head_gamma == 1
+
+
+# ----------------------------------------------------------------------------------------------------- dtypes
+def test_a_drafter_in_another_dtype_than_its_inputs_says_to_load_it_in_the_target_dtype(
+    target_factory, drafter_factory
+):
+    target = target_factory("qwen3")
+    drafter = drafter_factory(target).to(torch.bfloat16)
+    ids = torch.tensor([[3, 4, 5, 6]])
+    adaflash_hf.disable()  # transformers' native DFlash path, as remote code without adaflash_hf runs it
+    try:
+        with pytest.raises(
+            TypeError,
+            match=r"noise_embeds: expected the drafter's dtype torch.bfloat16, got torch.float32; load the drafter "
+            r"in the target's dtype with from_pretrained\(\.\.\., dtype=target.dtype\), or call drafter.to",
+        ):
+            target.generate(ids, assistant_model=drafter, speculation_type="dflash", max_new_tokens=4)
+    finally:
+        adaflash_hf.enable()
+
+
+def test_a_drafter_in_another_dtype_runs_under_autocast(target_factory, drafter_factory):
+    drafter = drafter_factory(target_factory("qwen3")).to(torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = drafter(noise_embeds=torch.randn(1, 16, 64), context_hidden_states=torch.randn(1, 3, 128))
+    assert out.last_hidden_state.shape == (1, 16, 64)
+
+
+# ----------------------------------------------------------------------------- check_target of something else
+def test_check_target_of_a_tokenizer_says_it_expects_the_target_model(target_factory, drafter_factory):
+    drafter = drafter_factory(target_factory("qwen3"))
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
+    )
+    with pytest.raises(
+        TypeError, match=rf"target: expected the target model .*got a {type(tokenizer).__name__}$"
+    ):
+        drafter.check_target(tokenizer)
