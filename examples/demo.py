@@ -3,8 +3,10 @@
     make demo                      # sets up .venv, then runs this file
     python examples/demo.py --prompts-per-domain 1 --max-new-tokens 64
 
-For a few held-out prompts per domain (chat, code, math) it runs plain greedy ``generate`` and two AdaFlash modes side
-by side: the default (``adaflash_length_mode="auto"``: goodput under greedy; ``adaflash_draft_source="auto"``: each
+The target goes through ``adaflash_hf.prepare_target`` first (``--dtype auto``): bf16 with a batch-invariant forward
+on a CPU with bf16 units (``avx512_bf16``, ``amx_bf16``), where verifying several tokens costs about what one costs;
+fp32 elsewhere. For a few held-out prompts per domain (chat, code, math) it runs plain greedy ``generate`` of that
+target and two AdaFlash modes side by side: the default (``adaflash_length_mode="auto"``: goodput under greedy; ``adaflash_draft_source="auto"``: each
 round verifies the drafter's block or a prompt-lookup continuation) and the drafter alone
 (``adaflash_draft_source="diffusion"``: block drafts only). It
 prints the answer, checks each mode's output is identical to plain greedy token for token, and prints tau (committed
@@ -28,6 +30,7 @@ import adaflash_hf
 from adaflash_hf.assets import load_target
 from adaflash_hf.cost_model import cost_model_for
 from adaflash_hf.data import load_domain, prompt_ids
+from adaflash_hf.prepare import is_prepared
 
 SHIPPED_DRAFTER = Path(__file__).resolve().parent / "drafters" / "smollm2-135m-adaflash"
 # name -> (what it runs, generation-config fields)
@@ -65,6 +68,14 @@ def verify_price(target) -> str:
     return text + (f" ({last} tokens: {curve[last]:.2f}x)" if last != first else "")
 
 
+def describe_target(target) -> str:
+    preparation = is_prepared(target)
+    if preparation is None:
+        return "fp32 as loaded"
+    invariant = ", batch-invariant forward" if preparation.invariant else ""
+    return f"prepare_target: {preparation.reason}{invariant}"
+
+
 def run_prompt(
     target, tokenizer, drafter, domain, row, max_new_tokens
 ) -> dict[str, tuple[bool, float, float]]:
@@ -93,6 +104,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts-per-domain", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "2")))
+    parser.add_argument(
+        "--dtype",
+        choices=("auto", "fp32", "bf16"),
+        default="auto",
+        help="auto: adaflash_hf.prepare_target's choice (bf16 with the batch-invariant forward where this CPU has "
+        "bf16 units, else fp32); fp32: the target as loaded",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
@@ -100,6 +118,11 @@ def main(argv: list[str] | None = None) -> int:
         f"adaflash-hf {adaflash_hf.__version__}: loading SmolLM2-135M-Instruct (offline GGUF) and {args.drafter}"
     )
     target, tokenizer = load_target()
+    if args.dtype != "fp32":
+        adaflash_hf.prepare_target(target, dtype=args.dtype)
+    print(
+        f"target: {describe_target(target)}; plain greedy below is this target's own, what lossless compares with"
+    )
     drafter = adaflash_hf.AdaFlashDrafter.from_pretrained(args.drafter, dtype=target.dtype).eval()
     drafter.check_target(target)
     rows = [

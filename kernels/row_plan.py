@@ -11,10 +11,12 @@ call up to one of them (outputs cropped):
 - ``unit``: the smallest size. The sizes are its multiples up to 16, verified when the plan is made (they cover
   every decode and verify forward), then 24, 32, 48, 64, 96, 128, 192, 256, each verified on first need; a size that
   fails is never used, its rows go through the verified sizes below it. Calls past 256 rows run in chunks.
-- a size m is verified when, for a random row x whose result at row 0 of a ``unit``-row call is the reference, an
-  m-row call of x repeated gives the reference at every row, and an m-row call of random rows with x at rows 0, m/2
-  and m-1 gives it there. Kernels choose their path from shapes and strides, not values (every call gets contiguous
-  inputs at the start of their storage, so strides and alignment are the same too), so one probe per size decides.
+- a size m is verified when, in ``PROBE_ROUNDS`` m-row calls of distinct random rows, every checked row (all of
+  them, or ``PROBE_ROWS`` of a larger call) equals that row's result at row 0 of a ``unit``-row call. Kernels choose
+  their path from shapes and strides, not values (every call gets contiguous inputs at the start of their storage,
+  so strides and alignment are the same too), but a path that sums in another order shows in few bf16 outputs: on
+  SmolLM2's down projection (K = 1536) a 1-row call sums differently from a multi-row one, and one random row showed
+  it in about 1 probe of 15; 64 distinct rows per size show it (its plan pads a 1-token step to 2 rows).
 - units tried: 1, 2, 4, 8, 16; the first whose sizes up to 16 all verify wins (fp32 MKL on AVX2: 4; bf16 on AVX2,
   which has no bf16 units: 1). When none does the plan runs one row per call: one shape and one position, invariant
   by construction and slow; it warns.
@@ -35,6 +37,10 @@ logger = logging.get_logger(__name__)
 UNITS = (1, 2, 4, 8, 16)
 EAGER_ROWS = 16
 LARGE_SIZES = (24, 32, 48, 64, 96, 128, 192, 256)
+# A path that sums in another order differs from the reference in few outputs once they are rounded to bf16 (measured:
+# one random row of SmolLM2's down projection showed it in 1 probe of 15), so a size is checked on many distinct rows.
+PROBE_ROUNDS = 4
+PROBE_ROWS = 16
 
 Op = Callable[..., torch.Tensor]
 Sampler = Callable[[int, torch.Generator], tuple[torch.Tensor, ...]]
@@ -73,19 +79,20 @@ class RowPlan:
 
     @torch.no_grad()
     def verifies(self, op: Op, unit: int, size: int) -> bool:
-        """Whether every row of a ``size``-row call gets the result its input gets at row 0 of a ``unit``-row call."""
+        """Whether every checked row of ``size``-row calls of distinct random rows gets the result its input gets at
+        row 0 of a ``unit``-row call (``PROBE_ROUNDS`` calls, up to ``PROBE_ROWS`` rows checked in each)."""
         generator = torch.Generator().manual_seed(size)
-        row = self.sample(1, generator)
-        reference = op(*(padded_rows(t, unit, pad) for t, pad in zip(row, self.pads)))[..., :1, :]
-        repeated = op(*(torch.cat([t] * size, dim=-2) for t in row))
-        if not all(torch.equal(repeated[..., i : i + 1, :], reference) for i in range(size)):
-            return False
-        mixed = self.sample(size, generator)
-        at = sorted({0, size // 2, size - 1})
-        for t, x in zip(mixed, row):
-            t[..., at, :] = x
-        out = op(*mixed)
-        return all(torch.equal(out[..., i : i + 1, :], reference) for i in at)
+        for _ in range(PROBE_ROUNDS):
+            batch = self.sample(size, generator)
+            out = op(*batch)
+            checked = (
+                range(size) if size <= PROBE_ROWS else torch.randperm(size, generator=generator)[:PROBE_ROWS]
+            )
+            for i in map(int, checked):
+                row = (padded_rows(t[..., i : i + 1, :], unit, pad) for t, pad in zip(batch, self.pads))
+                if not torch.equal(out[..., i : i + 1, :], op(*row)[..., :1, :]):
+                    return False
+        return True
 
     def size_for(self, op: Op, rows: int) -> int:
         """The verified size a call of ``rows`` rows is padded to (or, past the largest, the chunk size)."""
@@ -100,6 +107,8 @@ class RowPlan:
     def run(self, op: Op, *inputs: torch.Tensor) -> torch.Tensor:
         """``op`` over all rows of ``inputs``, each call padded to a verified size; the rows' results, cropped."""
         rows = inputs[0].shape[-2]
+        if rows in self.sizes and all(t.is_contiguous() and t.storage_offset() == 0 for t in inputs):
+            return op(*inputs)  # already a verified size, as a fresh tensor would be: as it is
         outputs, start = [], 0
         while start < rows:
             size = self.size_for(op, rows - start)

@@ -3,13 +3,15 @@ decoded alone, for n = 1..M, whatever the rows after it hold, as the cache grows
 it (row plans, the invariant linear and attention) keep a row's result independent of the call's row count; plain
 bf16 is the negative control that shows the effect on this CPU."""
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
 from adaflash_hf.kernels.invariant_attention import sequence_attention
-from adaflash_hf.kernels.invariant_linear import invariant_linear
+from adaflash_hf.kernels.invariant_linear import InvariantLinear, can_pack, invariant_linear
 from adaflash_hf.kernels.row_plan import RowPlan
 from adaflash_hf.prepare import prepare_target
 
@@ -83,6 +85,63 @@ def test_invariant_linear_rows_do_not_depend_on_the_row_count(dtype, shape):
     for rows in (1, 2, 3, 5, 8, 13, 16, 17, 40, 300):
         out = invariant_linear(x[:rows], weight)
         assert torch.equal(out[::7], alone[: len(range(0, rows, 7))]), rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(576, 192), (1536, 576)])
+def test_the_prepacked_linear_rows_do_not_depend_on_the_row_count(dtype, shape):
+    features, out_features = shape
+    generator = torch.Generator().manual_seed(0)
+    layer = InvariantLinear(features, out_features, bias=False)
+    layer.weight.data = torch.randn(out_features, features, generator=generator).to(dtype)
+    x = torch.randn(40, features, generator=generator).to(dtype)
+    with torch.no_grad():
+        alone = torch.cat([layer(x[i : i + 1]) for i in range(40)])
+        for rows in (1, 2, 3, 5, 8, 13, 16, 17, 40):
+            assert torch.equal(layer(x[:rows]), alone[:rows]), rows
+    assert all(torch.isfinite(alone).flatten())
+
+
+@pytest.mark.skipif(
+    not can_pack(torch.empty(1, dtype=torch.bfloat16)), reason="torch without oneDNN on this CPU"
+)
+def test_the_prepacked_weight_follows_the_weight_and_stays_out_of_copies_and_the_state_dict():
+    layer = InvariantLinear(64, 32, bias=False).to(torch.bfloat16)
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    with torch.no_grad():
+        before = layer(x)
+        layer.weight.mul_(2)  # in place: a power of two scales every product and sum exactly
+        assert torch.equal(layer(x), before * 2)
+        layer.load_state_dict({"weight": layer.weight / 4})
+        assert torch.equal(layer(x), before / 2)
+        assert torch.equal(copy.deepcopy(layer)(x), before / 2)
+    assert list(layer.state_dict()) == ["weight"]
+
+
+def test_a_call_that_wants_gradients_runs_the_differentiable_linear():
+    # The prepacked op has no backward; a call that wants gradients gets F.linear's, under the same kind of plan.
+    layer = InvariantLinear(16, 8, bias=True)
+    reference = torch.nn.Linear(16, 8)
+    reference.load_state_dict(layer.state_dict())
+    x = torch.randn(5, 16, requires_grad=True)
+    layer(x).square().sum().backward()
+    gradients = (x.grad.clone(), layer.weight.grad.clone())
+    x.grad = None
+    reference(x).square().sum().backward()
+    assert torch.allclose(gradients[0], x.grad) and torch.allclose(gradients[1], reference.weight.grad)
+
+
+def test_a_size_whose_rows_differ_only_for_some_inputs_is_refused():
+    # A path that sums in another order shows in few outputs after rounding: here 6-row calls change only rows
+    # whose first feature exceeds 1 (one in six). A probe of one random row would pass it about as often as not;
+    # distinct rows in every probe call find it.
+    def op(x):
+        return x * 2 + (x.shape[-2] == 6) * (x[..., :1] > 1.0) * 1e-3
+
+    plan = RowPlan("test", op, _sample, pads=(0.0,))
+    assert 6 not in plan.sizes and plan.unit == 4  # the smallest unit none of whose multiples up to 16 is 6
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(plan.run(op, x), x * 2)
 
 
 def test_plain_fp32_linear_rows_depend_on_the_row_count():
