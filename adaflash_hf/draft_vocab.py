@@ -91,7 +91,9 @@ def _subset_rows(weight: torch.Tensor, token_ids: torch.LongTensor) -> torch.Ten
     the weight requires grad the gather is done afresh so autograd sees it."""
     if weight.requires_grad and torch.is_grad_enabled():
         return weight[token_ids]
-    key = (weight._version, token_ids.data_ptr(), token_ids.numel())
+    # The storage and dtype too: a cast in place (``prepare_target``, ``model.to(dtype)``) keeps the Parameter and
+    # its version but gives it new data.
+    key = (weight._version, weight.data_ptr(), weight.dtype, token_ids.data_ptr(), token_ids.numel())
     cached = _SUBSET_CACHE.get(id(weight))
     if cached is None or cached[0]() is not weight or cached[1] != key:
         cached = (weakref.ref(weight), key, weight.detach()[token_ids])

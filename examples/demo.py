@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"adaflash-hf {adaflash_hf.__version__}: loading SmolLM2-135M-Instruct (offline GGUF) and {args.drafter}"
     )
-    target, tokenizer = load_target()
+    target, tokenizer = load_target(fresh=True)  # a private copy: prepare_target changes the model in place
     if args.dtype != "fp32":
         adaflash_hf.prepare_target(target, dtype=args.dtype)
     print(

@@ -12,7 +12,7 @@ from transformers import GenerationConfig
 
 import adaflash_hf
 from adaflash_hf import AdaFlashConfig, AdaFlashDrafter, RoundRecord
-from adaflash_hf.draft_vocab import build_draft_vocab
+from adaflash_hf.draft_vocab import build_draft_vocab, draft_logits
 from adaflash_hf.interop import export_dflash, import_checkpoint
 from adaflash_hf.serving import AdaFlashEngine, SamplingParams
 
@@ -104,6 +104,21 @@ def test_drafter_exposes_the_subset_as_a_long_tensor_outside_the_state_dict(qwen
     assert drafter.draft_token_ids.tolist() == EVERY_EIGHTH
     assert not any("draft_token_ids" in name for name in drafter.state_dict())
     assert drafter_factory(qwen3_target).draft_token_ids is None
+
+
+def test_the_subset_rows_follow_a_target_cast_in_place(qwen3_target):
+    # prepare_target casts the target in place: the lm_head keeps its Parameter (and version) with new data.
+    token_ids = torch.tensor(EVERY_EIGHTH)
+    hidden = torch.randn(2, qwen3_target.config.hidden_size)
+    lm_head = qwen3_target.get_output_embeddings()
+    with torch.no_grad():
+        draft_logits(hidden, lm_head, token_ids)
+        qwen3_target.to(torch.bfloat16)
+        logits, _ = draft_logits(hidden.to(torch.bfloat16), lm_head, token_ids)
+    assert logits.dtype == torch.bfloat16
+    assert torch.equal(
+        logits, torch.nn.functional.linear(hidden.to(torch.bfloat16), lm_head.weight[token_ids])
+    )
 
 
 # ------------------------------------------------------------------------------------------------------- proposals

@@ -373,7 +373,7 @@ def serve(options, learner_factory=None) -> int:
             "dtype, and AdamW on bf16 weights loses its small updates), got bf16"
         )
     sock = bind(options.host, options.port)
-    target, tokenizer = load_target(options.target)
+    target, tokenizer = load_target(options.target, fresh=True)  # the server's own: prepared in place
     prepare_served_target(target, options.dtype, options.learn)
     drafter = load_drafter_for(target, options.drafter)
     length_mode = options.length_mode or ("adaptive" if options.learn else "auto")
