@@ -345,6 +345,7 @@ def calibrate_target(
 
     def forward(n: int) -> float:
         position_ids = torch.arange(context, context + n, device=device)[None]
+        _synchronize(device)
         tick = time.perf_counter()
         target(
             input_ids=ids[:, context : context + n],
@@ -354,6 +355,7 @@ def calibrate_target(
             logits_to_keep=n,
             **forward_kwargs,
         )
+        _synchronize(device)  # an accelerator runs the forward after the call returns
         seconds = time.perf_counter() - tick
         cache.crop(-n)
         return seconds
@@ -370,6 +372,11 @@ def calibrate_target(
             if n != 1:
                 cost.observe_target(n, forward(n))
     cost.calibrated = True
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _coarse_to_fine(sizes: list[int]) -> list[int]:

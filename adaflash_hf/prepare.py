@@ -194,8 +194,13 @@ def check_batch_invariance(target, rows: int = 16) -> None:
         cache.crop(-count)
         for row in range(count):
             if not torch.equal(logits[row], alone[row]):
+                where = (
+                    f"{cpu_model()}, {torch.get_num_threads()} threads"
+                    if device.type == "cpu"
+                    else str(device)
+                )
                 raise RuntimeError(
-                    f"prepare_target: the forward is not batch-invariant on this machine ({cpu_model()}, "
-                    f"{torch.get_num_threads()} threads): row {row} of a {count}-token forward differs from the same "
-                    "token decoded alone. Prepare a fresh copy with invariant=False."
+                    f"prepare_target: the forward is not batch-invariant on this machine ({where}): row {row} of a "
+                    f"{count}-token forward differs from the same token decoded alone. Prepare a fresh copy with "
+                    "invariant=False."
                 )

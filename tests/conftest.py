@@ -167,6 +167,19 @@ def make_oracle(target, reference, seed=0, max_right=None, sharpness=4.0, **conf
     return oracle.arm(reference, weight, seed=seed, max_right=max_right, sharpness=sharpness)
 
 
+@pytest.fixture
+def watched(target_factory, drafter_factory):
+    """``(target, drafter, calls)``: a tiny Qwen3 target and its drafter whose every module's forward appends the
+    module's name to ``calls``, for the tests of errors that must come before any forward."""
+    target = target_factory("qwen3")
+    drafter = drafter_factory(target)
+    calls = []
+    for model in (target, drafter):
+        for name, module in model.named_modules():
+            module.register_forward_pre_hook(lambda *_, name=name: calls.append(name))
+    return target, drafter, calls
+
+
 @pytest.fixture(scope="session")
 def oracle_factory():
     """``oracle_factory(target, reference, seed=0, max_right=None)``: an OracleDrafter right for a random

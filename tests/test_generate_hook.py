@@ -11,16 +11,6 @@ import adaflash_hf
 from tests.conftest import SHORT_PROMPT as PROMPT
 
 
-@pytest.fixture
-def watched(target_factory, drafter_factory):
-    target = target_factory("qwen3")
-    drafter = drafter_factory(target)
-    calls = []
-    for model in (target, drafter):
-        model.register_forward_pre_hook(lambda *_: calls.append(1))
-    return target, drafter, calls
-
-
 def greedy(target, tokens=8, **kwargs):
     return target.generate(PROMPT, max_new_tokens=tokens, do_sample=False, **kwargs)
 

@@ -11,17 +11,6 @@ from adaflash_hf.generate_hook import check_transformers_support
 PROMPT = torch.tensor([[5, 17, 99, 3, 250, 8]])
 
 
-@pytest.fixture
-def watched(target_factory, drafter_factory):
-    target = target_factory("qwen3")
-    drafter = drafter_factory(target)
-    calls = []
-    for model in (target, drafter):
-        for name, module in model.named_modules():
-            module.register_forward_pre_hook(lambda *_, name=name: calls.append(name))
-    return target, drafter, calls
-
-
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [

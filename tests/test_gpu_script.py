@@ -64,3 +64,30 @@ def test_the_gpu_script_stops_at_its_time_budget_and_the_same_command_resumes(ti
     state = json.loads((tmp_path / "out" / "checkpoint-3" / "trainer_state.json").read_text())
     assert [e["step"] for e in state["log_history"] if "loss" in e] == [1, 2, 3]  # one history, continued
     assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
+def test_cuda_checks_dry_run_on_cpu(tmp_path):
+    """examples/gpu/cuda_checks.py on its CPU dry path: every arm of generate and the engine equal plain greedy in
+    fp32, and the prepared bf16 target passes the bitwise invariance check (whether the eager one does depends on
+    the CPU's kernels, so the report only says)."""
+    output = tmp_path / "cuda_checks.json"
+    command = [sys.executable, "-P", str(ROOT / "examples" / "gpu" / "cuda_checks.py"), "--device", "cpu"]
+    command += [
+        "--targets",
+        "tiny-qwen3",
+        "--prompts",
+        "2",
+        "--max-new-tokens",
+        "12",
+        "--output",
+        str(output),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    subprocess.run(command, check=True, env=env, cwd=tmp_path, capture_output=True, timeout=300)
+    report = json.loads(output.read_text())
+    fp32 = [row for row in report["generate"] if row["dtype"] == "float32"]
+    assert len(fp32) == 5 and all(row["exact"] == "2/2" for row in fp32), fp32
+    assert [row["exact"] for row in report["engine"]] == ["2/2"]
+    bf16 = next(row for row in report["invariance"] if row["dtype"] == "bfloat16")
+    assert bf16["prepared"].startswith("prepared: batch-invariant"), bf16
+    assert bf16["eager"], bf16

@@ -109,7 +109,19 @@ def check_verify_accept(device: str) -> None:
         moved = [None if a is None else a.to(device) for a in args]
         out = verify_accept(logits.to(device), *moved, impl="triton", block_v=128 if small else None)
         assert out.accepted.tolist() == expected.accepted.tolist(), (case, out, expected)
-        assert out.next_tokens.tolist() == expected.next_tokens.tolist(), (case, out, expected)
+        # A sampled token is the inverse CDF of u; the two kernels sum a 151936-entry CDF in another order, so where
+        # u falls within fp32 rounding of a boundary they may pick neighbours. Each must lie between the float64
+        # inverse CDFs at u -/+ 3e-5, and such rows must be rare; greedy rows (lo == hi) must match exactly.
+        logits64, u = logits.to(device, torch.float64), moved[-1]
+        lo = verify_accept(logits64, *moved[:-1], (u - 3e-5).clamp_min(0.0), impl="torch").next_tokens.cpu()
+        hi = verify_accept(
+            logits64, *moved[:-1], (u + 3e-5).clamp_max(1 - 1e-7), impl="torch"
+        ).next_tokens.cpu()
+        got = out.next_tokens.cpu()
+        for tokens in (got, expected.next_tokens):
+            assert bool(((lo <= tokens) & (tokens <= hi)).all()), (case, tokens, lo, hi)
+        differ = int((got != expected.next_tokens).sum())
+        assert differ <= max(1, batch // 10), (case, differ, batch)
 
 
 def check_verify_attention(device: str) -> None:
