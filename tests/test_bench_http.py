@@ -86,3 +86,34 @@ def test_the_command_drives_a_server_and_prints_the_table(server, tmp_path, caps
 def test_only_loopback_servers_are_driven(url):
     with pytest.raises(ValueError, match="--server: expected a loopback URL"):
         http.parse_servers([f"x={url}"])
+
+
+def test_an_in_process_engine_runs_the_same_prompts_beside_the_server(
+    server, target_factory, drafter_factory, word_tokenizer
+):
+    target = target_factory("llama", initializer_range=0.2)
+    engines = {"local": (build_engine(target, drafter_factory(target)), word_tokenizer)}
+    results = http.run_benchmark(
+        {"http": server.base_url}, None, PROMPTS, [1, 3], engines, max_tokens=8, duration_s=60
+    )
+    rows = results["summary"]
+    assert [(r["server"], r["concurrency"]) for r in rows] == [
+        ("http", 1),
+        ("local", 1),
+        ("http", 3),
+        ("local", 3),
+    ]
+    for row in rows:
+        assert (row["completed"], row["errors"]) == (4, 0) and row["tokens_per_s"] > 0 and row["tau"] >= 1.0
+    for c in (1, 3):
+        served, local = results["records"][f"http@{c}"], results["records"][f"local@{c}"]
+        assert [r["tokens"] for r in local] == [r["tokens"] for r in served]
+        assert [r["finish_reason"] for r in local] == [r["finish_reason"] for r in served]
+        assert all(r["chunk_times"] == sorted(r["chunk_times"]) and r["chunk_times"] for r in local)
+    assert rows[1]["memory_mb"] == [None, None]  # no /metrics to read in-process
+
+
+@pytest.mark.parametrize("value", ["local", "=none", "local=", "a=none a=default"])
+def test_in_process_entries_are_checked(value):
+    with pytest.raises(ValueError, match="--in-process: expected a new LABEL=DRAFTER"):
+        http.parse_in_process(value.split())

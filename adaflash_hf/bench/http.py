@@ -18,6 +18,11 @@ that do not send them show none), 429s, other errors, the drafter weights versio
 chunks with probability p (the server must abort it and go on). ``--learning-curve`` plots τ per request against
 requests served for the first server, with a 95% bootstrap interval per window of ``--window`` requests.
 
+``--in-process LABEL=DRAFTER`` adds an engine built in this process the way ``adaflash serve`` builds it with default
+flags and ``--drafter DRAFTER`` (``default``: the shipped drafter; ``none``: plain decoding; or a folder), driven
+with the same prompts, levels and closed loop but no HTTP, streaming or detokenizing: its rows beside a server's
+show what serving over HTTP costs.
+
 Only loopback servers are driven (127.0.0.0/8, ::1, localhost). Outputs in ``--output-dir``: ``results.json``,
 ``table.md``, ``tokens_per_s.png`` and, with ``--learning-curve``, ``tau_vs_requests.png``.
 """
@@ -68,6 +73,18 @@ def parse_servers(values: list[str]) -> dict[str, str]:
             raise ValueError(f"--server: expected a new LABEL=URL, got {value!r}")
         servers[label] = check_loopback(url)
     return servers
+
+
+def parse_in_process(values: list[str]) -> dict[str, str]:
+    engines = {}
+    for value in values:
+        label, sep, drafter = value.partition("=")
+        if not sep or not label or not drafter or label in engines:
+            raise ValueError(
+                f"--in-process: expected a new LABEL=DRAFTER (default, none or a folder), got {value!r}"
+            )
+        engines[label] = drafter
+    return engines
 
 
 def load_prompts(domains: list[str], split: str, count: int, seed: int, max_chars: int) -> list[str]:
@@ -159,6 +176,66 @@ async def run_level(
     return sorted(records, key=lambda r: r["index"]), time.perf_counter() - started
 
 
+def build_in_process(drafter: str):
+    """An engine and tokenizer as ``adaflash serve --drafter DRAFTER`` builds them with its other flags' defaults."""
+    from adaflash_hf.assets import load_target
+    from adaflash_hf.serving.server import build_engine, load_drafter_for, prepare_served_target
+
+    target, tokenizer = load_target(fresh=True)
+    prepare_served_target(target, "auto", learn=False)
+    return build_engine(
+        target, load_drafter_for(target, None if drafter == "default" else drafter)
+    ), tokenizer
+
+
+def run_in_process(
+    engine, tokenizer, prompts: list[str], concurrency: int, max_tokens: int, duration_s: float, **_
+) -> tuple[list[dict], float]:
+    """``run_level`` without HTTP: the same chat prompts, greedy, ``concurrency`` in flight, straight into
+    ``engine`` in this process; a record's chunk times are the steps that committed tokens to it."""
+    from adaflash_hf.serving.requests import SamplingParams
+
+    queue = deque(enumerate(prompts))
+    flights: dict[str, dict] = {}
+    records: list[dict] = []
+    started = time.perf_counter()
+
+    def admit():
+        while queue and len(flights) < concurrency and time.perf_counter() - started < duration_s:
+            index, prompt = queue.popleft()
+            encoded = tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}],
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=True,
+            )
+            params = SamplingParams(max_new_tokens=max_tokens, temperature=0.0)
+            request_id = engine.add_request(list(encoded["input_ids"]), params)
+            flights[request_id] = {"status": "ok", "chunk_times": [], "tokens": 0, "finish_reason": None}
+            flights[request_id] |= {"adaflash": None, "index": index, "started": time.perf_counter()}
+
+    admit()
+    while flights:
+        for output in engine.step():
+            record = flights.get(output.request_id)
+            if record is None:
+                continue
+            if output.new_tokens:
+                record["chunk_times"].append(time.perf_counter() - record["started"])
+                record["tokens"] += len(output.new_tokens)
+            if output.finished:
+                request = engine.requests[output.request_id]
+                record["finish_reason"] = output.finish_reason
+                record["adaflash"] = {
+                    "verify_rounds": request.verify_rounds,
+                    "accepted_drafts": request.accepted,
+                }
+                record["seconds"] = time.perf_counter() - record.pop("started")
+                records.append(flights.pop(output.request_id))
+        admit()
+    return sorted(records, key=lambda r: r["index"]), time.perf_counter() - started
+
+
 def _quantile(values: list[float], q: float) -> float | None:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else None
@@ -203,16 +280,27 @@ def summarise(
 
 
 def run_benchmark(
-    servers: dict[str, str], model: str | None, prompts: list[str], concurrency: list[int], **level
+    servers: dict[str, str],
+    model: str | None,
+    prompts: list[str],
+    concurrency: list[int],
+    engines: dict | None = None,
+    **level,
 ) -> dict:
-    """Every server at every level (servers interleaved per level); ``level``: ``run_level``'s keyword settings."""
+    """Every server at every level (servers interleaved per level), then every in-process ``engines`` entry (label ->
+    (engine, tokenizer)) at that level; ``level``: ``run_level``'s keyword settings."""
     summary, records = [], {}
     for c in concurrency:
-        for label, url in servers.items():
-            name = model or _served_model(url)
-            before = scrape(url)
-            level_records, seconds = asyncio.run(run_level(url, name, prompts, c, **level))
-            summary.append(summarise(label, c, level_records, seconds, before, scrape(url)))
+        for label, target in [*servers.items(), *(engines or {}).items()]:
+            if isinstance(target, str):
+                name = model or _served_model(target)
+                before = scrape(target)
+                level_records, seconds = asyncio.run(run_level(target, name, prompts, c, **level))
+                after = scrape(target)
+            else:
+                before = after = {}
+                level_records, seconds = run_in_process(*target, prompts, c, **level)
+            summary.append(summarise(label, c, level_records, seconds, before, after))
             records[f"{label}@{c}"] = level_records
             row = summary[-1]
             logger.info(
@@ -310,6 +398,13 @@ def write_outputs(results: dict, output_dir: Path, window: int | None) -> None:
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="adaflash bench http", description=__doc__.split("\n\n")[0])
     parser.add_argument("--server", action="append", help=f"LABEL=URL, repeatable (default {DEFAULT_SERVER})")
+    parser.add_argument(
+        "--in-process",
+        action="append",
+        metavar="LABEL=DRAFTER",
+        help="also an engine in this process, as `adaflash serve --drafter DRAFTER` builds it (default: the shipped "
+        "drafter; none: plain), with no HTTP; repeatable",
+    )
     parser.add_argument("--model", help="model id to send (default: each server's first /v1/models entry)")
     parser.add_argument(
         "--concurrency", type=int_at_least(1), nargs="+", default=[1, 4, 16], help="levels (default 1 4 16)"
@@ -350,13 +445,20 @@ def make_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args_with_config(make_parser(), argv)
-    servers = parse_servers(args.server or [DEFAULT_SERVER])
+    in_process = parse_in_process(args.in_process or [])
+    servers = parse_servers(args.server or ([] if in_process else [DEFAULT_SERVER]))
+    if set(servers) & set(in_process):
+        raise ValueError(
+            f"--in-process: expected labels apart from --server's, got {sorted(set(servers) & set(in_process))}"
+        )
     prompts = load_prompts(args.domains, args.split, args.requests, args.seed, args.max_prompt_chars)
+    engines = {label: build_in_process(drafter) for label, drafter in in_process.items()}
     results = run_benchmark(
         servers,
         args.model,
         prompts,
         args.concurrency,
+        engines,
         max_tokens=args.max_tokens,
         duration_s=args.duration_s,
         disconnect_prob=args.disconnect_prob,
@@ -364,6 +466,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     results["settings"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()} | {
         "servers": servers,
+        "in_process": in_process,
         "command": " ".join(["adaflash bench http", *(sys.argv[1:] if argv is None else argv)]),
     }
     write_outputs(results, args.output_dir, args.window if args.learning_curve else None)

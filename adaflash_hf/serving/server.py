@@ -35,6 +35,7 @@ from transformers.utils import logging
 from adaflash_hf.serving import openai_api as api
 from adaflash_hf.serving.admission import AdmissionConfig
 from adaflash_hf.serving.engine import AdaFlashEngine
+from adaflash_hf.serving.memory import limit_malloc_arenas
 from adaflash_hf.serving.worker import EngineWorker, QueueFull, ShuttingDown
 
 logger = logging.get_logger(__name__)
@@ -365,6 +366,7 @@ def serve(options, learner_factory=None) -> int:
     app, and serve. ``learner_factory(engine, target, tokenizer)`` gives the learner of ``--learn``."""
     from adaflash_hf.assets import load_target
 
+    limit_malloc_arenas()  # before any of the server's threads start (adaflash_hf.serving.memory)
     if options.learn and options.drafter == "none":
         raise ValueError("--learn: expected a drafter to train, got --drafter none (plain decoding)")
     if options.learn and options.dtype == "bf16":

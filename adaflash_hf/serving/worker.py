@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from transformers.utils import logging
 
 from adaflash_hf.serving.detokenize import IncrementalText
+from adaflash_hf.serving.memory import trim_heap
 from adaflash_hf.serving.requests import SamplingParams
 from adaflash_hf.stats import tau_of
 
@@ -156,6 +157,7 @@ class EngineWorker(threading.Thread):
         self._accepted = 0  # submitted and not yet ended, inbox included
         self._closing = False
         self._deadline: float | None = None
+        self._busy = False
 
     # ------------------------------------------------------------------------------------ HTTP side (any thread)
     @property
@@ -202,7 +204,11 @@ class EngineWorker(threading.Thread):
                 if not engine.has_unfinished():
                     if self._deadline is not None and self._inbox.empty():
                         return
+                    if self._busy:  # just went idle: give the freed pages of the last requests back
+                        self._busy = False
+                        trim_heap()
                     continue
+                self._busy = True
                 if self.learner is not None:
                     self.learner.between_steps()
                 started = time.perf_counter()

