@@ -216,7 +216,9 @@ def run_in_process(
 
     admit()
     while flights:
-        for output in engine.step():
+        outputs = engine.step()
+        engine.stats.clear()  # read by nobody here; the server's worker clears them each step too
+        for output in outputs:
             record = flights.get(output.request_id)
             if record is None:
                 continue
@@ -224,7 +226,7 @@ def run_in_process(
                 record["chunk_times"].append(time.perf_counter() - record["started"])
                 record["tokens"] += len(output.new_tokens)
             if output.finished:
-                request = engine.requests[output.request_id]
+                request = engine.requests.pop(output.request_id)  # as the server's worker does
                 record["finish_reason"] = output.finish_reason
                 record["adaflash"] = {
                     "verify_rounds": request.verify_rounds,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 
 from transformers.utils import logging
@@ -21,6 +22,7 @@ logger = logging.get_logger(__name__)
 M_ARENA_MAX = -8  # glibc's mallopt parameter number
 
 
+@functools.cache
 def _glibc():
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
