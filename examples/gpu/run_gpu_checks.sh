@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU checks, one short command on a CUDA machine (< 5 minutes on an H200):
+# GPU checks, one command on a CUDA machine (about 8 minutes on an H200):
 #   1. the Triton kernels against their references on CUDA (tests marked gpu);
 #   2. the kernel benchmark (Triton vs naive torch vs chunked fallback, V=151936, N up to 16k; acceptance
 #      for B=1..128), printed as a Markdown table and written to $OUT/kernels_gpu.json (or ./);
