@@ -61,7 +61,11 @@ def invariant_linear(
     (oneDNN's ``_reorder_linear_weight(weight)``) where given."""
     if x.numel() == 0:
         return F.linear(x, weight, bias)
-    op, plan = _op_and_plan(weight, bias, packed)
+    return _run(*_op_and_plan(weight, bias, packed), x, weight)
+
+
+def _run(op, plan, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x [..., K]`` as rows through ``plan`` and back to ``[..., N]``."""
     return plan.run(op, x.reshape(-1, weight.shape[1])).reshape(*x.shape[:-1], weight.shape[0])
 
 
@@ -94,5 +98,4 @@ class InvariantLinear(torch.nn.Linear):
         if route is None or route[0] != stamp:
             packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach()) if can_pack(weight) else None
             route = _ROUTES[self] = (stamp, *_op_and_plan(weight, self.bias, packed))
-        _, op, plan = route
-        return plan.run(op, x.reshape(-1, weight.shape[1])).reshape(*x.shape[:-1], weight.shape[0])
+        return _run(*route[1:], x, weight)

@@ -178,14 +178,11 @@ async def run_level(
 
 def build_in_process(drafter: str):
     """An engine and tokenizer as ``adaflash serve --drafter DRAFTER`` builds them with its other flags' defaults."""
-    from adaflash_hf.assets import load_target
-    from adaflash_hf.serving.server import build_engine, load_drafter_for, prepare_served_target
+    from adaflash_hf.assets import DEFAULT_TARGET
+    from adaflash_hf.serving.server import served_engine
 
-    target, tokenizer = load_target(fresh=True)
-    prepare_served_target(target, "auto", learn=False)
-    return build_engine(
-        target, load_drafter_for(target, None if drafter == "default" else drafter)
-    ), tokenizer
+    engine, _, tokenizer = served_engine(DEFAULT_TARGET, None if drafter == "default" else drafter)
+    return engine, tokenizer
 
 
 def run_in_process(

@@ -361,11 +361,36 @@ def prepare_served_target(target, dtype: str, learn: bool) -> None:
         logger.info("--dtype auto: fp32 with --learn (the trainer's drafter trains and publishes in fp32)")
 
 
+def served_engine(
+    target_name: str,
+    drafter: str | None = None,
+    *,
+    dtype: str = "auto",
+    learn: bool = False,
+    draft_source: str = "auto",
+    length_mode: str | None = None,
+    max_running: int = 16,
+):
+    """``(engine, target, tokenizer)`` as ``adaflash serve`` builds them from its options: a private copy of the
+    target prepared per ``--dtype``, the ``--drafter`` (None: the shipped one; "none": plain decoding), and
+    ``--length-mode`` (None: adaptive with ``--learn``, the feedback OPD learns from, else auto)."""
+    from adaflash_hf.assets import load_target
+
+    target, tokenizer = load_target(target_name, fresh=True)  # the server's own: prepared in place
+    prepare_served_target(target, dtype, learn)
+    engine = build_engine(
+        target,
+        load_drafter_for(target, drafter),
+        draft_source=draft_source,
+        length_mode=length_mode or ("adaptive" if learn else "auto"),
+        max_running=max_running,
+    )
+    return engine, target, tokenizer
+
+
 def serve(options, learner_factory=None) -> int:
     """Load the target and drafter of ``options`` (``adaflash serve``'s arguments), build the engine, worker and
     app, and serve. ``learner_factory(engine, target, tokenizer)`` gives the learner of ``--learn``."""
-    from adaflash_hf.assets import load_target
-
     limit_malloc_arenas()  # before any of the server's threads start (adaflash_hf.serving.memory)
     if options.learn and options.drafter == "none":
         raise ValueError("--learn: expected a drafter to train, got --drafter none (plain decoding)")
@@ -375,15 +400,13 @@ def serve(options, learner_factory=None) -> int:
             "dtype, and AdamW on bf16 weights loses its small updates), got bf16"
         )
     sock = bind(options.host, options.port)
-    target, tokenizer = load_target(options.target, fresh=True)  # the server's own: prepared in place
-    prepare_served_target(target, options.dtype, options.learn)
-    drafter = load_drafter_for(target, options.drafter)
-    length_mode = options.length_mode or ("adaptive" if options.learn else "auto")
-    engine = build_engine(
-        target,
-        drafter,
+    engine, target, tokenizer = served_engine(
+        options.target,
+        options.drafter,
+        dtype=options.dtype,
+        learn=options.learn,
         draft_source=options.draft_source,
-        length_mode=length_mode,
+        length_mode=options.length_mode,
         max_running=options.max_running,
     )
     learner = learner_factory(engine, target, tokenizer) if learner_factory is not None else None

@@ -181,8 +181,8 @@ def prepared_verdict(name, device, rows) -> str:
         return f"{type(error).__name__}: {str(error)[:300]}"
     drafter.to(torch.bfloat16)
     ids_list = prompts(target.config.vocab_size, 2, device)
-    rows = check_generate(f"{name}, prepared", target, drafter, ids_list, 32)
-    return "prepared: batch-invariant; generate exact " + ", ".join(row["exact"] for row in rows)
+    arms = check_generate(f"{name}, prepared", target, drafter, ids_list, 32)
+    return "prepared: batch-invariant; generate exact " + ", ".join(arm["exact"] for arm in arms)
 
 
 def verify_cost(name, target, repeats=20):
