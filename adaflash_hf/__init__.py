@@ -23,7 +23,7 @@ _PUBLIC = {
     "AdaFlashConfig": "adaflash_hf.modeling",
     "AdaFlashDrafter": "adaflash_hf.modeling",
     "AdaFlashDrafterOutput": "adaflash_hf.modeling",
-    "prepare_target": "adaflash_hf.prepare",
+    "prepare_target": "adaflash_hf.prepared.prepare",
     "register": "adaflash_hf.registration",
     "AdaFlashEngine": "adaflash_hf.serving",
     "SamplingParams": "adaflash_hf.serving",

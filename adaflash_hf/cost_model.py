@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from adaflash_hf.atomic import atomic_write_json
-from adaflash_hf.cpu import bf16_units, cpu_model
+from adaflash_hf.prepared.cpu import bf16_units, cpu_model
 
 
 def _token_bucket(tokens: int) -> int:

@@ -30,7 +30,7 @@ import adaflash_hf
 from adaflash_hf.assets import load_target
 from adaflash_hf.cost_model import cost_model_for
 from adaflash_hf.data import load_domain, prompt_ids
-from adaflash_hf.prepare import is_prepared
+from adaflash_hf.prepared.prepare import is_prepared
 
 SHIPPED_DRAFTER = Path(__file__).resolve().parent / "drafters" / "smollm2-135m-adaflash"
 # name -> (what it runs, generation-config fields)

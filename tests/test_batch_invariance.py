@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from adaflash_hf.kernels.invariant_attention import sequence_attention
-from adaflash_hf.kernels.invariant_linear import InvariantLinear, can_pack, invariant_linear
-from adaflash_hf.kernels.row_plan import RowPlan
-from adaflash_hf.prepare import prepare_target
+from adaflash_hf.prepared.attention import sequence_attention
+from adaflash_hf.prepared.linear import InvariantLinear, can_pack, invariant_linear
+from adaflash_hf.prepared.prepare import prepare_target
+from adaflash_hf.prepared.tiles import Tiles, position_invariant
 
 ROWS = 8
 
@@ -131,19 +131,6 @@ def test_a_call_that_wants_gradients_runs_the_differentiable_linear():
     assert torch.allclose(gradients[0], x.grad) and torch.allclose(gradients[1], reference.weight.grad)
 
 
-def test_a_size_whose_rows_differ_only_for_some_inputs_is_refused():
-    # A path that sums in another order shows in few outputs after rounding: here 6-row calls change only rows
-    # whose first feature exceeds 1 (one in six). A probe of one random row would pass it about as often as not;
-    # distinct rows in every probe call find it.
-    def op(x):
-        return x * 2 + (x.shape[-2] == 6) * (x[..., :1] > 1.0) * 1e-3
-
-    plan = RowPlan("test", op, _sample, pads=(0.0,))
-    assert 6 not in plan.sizes and plan.unit == 4  # the smallest unit none of whose multiples up to 16 is 6
-    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(2))
-    assert torch.equal(plan.run(op, x), x * 2)
-
-
 def test_plain_fp32_linear_rows_depend_on_the_row_count():
     # What the row plan removes: MKL gives a row different bits at 1, 2-3 and 4+ rows (where this CPU does).
     generator = torch.Generator().manual_seed(0)
@@ -178,54 +165,52 @@ def test_attention_rows_do_not_depend_on_the_query_count_or_the_masked_tail(dtyp
 
 
 def _sample(rows, generator):
-    return (torch.randn(rows, 4, generator=generator),)
+    scale = torch.exp2(torch.randint(-8, 9, (rows, 4), generator=generator).float())
+    return (torch.randn(rows, 4, generator=generator) * scale,)
 
 
-def test_a_row_plan_pads_to_the_smallest_unit_that_verifies():
-    # An op whose rows come out the same only in calls of a multiple of 4 rows: the plan pads every call to one.
-    def op(x):
-        return x * 2 + (x.shape[-2] % 4) * 1e-3
-
-    plan = RowPlan("test", op, _sample, pads=(0.0,))
-    x = torch.randn(30, 4, generator=torch.Generator().manual_seed(1))
-    assert plan.unit == 4
-    assert torch.equal(plan.run(op, x[:3]), x[:3] * 2)
-    assert torch.equal(plan.run(op, x), x * 2)
-
-
-def test_a_row_plan_calls_an_op_that_differs_at_every_row_count_with_16_rows_always():
-    # The fixed-shape forward: one row count, padded to, or chunked into.
-    def op(x):
-        return x + x.shape[-2] * 1e-3
-
-    plan = RowPlan("test", op, _sample, pads=(0.0,))
-    x = torch.randn(40, 4, generator=torch.Generator().manual_seed(1))
-    assert plan.unit == 16
-    assert torch.equal(plan.run(op, x[:5]), x[:5] + 16e-3)
-    assert torch.equal(plan.run(op, x), x + 16e-3)
-    assert plan.sizes == [16]
-
-
-def test_a_row_plan_runs_one_row_per_call_when_a_rows_position_changes_it():
-    def op(x):
-        return x + torch.arange(x.shape[-2])[:, None] * 1e-3
-
-    plan = RowPlan("test", op, _sample, pads=(0.0,))
-    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(1))
-    assert (plan.unit, plan.sizes) == (1, [1])
-    assert torch.equal(plan.run(op, x), x)
-
-
-def test_a_row_plan_never_calls_a_size_whose_probe_fails():
+def test_an_op_that_differs_at_every_row_count_runs_at_one_row_count_always():
     calls = []
 
     def op(x):
         calls.append(x.shape[-2])
-        return x * 2 + (x.shape[-2] == 32) * 1e-3
+        return x + x.shape[-2] * 1e-3
 
-    plan = RowPlan("test", op, _sample, pads=(0.0,))
-    x = torch.randn(30, 4, generator=torch.Generator().manual_seed(1))
+    tiles = Tiles("test", op, _sample, pads=(0.0,))
+    x = torch.randn(40, 4, generator=torch.Generator().manual_seed(1))
     calls.clear()
-    assert torch.equal(plan.run(op, x), x * 2)
-    assert 32 not in plan.sizes and 48 in plan.sizes
-    assert calls[-1] == 48  # the probes tried 24, 32 (refused) and 48; the call ran at 48
+    assert torch.equal(tiles.run(op, x[:5]), x[:5] + 16e-3)
+    assert torch.equal(tiles.run(op, x), x + 16e-3)
+    assert tiles.rows == 16 and set(calls) == {16}
+
+
+def test_a_tile_whose_last_position_differs_for_some_inputs_is_refused():
+    # A kernel whose tail row sums in another order shows in few outputs after rounding: here the last row of a
+    # 16-row call changes only where its first feature exceeds 1; 32-row calls are even.
+    def op(x):
+        tail = torch.zeros_like(x)
+        if x.shape[-2] == 16:
+            tail[-1] = (x[-1, :1] > 1.0) * 1e-3
+        return x * 2 + tail
+
+    tiles = Tiles("test", op, _sample, pads=(0.0,))
+    assert tiles.rows == 32
+    x = torch.randn(40, 4, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(tiles.run(op, x), x * 2)
+
+
+def test_tiles_run_one_row_per_call_when_a_rows_position_changes_it():
+    def op(x):
+        return x + torch.arange(x.shape[-2])[:, None] * 1e-3
+
+    tiles = Tiles("test", op, _sample, pads=(0.0,))
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(1))
+    assert tiles.rows == 1
+    assert torch.equal(tiles.run(op, x), x)
+
+
+def test_a_rows_result_depending_on_its_neighbours_is_refused():
+    def op(x):
+        return x + x.roll(1, dims=-2) * 1e-3
+
+    assert not position_invariant(op, _sample, 16, (0.0,))

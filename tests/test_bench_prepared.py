@@ -11,8 +11,8 @@ import torch
 
 from adaflash_hf.bench import generate as bench
 from adaflash_hf.bench.targets import benchmarked_target, plain_baselines
-from adaflash_hf.cpu import cpu_model
-from adaflash_hf.prepare import is_prepared
+from adaflash_hf.prepared.cpu import cpu_model
+from adaflash_hf.prepared.prepare import is_prepared
 
 
 def record(method, prompt, seconds, baseline_seconds, tokens=10, baseline_tokens=None):

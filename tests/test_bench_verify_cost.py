@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from adaflash_hf.bench import verify_cost
-from adaflash_hf.cpu import cpu_model
+from adaflash_hf.prepared.cpu import cpu_model
 
 
 def test_the_record_holds_every_arms_curve_and_the_cpu(target_factory):

@@ -13,9 +13,9 @@ The layers, from the bottom; a module may import its own layer and the layers be
    and ``adaflash_hf.kernels.*``;
 1. foundations: plain helpers every layer above shares: ``stats``, ``draft_vocab``, ``lookup``, ``drafting``, ``cost_model``, ``acceptance``, ``policy`` (each round's drafting decisions),
    ``atomic``, ``assets``, ``data``, ``launch`` (how a command starts: options, ``--config`` files, the training
-   scripts' launch line), ``registration`` and ``cpu`` (the CPU's bf16 units);
+   scripts' launch line), ``registration`` and ``prepared.*`` (the prepared target: the CPU's bf16 units, the
+   batch-invariant forward and its tiled linear and attention);
 2. decoding and checkpoints: the public package ``adaflash_hf`` (its ``__init__``), ``generation`` (the candidate generator), ``generate_hook`` (the generate hook),
-   ``prepare`` and ``invariant_forward`` (the prepared target and its batch-invariant forward),
    ``serving.*`` (the engine), ``interop`` and ``hub``;
 3. online learning: ``online.*`` (buffer, hot reload, the serve/train loop; it gets its trainer from the caller);
 4. training: ``trainers.*``, every module used only by training (the trainers, the recipe, the corpus, the learning
@@ -52,7 +52,7 @@ LAYERS = [
             "adaflash_hf.data",
             "adaflash_hf.launch",
             "adaflash_hf.registration",
-            "adaflash_hf.cpu",
+            "adaflash_hf.prepared.*",
         ),
     ),
     (
@@ -61,8 +61,6 @@ LAYERS = [
             "adaflash_hf",
             "adaflash_hf.generation",
             "adaflash_hf.generate_hook",
-            "adaflash_hf.prepare",
-            "adaflash_hf.invariant_forward",
             "adaflash_hf.serving.*",
             "adaflash_hf.interop",
             "adaflash_hf.hub",

@@ -11,9 +11,9 @@ from transformers import GenerationConfig
 
 from adaflash_hf import prepare_target
 from adaflash_hf.cost_model import CostModel, use_cost_model
-from adaflash_hf.cpu import bf16_units, cpu_model
-from adaflash_hf.kernels.invariant_linear import InvariantLinear
-from adaflash_hf.prepare import is_prepared
+from adaflash_hf.prepared.cpu import bf16_units, cpu_model
+from adaflash_hf.prepared.linear import InvariantLinear
+from adaflash_hf.prepared.prepare import is_prepared
 from adaflash_hf.serving import AdaFlashEngine, AdmissionConfig, SamplingParams
 from tests.conftest import greedy_reference, make_batched_oracle, random_prompts
 
@@ -128,7 +128,7 @@ def test_the_check_refuses_a_forward_whose_rows_depend_on_the_row_count(target_f
 
 
 def test_plain_generate_of_the_prepared_target_runs_the_invariant_attention(target_factory, monkeypatch):
-    import adaflash_hf.invariant_forward as invariant_forward
+    import adaflash_hf.prepared.forward as invariant_forward
 
     target = prepare_target(target_factory("qwen3"), dtype="bf16", rows=4)
     calls = []

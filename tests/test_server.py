@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from adaflash_hf import cli
-from adaflash_hf.prepare import is_prepared
+from adaflash_hf.prepared.prepare import is_prepared
 from adaflash_hf.serving.server import BackgroundServer, build_engine, create_app, prepare_served_target
 from adaflash_hf.serving.worker import EngineWorker
 

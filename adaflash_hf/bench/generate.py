@@ -62,7 +62,7 @@ import adaflash_hf
 from adaflash_hf import AdaFlashDrafter
 from adaflash_hf.bench.machine import cpu_flags, plot_cost_curve
 from adaflash_hf.bench.targets import add_target_options, benchmarked_target, plain_baselines
-from adaflash_hf.cpu import cpu_model
+from adaflash_hf.prepared.cpu import cpu_model
 from adaflash_hf.launch import CONFIG_HELP, int_at_least, number_in, parse_args_with_config
 from adaflash_hf.modeling.length_head_adaflash import length_head_error, realised_acceptance
 from adaflash_hf.stats import tau_of

@@ -2,7 +2,7 @@
 run instead; shared by ``adaflash bench generate`` and ``adaflash bench serve``.
 
 - ``--dtype {fp32,bf16,auto}``: the benchmarked target's dtype (``auto``: bf16 where this CPU reports a bf16 unit,
-  ``adaflash_hf.prepare.choose_dtype``);
+  ``adaflash_hf.prepared.prepare.choose_dtype``);
 - ``--prepared``: ``adaflash_hf.prepare_target(target, dtype=...)`` (bf16: the checked batch-invariant forward);
 - ``--plain-baselines {fp32,bf16}``: plain decoding as transformers runs it in each dtype, timed beside the methods;
   the fastest is what a user would otherwise run, and every method's speed-up is also reported against it.
@@ -46,8 +46,8 @@ def add_target_options(parser) -> None:
 def benchmarked_target(loaded, dtype: str, prepared: bool):
     """A copy of ``loaded`` in ``dtype``, through ``prepare_target`` when ``prepared``; and the preparation's record
     (dtype, invariant, why) or None."""
-    from adaflash_hf.cpu import bf16_units
-    from adaflash_hf.prepare import choose_dtype, is_prepared, prepare_target
+    from adaflash_hf.prepared.cpu import bf16_units
+    from adaflash_hf.prepared.prepare import choose_dtype, is_prepared, prepare_target
 
     target = copy.deepcopy(loaded)
     if prepared:

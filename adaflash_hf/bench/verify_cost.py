@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from adaflash_hf.cpu import cpu_record
+from adaflash_hf.prepared.cpu import cpu_record
 from adaflash_hf.launch import CONFIG_HELP, int_at_least, parse_args_with_config
 
 ARMS = ("fp32", "bf16", "prepared-bf16", "prepared-fp32", "prepared")
@@ -34,7 +34,7 @@ DEFAULT_ARMS = ("fp32", "bf16", "prepared-bf16", "prepared-fp32")
 
 def build_arm(target, arm: str):
     """A copy of ``target`` run the way ``arm`` says (module docstring), and what ``prepare_target`` chose (or None)."""
-    from adaflash_hf.prepare import is_prepared, prepare_target
+    from adaflash_hf.prepared.prepare import is_prepared, prepare_target
 
     if arm not in ARMS:
         raise ValueError(f"arm: expected one of {ARMS}, got {arm!r}")

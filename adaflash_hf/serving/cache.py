@@ -33,10 +33,10 @@ import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache
 
-from adaflash_hf.kernels.invariant_attention import slot_invariant_attention
+from adaflash_hf.prepared.attention import slot_invariant_attention
 from adaflash_hf.kernels.verify_attention import slot_verify_attention
 from adaflash_hf.kernels.verify_packing import SlotPacking
-from adaflash_hf.prepare import is_prepared
+from adaflash_hf.prepared.prepare import is_prepared
 
 ATTENTION_NAME = "ada_ragged"
 

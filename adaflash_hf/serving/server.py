@@ -353,7 +353,7 @@ def prepare_served_target(target, dtype: str, learn: bool) -> None:
     bf16 units, where a verify forward of several tokens costs about what one token costs; fp32 elsewhere), except
     with ``--learn``, whose trainer needs fp32 weights; "bf16" prepares a bf16 target whatever the CPU; "fp32"
     leaves the target as loaded."""
-    from adaflash_hf.prepare import prepare_target
+    from adaflash_hf.prepared.prepare import prepare_target
 
     if dtype == "bf16" or (dtype == "auto" and not learn):
         prepare_target(target, dtype=dtype)

@@ -9,7 +9,7 @@ are accepted, so rounds keep several tokens and roll back the rest), and a tiny 
 
 1. ``generate``: greedy output with ``assistant_model=drafter`` against plain greedy, token for token, per length mode
    and draft source, in fp32 (TF32 off) and bf16, and the engine's packed verify in fp32.
-2. Batch invariance: ``adaflash_hf.prepare.check_batch_invariance`` (row i of an n-token forward equal, bitwise, to the
+2. Batch invariance: ``adaflash_hf.prepared.prepare.check_batch_invariance`` (row i of an n-token forward equal, bitwise, to the
    same token decoded alone) on the eager fp32 and bf16 targets, and the largest logit difference per n.
 3. The verify-cost curve: median seconds of a forward of n = 1..16 new tokens after 200 tokens of context, as a ratio
    of the 1-token forward (CUDA events around each).
@@ -28,7 +28,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCau
 
 import adaflash_hf  # noqa: F401  (hooks generate)
 from adaflash_hf import AdaFlashConfig, AdaFlashDrafter
-from adaflash_hf.prepare import check_batch_invariance, prepare_target
+from adaflash_hf.prepared.prepare import check_batch_invariance, prepare_target
 from adaflash_hf.serving.engine import AdaFlashEngine, SamplingParams
 
 REPO = Path(__file__).resolve().parents[2]

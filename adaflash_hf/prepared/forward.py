@@ -4,22 +4,27 @@ plain ``generate``, assisted decoding, the serving engine's packed forward and t
 ``install_invariant_forward(target)`` makes every row of a forward bitwise what it would be among any other rows:
 
 - linears (q/k/v/o, the MLP, lm_head): every plain ``nn.Linear`` becomes ``InvariantLinear``
-  (``adaflash_hf.kernels.invariant_linear``, same parameters and state dict);
+  (``adaflash_hf.prepared.linear``, same parameters and state dict);
 - attention: ``"ada_invariant"``, registered with ``transformers.AttentionInterface`` (and transformers'
-  SDPA mask under the same name), calls ``adaflash_hf.kernels.invariant_attention.sequence_attention`` per
+  SDPA mask under the same name), calls ``adaflash_hf.prepared.attention.sequence_attention`` per
   sequence. It reads the dynamic cache ``generate`` uses: the n new queries are the cache's last n positions.
   The engine's packed forward switches to its own attention, which runs the same function per request
   (``adaflash_hf.serving.cache``);
 - rotary embeddings: positions padded to a multiple of ``ROTARY_ROWS`` before cos/sin, so that every position's
   cos/sin comes from the vectorised loop (a vector loop's scalar tail can round a transcendental differently);
-- RMSNorm, residual adds and the MLP activation need nothing: row-wise reductions below torch's parallel grain and
-  exact elementwise arithmetic (measured bitwise for 1..600 rows, fp32 and bf16, 1 and 2 threads). An elementwise
-  op split across a thread count that does not divide its rows could still give a tensor's chunk a scalar tail;
-  use a power-of-two thread count.
+- RMSNorm, residual adds and the MLP activation need nothing: row-wise reductions over fewer elements than torch's
+  parallel grain (one thread sums a row, in one vectorised order, whatever the row count) and exact elementwise
+  arithmetic. An elementwise op split across a thread count that does not divide its rows could still give a
+  tensor's chunk a scalar tail; use a power-of-two thread count.
+
+Why this is invariant by construction: every linear and every attention block runs in tiles of one row count per op
+(``adaflash_hf.prepared.tiles``), so no library sees a second shape and picks a second kernel; what remains, a row's
+position inside its tile, is checked for every position when the op's tiles are made. ``prepare_target``'s check then
+runs the whole forward as a bitwise proof on this machine.
 
 Not covered: static caches (the query positions come from the dynamic cache's length), sliding-window layers
-beyond what transformers' mask says, and GPUs (untested; the row plans probe any device, but nothing here was
-measured on one).
+beyond what transformers' mask says; on GPUs it ran (one H200) but cuBLAS is not oneDNN: the tiles' position check
+and ``prepare_target``'s check are what hold there.
 """
 
 from __future__ import annotations
@@ -30,8 +35,8 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from adaflash_hf.kernels.invariant_attention import sequence_attention
-from adaflash_hf.kernels.invariant_linear import InvariantLinear
+from adaflash_hf.prepared.attention import sequence_attention
+from adaflash_hf.prepared.linear import InvariantLinear
 
 ATTENTION_NAME = "ada_invariant"  # no "flash" in it: transformers would take it for a flash-attention kernel
 ROTARY_ROWS = 16

@@ -1,5 +1,6 @@
 """``prepare_target``: a target in the fastest dtype this CPU verifies in, with a batch-invariant forward, so that
-greedy speculative decoding equals plain greedy decoding of the same prepared target token for token.
+greedy speculative decoding and batched serving equal plain greedy decoding of the same prepared target token for
+token.
 
     import adaflash_hf
     target = adaflash_hf.prepare_target(target)            # in place; returns the target
@@ -7,25 +8,25 @@ greedy speculative decoding equals plain greedy decoding of the same prepared ta
 
 Why. On a CPU with bf16 dot products (``avx512_bf16``, ``amx_bf16``) a bf16 forward of 2..16 new tokens costs about
 what a 1-token one costs, so verification is nearly free; but a row's numerics depend on how many rows share the
-forward, so a bf16 target's speculative greedy text can differ from its plain greedy text. The invariant forward
-(``adaflash_hf.invariant_forward``) computes every row the same way whatever the row count, and plain decoding of the
+forward, so a bf16 target's speculative greedy text can differ from its plain greedy text, and a served request's
+text from the same request served alone. The invariant forward (``adaflash_hf.prepared.forward``) computes every row
+the same way whatever the row count, by construction: each linear and attention block is always called at one row
+count (``adaflash_hf.prepared.tiles``), so no kernel library can pick a second kernel for it. Plain decoding of the
 prepared target runs it too, so "lossless" compares like with like.
 
 Settings:
 
-- ``dtype``: ``"auto"`` (bf16 where the CPU reports a bf16 unit and torch has oneDNN, else fp32 with one logged line
-  naming the missing flags), ``"bf16"``/``torch.bfloat16`` or ``"fp32"``/``torch.float32``. Rotary frequencies stay
-  fp32.
-- ``invariant``: the invariant forward; default on for bf16 and off for fp32. Its linears run oneDNN's prepacked
-  kernels (``adaflash_hf.kernels.invariant_linear``), so on an AMD EPYC with ``avx512_bf16`` the invariant forward
-  costs no more than transformers' own: bf16 1-token steps level with eager bf16, and an invariant fp32 forward
-  measured faster than eager fp32 at every n = 1..16 (eager fp32 runs MKL's small-GEMM path, 1.5-2x a 1-token step
-  for 2..16 tokens). fp32 stays off by default because on the AVX2 hosts where fp32 is ``"auto"``'s choice the
-  invariant fp32 plan pads a 1-token step to 4 rows (measured with ``F.linear``; the prepacked kernels are not
-  measured there): pass ``invariant=True`` to make fp32 greedy equality a guarantee (it held in every benchmark).
-- ``rows``: the check (``check=True``) runs forwards of n = 1..rows new tokens after a prefill and raises unless every
-  row's logits equal the same token decoded alone, bitwise; it is the proof on this machine, at this thread count.
-- ``bf16_units``: the CPU's bf16 flags, read from /proc/cpuinfo when None (``adaflash_hf.cpu.bf16_units``).
+- ``dtype``: ``"auto"`` (bf16 where the CPU reports a bf16 unit, torch has oneDNN and every linear of the target
+  found a tile; else fp32 with one logged line saying why), ``"bf16"``/``torch.bfloat16`` or
+  ``"fp32"``/``torch.float32``. Rotary frequencies stay fp32.
+- ``invariant``: the invariant forward; default on for bf16 and off for fp32 (an fp32 forward's row-count effects
+  are ~1e-7 relative and have not flipped a greedy token in any benchmark; pass ``invariant=True`` to make fp32
+  equality a guarantee too).
+- ``rows``: the check (``check=True``) runs, after a prefill, forwards of n = 2..rows new tokens and one of
+  ``2 * rows + 8`` (several tiles in one call, as the engine's packed forward makes), windows straddling a key block,
+  and raises unless every row's logits equal the same token decoded alone, bitwise. The construction makes a check of
+  every row count unnecessary (one shape per op); this is the end-to-end proof on this machine, at this thread count.
+- ``bf16_units``: the CPU's bf16 flags, read from /proc/cpuinfo when None (``adaflash_hf.prepared.cpu.bf16_units``).
 
 ``is_prepared(target)`` returns the settings (``TargetPreparation``) while the target still has them, else None.
 """
@@ -36,13 +37,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
+from torch.nn import Linear
 from transformers import DynamicCache, PreTrainedModel
 from transformers.utils import logging
 
-from adaflash_hf.cpu import BF16_UNITS, cpu_model
-from adaflash_hf.cpu import bf16_units as detect_bf16_units
-from adaflash_hf.invariant_forward import install_invariant_forward, rotary_modules, runs_invariant_forward
-from adaflash_hf.kernels.invariant_attention import KEY_BLOCK
+from adaflash_hf.prepared.attention import KEY_BLOCK
+from adaflash_hf.prepared.cpu import BF16_UNITS, cpu_model
+from adaflash_hf.prepared.cpu import bf16_units as detect_bf16_units
+from adaflash_hf.prepared.forward import install_invariant_forward, rotary_modules, runs_invariant_forward
+from adaflash_hf.prepared.linear import linear_tiles
 
 logger = logging.get_logger(__name__)
 
@@ -129,6 +132,16 @@ def prepare_target(
     device = next(target.parameters()).device
     if requested is None:
         chosen, reason = choose_dtype(device, units)
+        slow = _row_by_row_linears(target, chosen) if chosen == torch.bfloat16 else []
+        if slow:
+            chosen, reason = (
+                torch.float32,
+                (
+                    f"fp32: this CPU has {', '.join(units)}, but no tile of rows runs its bf16 linears "
+                    f"{', '.join(slow)} the same at every position, so an invariant bf16 forward would run them one row "
+                    "per call"
+                ),
+            )
         (logger.info if chosen == torch.bfloat16 else logger.warning)(f"prepare_target: {reason}")
     else:
         name = "bf16" if requested == torch.bfloat16 else "fp32"
@@ -150,6 +163,19 @@ def prepare_target(
     settings = TargetPreparation(chosen, invariant, reason, units, rows if invariant and check else 0)
     setattr(target, _ATTRIBUTE, settings)
     return target
+
+
+def _row_by_row_linears(target, dtype: torch.dtype) -> list[str]:
+    """The linear shapes (``K->N``) of ``target`` that would run one row per call in ``dtype`` on this machine."""
+    device = next(target.parameters()).device
+    shapes = sorted(
+        {
+            (m.in_features, m.out_features, m.bias is not None)
+            for m in target.modules()
+            if isinstance(m, Linear)
+        }
+    )
+    return [f"{k}->{n}" for k, n, bias in shapes if linear_tiles(k, n, bias, dtype, device).rows == 1]
 
 
 def _cast(target, dtype: torch.dtype) -> None:
@@ -174,33 +200,38 @@ def is_prepared(target) -> TargetPreparation | None:
     return settings
 
 
+def check_sizes(rows: int) -> list[int]:
+    """The forwards ``check_batch_invariance`` runs: n = 2..rows new tokens and one of several tiles."""
+    return [*range(2, rows + 1), 2 * rows + 8]
+
+
 @torch.no_grad()
 def check_batch_invariance(target, rows: int = 16) -> None:
-    """Raise unless, after a prefill, every row of a forward of n = 2..rows new tokens has bitwise the logits of the
-    same token decoded alone. The windows straddle a key-block boundary (``KEY_BLOCK``)."""
+    """Raise unless, after a prefill, every row of each forward of ``check_sizes(rows)`` new tokens has bitwise the
+    logits of the same token decoded alone. The windows straddle a key-block boundary (``KEY_BLOCK``)."""
     device = next(target.parameters()).device
     vocab = target.get_input_embeddings().weight.shape[0]
-    context = max(1, 2 * KEY_BLOCK - rows // 2)
+    sizes = check_sizes(rows)
+    longest = max(sizes)
+    context = max(1, 2 * KEY_BLOCK - longest // 2)
     generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, vocab, (1, context + rows), generator=generator).to(device)
+    ids = torch.randint(0, vocab, (1, context + longest), generator=generator).to(device)
     cache = DynamicCache()
     target(input_ids=ids[:, :context], cache=cache, use_cache=True, logits_to_keep=1)
     alone = []
-    for i in range(context, context + rows):
+    for i in range(context, context + longest):
         alone.append(target(input_ids=ids[:, i : i + 1], cache=cache, use_cache=True).logits[0, -1])
-    cache.crop(-rows)
-    for count in range(2, rows + 1):
+    cache.crop(-longest)
+    for count in sizes:
         logits = target(input_ids=ids[:, context : context + count], cache=cache, use_cache=True).logits[0]
         cache.crop(-count)
-        for row in range(count):
-            if not torch.equal(logits[row], alone[row]):
-                where = (
-                    f"{cpu_model()}, {torch.get_num_threads()} threads"
-                    if device.type == "cpu"
-                    else str(device)
-                )
-                raise RuntimeError(
-                    f"prepare_target: the forward is not batch-invariant on this machine ({where}): row {row} of a "
-                    f"{count}-token forward differs from the same token decoded alone. Prepare a fresh copy with "
-                    "invariant=False."
-                )
+        differing = next((row for row in range(count) if not torch.equal(logits[row], alone[row])), None)
+        if differing is not None:
+            where = (
+                f"{cpu_model()}, {torch.get_num_threads()} threads" if device.type == "cpu" else str(device)
+            )
+            raise RuntimeError(
+                f"prepare_target: the forward is not batch-invariant on this machine ({where}): row {differing} of "
+                f"a {count}-token forward differs from the same token decoded alone. Prepare a fresh copy with "
+                "invariant=False (fp32 is the exact choice there)."
+            )

@@ -1,20 +1,15 @@
 """Batch-invariant linear layer: a linear whose every row's result is the same whatever the number of rows in the
-call, by a row plan per weight shape (``adaflash_hf.kernels.row_plan``).
+call, because every call of one weight is made at one shape (``adaflash_hf.prepared.tiles``).
 
-``invariant_linear(x, weight, bias, packed)`` flattens ``x [..., K]`` to rows, runs them through the plan of
-``(op, K, N, bias, dtype, device, weight strides)`` and reshapes back. The op is oneDNN's linear on a prepacked
+``invariant_linear(x, weight, bias, packed)`` flattens ``x [..., K]`` to rows and runs them in tiles of the op
+``(op, K, N, bias, dtype, device, weight strides)``, then reshapes back. The op is oneDNN's linear on a prepacked
 weight (``packed``) where one is given, else ``F.linear``.
 
 Why prepacked. ``F.linear`` on a CPU reorders the weight into the GEMM's blocked layout at every call (oneDNN, bf16)
-or runs MKL's small-GEMM path (fp32); reordered once, the same oneDNN kernel gives bitwise the same result as
-``F.linear`` and is faster at every row count (measured on an AMD EPYC with ``avx512_bf16``, 2 threads, SmolLM2's
-shapes: 1.5-2.3x for bf16 at 1-16 rows; fp32 at 2 rows 3.5x). It is what vLLM's CPU build runs. The packed weight
+or runs MKL's small-GEMM path (fp32); reordered once, the same oneDNN kernel gives bitwise the same result and is
+faster at every row count (BENCHMARKS.md, "Batch invariance"). It is what vLLM's CPU build runs. The packed weight
 is a second copy of the weight, kept beside the module, never in its state dict; it has no backward, so a call that
-wants gradients runs ``F.linear``.
-
-Plans measured on that host: every bf16 projection of SmolLM2 runs unpadded except the MLP's down projection (K =
-1536), whose 1-row call sums in another order than its multi-row calls and pads a 1-token step to 2 rows. On an AVX2
-EPYC with MKL the fp32 ``F.linear`` plan pads to multiples of 4 rows.
+wants gradients runs ``F.linear`` (in tiles too).
 """
 
 import functools
@@ -23,16 +18,16 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from adaflash_hf.kernels.row_plan import plan_for
+from adaflash_hf.prepared.tiles import Tiles, tiles_for
 
-# module -> (weight stamp, op, plan); kept beside the module so that neither deepcopy nor the state dict sees the
+# module -> (weight stamp, op, tiles); kept beside the module so that neither deepcopy nor the state dict sees the
 # packed weight
 _ROUTES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _sample(features: int, dtype: torch.dtype, device: torch.device, rows: int, generator: torch.Generator):
-    # Magnitudes over 2^-8 .. 2^8: partial sums then span a wide range, so a different summation order shows after
-    # the output's rounding more often than with unit-scale inputs.
+    # Magnitudes over 2^-8 .. 2^8: partial sums then span a wide range, so a position summed in another order shows
+    # after the output's rounding more often than with unit-scale inputs.
     scale = torch.exp2(torch.randint(-8, 9, (rows, features), generator=generator).float())
     return ((torch.randn(rows, features, generator=generator) * scale).to(device=device, dtype=dtype),)
 
@@ -61,31 +56,41 @@ def invariant_linear(
     (oneDNN's ``_reorder_linear_weight(weight)``) where given."""
     if x.numel() == 0:
         return F.linear(x, weight, bias)
-    return _run(*_op_and_plan(weight, bias, packed), x, weight)
+    return _run(*_op_and_tiles(weight, bias, packed), x, weight)
 
 
-def _run(op, plan, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x [..., K]`` as rows through ``plan`` and back to ``[..., N]``."""
-    return plan.run(op, x.reshape(-1, weight.shape[1])).reshape(*x.shape[:-1], weight.shape[0])
+def _run(op, tiles, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x [..., K]`` as rows through ``tiles`` and back to ``[..., N]``."""
+    return tiles.run(op, x.reshape(-1, weight.shape[1])).reshape(*x.shape[:-1], weight.shape[0])
 
 
-def _op_and_plan(weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None):
+def _op_and_tiles(weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None):
     if packed is not None:
         op, kind = functools.partial(_packed_linear, packed=packed, bias=bias), "packed_linear"
     else:
         op, kind = functools.partial(F.linear, weight=weight, bias=bias), "linear"
     features, out_features = weight.shape[1], weight.shape[0]
     key = (kind, features, out_features, bias is not None, weight.dtype, weight.device, weight.stride())
-    return op, plan_for(
+    return op, tiles_for(
         key, op, functools.partial(_sample, features, weight.dtype, weight.device), pads=(0.0,)
     )
+
+
+@torch.no_grad()
+def linear_tiles(features: int, out_features: int, bias: bool, dtype: torch.dtype, device) -> Tiles:
+    """The tiles a prepared linear of this shape runs in on this machine (made now, on a random weight, where no
+    linear of that shape has run yet): ``.rows == 1`` means no tile size was position-invariant."""
+    weight = torch.randn(out_features, features).to(device=device, dtype=dtype)
+    zeros = torch.zeros(out_features, dtype=dtype, device=device) if bias else None
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight) if can_pack(weight) else None
+    return _op_and_tiles(weight, zeros, packed)[1]
 
 
 class InvariantLinear(torch.nn.Linear):
     """``nn.Linear`` running ``invariant_linear``, on the prepacked weight where it serves (no gradient wanted, input
     in the weight's dtype); a prepared target's linears have this class (same parameters, same state dict).
 
-    A decode step calls ~200 linears, so the op and its plan are looked up once per weight (its storage, in-place
+    A decode step calls ~200 linears, so the op and its tiles are looked up once per weight (its storage, in-place
     version and the thread count stamp it), not at every call."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -97,5 +102,5 @@ class InvariantLinear(torch.nn.Linear):
         route = _ROUTES.get(self)
         if route is None or route[0] != stamp:
             packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach()) if can_pack(weight) else None
-            route = _ROUTES[self] = (stamp, *_op_and_plan(weight, self.bias, packed))
+            route = _ROUTES[self] = (stamp, *_op_and_tiles(weight, self.bias, packed))
         return _run(*route[1:], x, weight)

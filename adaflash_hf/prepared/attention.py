@@ -6,8 +6,8 @@ masked tail), and picks its blocking from the query count, so a verified token's
 token decoded alone. Here keys come in blocks of ``KEY_BLOCK`` positions, fixed in absolute position: a query at
 position p attends over exactly the keys ``0 .. (p // KEY_BLOCK + 1) * KEY_BLOCK - 1`` (keys after p masked, keys
 past the sequence zero), whatever the call. The queries of one key block (at most ``KEY_BLOCK`` per sequence) form
-one call ``softmax(mask(q k^T · scale)) v`` whose rows (query x head of the GQA group) go through a row plan
-(``adaflash_hf.kernels.row_plan``), so the GEMMs see only verified row counts. A masked key contributes an exact
+one call ``softmax(mask(q k^T · scale)) v`` whose rows (query x head of the GQA group) go in tiles of one fixed row
+count per key-block span (``adaflash_hf.prepared.tiles``), so each span's GEMMs and softmax run at one shape. A masked key contributes an exact
 zero (probability 0 times a finite value) to the value sum, so whether the tail holds later tokens or padding does
 not change a bit.
 
@@ -25,8 +25,8 @@ import functools
 
 import torch
 
-from adaflash_hf.kernels.row_plan import plan_for
 from adaflash_hf.kernels.verify_packing import SlotPacking
+from adaflash_hf.prepared.tiles import tiles_for
 
 KEY_BLOCK = 64
 
@@ -93,10 +93,10 @@ def sequence_attention(
         op = functools.partial(block_attention, keys=block_keys, values=block_values, scale=scale)
         key = ("attention", kv_heads, dim, span, query.dtype, query.device)
         sample = functools.partial(_sample, kv_heads, dim, span, query.dtype, query.device)
-        plan = plan_for(key, op, sample, pads=(0.0, True))
+        tiles = tiles_for(key, op, sample, pads=(0.0, True))
         # rows of the call: (head of the GQA group, query), the group's heads sharing their key/value head
         block_query = query[:, first:last].reshape(kv_heads, group * rows, dim)
-        outputs.append(plan.run(op, block_query, mask).reshape(heads, rows, dim))
+        outputs.append(tiles.run(op, block_query, mask).reshape(heads, rows, dim))
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
 
 

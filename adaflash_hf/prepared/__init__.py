@@ -1,0 +1,13 @@
+"""The prepared target: a target in the dtype this CPU verifies fastest in, with a forward whose every row is bitwise
+the same whatever the number of rows it shares a forward with (batch invariance), so that speculative greedy decoding
+and batched serving equal plain greedy decoding of the same target token for token.
+
+- ``prepare.py``: ``prepare_target`` (cast, install, check) and ``is_prepared``; the public entry point is
+  ``adaflash_hf.prepare_target``;
+- ``forward.py``: the batch-invariant forward it installs on the model (linears, attention, rotary embeddings);
+- ``tiles.py``: the construction under it: every call of an op at one fixed row count, checked for row position;
+- ``linear.py``, ``attention.py``: the linear (oneDNN's prepacked kernels) and the causal attention run in tiles;
+- ``cpu.py``: what this CPU offers bf16 matrix products (its model and bf16 flags).
+
+Importing this package imports none of them.
+"""

@@ -1,0 +1,126 @@
+"""Fixed-shape tiles: run a row-wise op so that every row's result is bitwise the same whatever the number of rows in
+the call (batch invariance), by construction rather than by probing row counts.
+
+Why rows differ at all. A CPU GEMM library picks its kernel, blocking and thread split from the call's shape: MKL
+gives an fp32 row one result alone (GEMV), another in a 2-3-row call and a third from 4 rows on; oneDNN on an Intel
+CPU with AMX runs some row counts on AMX tiles and others (tails, small calls) on AVX-512 kernels that sum in another
+order. Which row counts agree is a property of the library version and the ISA, so no list of probed row counts
+holds on every CPU.
+
+The construction. Every call of an op is made with exactly ``rows`` rows (the op's tile): a smaller call is padded up
+to it, a larger one split into tiles (the last one padded), outputs cropped. One shape means one kernel, one blocking
+and one thread split for every call the op ever makes in this process, so the only thing a row's result can still
+depend on is its position inside the tile (a kernel may treat a tile's rows unevenly: register blocks, a tail of the
+tile). That is a property of one kernel at one shape, checked exhaustively when the op's tiles are made
+(``position_invariant``): every row of a tile of random rows must give bitwise what it gives alone at the first
+position of a padded tile (the call a 1-token decode step makes). Where it holds the op is batch-invariant for every row count, including counts never seen; no probe of
+other row counts is needed, nor made. Each tile is a fresh contiguous tensor at the start of its storage, so strides
+and alignment are the same for every call too.
+
+Tile sizes tried: ``TILE_ROWS`` in order (16 covers a decode step and a full 16-token verify in one call; 32 and 64
+for kernels whose register blocks do not divide 16). Where none is position-invariant the op runs one row per call
+(one shape, one position: invariant whatever the kernel does, and slow); it warns, and ``prepare_target`` reports it.
+
+Where it is not invariant: a kernel whose result for a row depends on the other rows' values (no GEMM does: rows are
+independent dot products; the check compares each row among others with the row alone), a thread count other than the one the tiles were made at (tiles
+are kept per thread count), and ops that are not called through tiles (the elementwise and row-wise ops of the
+forward, ``adaflash_hf.prepared.forward``). Pure torch, any device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
+
+TILE_ROWS = (16, 32, 64)
+# Tiles of random rows checked row by row against each row alone when an op's tiles are made. A path that sums in another order
+# differs in few outputs once rounded to bf16, so each round draws rows of widely spread magnitudes.
+POSITION_ROUNDS = 3
+
+Op = Callable[..., torch.Tensor]
+Sampler = Callable[[int, torch.Generator], tuple[torch.Tensor, ...]]
+
+
+def padded_rows(rows: torch.Tensor, size: int, pad) -> torch.Tensor:
+    """``rows`` as a contiguous tensor of ``size`` rows (dim -2), padded with ``pad``: ``rows`` itself when it already
+    is one at the start of its storage (a kernel sees it as it sees a fresh tensor: same strides, aligned), else a
+    fresh copy."""
+    if rows.shape[-2] == size and rows.is_contiguous() and rows.storage_offset() == 0:
+        return rows
+    out = rows.new_full((*rows.shape[:-2], size, rows.shape[-1]), pad)
+    out[..., : rows.shape[-2], :] = rows
+    return out
+
+
+@torch.no_grad()
+def position_invariant(
+    op: Op, sample: Sampler, rows: int, pads: Sequence = (0.0,), rounds: int = POSITION_ROUNDS
+) -> bool:
+    """Whether ``op`` called with ``rows`` rows gives each row the same result at every position of the call, whatever
+    the other rows hold: in ``rounds`` tiles of random rows, every row's result equals that row's result alone at
+    position 0 of a tile padded with ``pads`` (the call a 1-row forward makes)."""
+    generator = torch.Generator().manual_seed(rows)
+    for _ in range(rounds):
+        batch = sample(rows, generator)
+        together = op(*batch)
+        for i in range(rows):
+            alone = op(*(padded_rows(t[..., i : i + 1, :], rows, p) for t, p in zip(batch, pads)))
+            if not torch.equal(together[..., i : i + 1, :], alone[..., :1, :]):
+                return False
+    return True
+
+
+class Tiles:
+    """How one row-wise op is called (module docstring): always ``rows`` rows. ``op(*inputs)`` takes tensors with rows
+    on dim -2 and returns rows on dim -2; ``sample(rows, generator)`` draws random inputs for the position check;
+    ``pads`` holds the padding value of each input."""
+
+    def __init__(
+        self, name: str, op: Op, sample: Sampler, pads: Sequence, candidates: Sequence[int] = TILE_ROWS
+    ):
+        self.name, self.pads = name, tuple(pads)
+        for rows in candidates:
+            if position_invariant(op, sample, rows, self.pads):
+                self.rows = rows
+                logger.debug(f"tiles {name}: {rows} rows")
+                return
+        self.rows = 1
+        logger.warning(
+            f"tiles {name}: no tile of {tuple(candidates)} rows gives a row the same result at every position on "
+            "this machine; running it one row per call (batch-invariant, slow)"
+        )
+
+    def run(self, op: Op, *inputs: torch.Tensor) -> torch.Tensor:
+        """``op`` over all rows of ``inputs`` in calls of exactly ``self.rows`` rows; the rows' results, cropped."""
+        count, size = inputs[0].shape[-2], self.rows
+        if count == size and all(t.is_contiguous() and t.storage_offset() == 0 for t in inputs):
+            return op(*inputs)  # already one tile, as a fresh tensor would be: as it is
+        outputs = []
+        for start in range(0, count, size):
+            take = min(size, count - start)
+            tile = (padded_rows(t[..., start : start + take, :], size, p) for t, p in zip(inputs, self.pads))
+            outputs.append(op(*tile)[..., :take, :])
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-2)
+
+
+_TILES: dict[tuple, Tiles] = {}
+
+
+def tiles_for(key: tuple, op: Op, sample: Sampler, pads: Sequence) -> Tiles:
+    """The tiles of the op named by ``key`` (its kind and every shape, dtype and device it depends on) at the current
+    thread count, made on first use with ``op`` (any op of that key: a kernel's path depends on shapes, not
+    values)."""
+    full_key = (*key, torch.get_num_threads())
+    tiles = _TILES.get(full_key)
+    if tiles is None:
+        tiles = _TILES[full_key] = Tiles(str(full_key), op, sample, pads)
+    return tiles
+
+
+def row_by_row_ops() -> list[str]:
+    """The ops of this process that found no position-invariant tile and run one row per call."""
+    return [tiles.name for tiles in _TILES.values() if tiles.rows == 1]
