@@ -4,6 +4,7 @@ checkpoints that are never loaded half-written."""
 
 import copy
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -230,6 +231,25 @@ def test_a_checkpoint_with_a_corrupted_file_is_skipped(tmp_path):
     save_checkpoint(tmp_path, "checkpoint-v000002", _write_files(b"b" * 100), {"version": 2})
     (tmp_path / "checkpoint-v000002" / "part1.bin").write_bytes(b"b" * 99)
     assert latest_checkpoint(tmp_path).name == "checkpoint-v000001"
+
+
+def test_a_refused_checkpoint_is_logged_with_its_reason_and_the_one_used_instead(tmp_path, caplog):
+    save_checkpoint(tmp_path, "checkpoint-v000001", _write_files(b"a" * 100), {"version": 1})
+    save_checkpoint(tmp_path, "checkpoint-v000002", _write_files(b"b" * 100), {"version": 2})
+    (tmp_path / "checkpoint-v000002" / "part1.bin").write_bytes(b"c" * 100)
+    with caplog.at_level(logging.WARNING, logger="adaflash_hf.online.weights"):
+        assert latest_checkpoint(tmp_path).name == "checkpoint-v000001"
+    (message,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "checkpoint-v000002 refused (part1.bin sha256: expected" in message
+    assert f"using {tmp_path / 'checkpoint-v000001'} instead" in message
+
+
+def test_publishing_a_version_below_the_published_one_is_refused(tmp_path):
+    publish_weights(tmp_path, {"w": torch.zeros(2)}, 3)
+    publish_weights(tmp_path, {"w": torch.zeros(2)}, 3)  # the same version again: a resumed checkpoint
+    with pytest.raises(ValueError, match=r"version: expected >= 3 \(the newest published in .*\), got 1"):
+        publish_weights(tmp_path, {"w": torch.ones(2)}, 1)
+    assert json.loads((tmp_path / MANIFEST).read_text())["version"] == 3
 
 
 SAVER = """

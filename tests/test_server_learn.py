@@ -19,9 +19,11 @@ import torch
 from adaflash_hf.online.weights import (
     MANIFEST,
     HotReloader,
+    LearnerState,
     latest_checkpoint,
     publish_weights,
     read_manifest,
+    save_online_checkpoint,
 )
 from adaflash_hf.serving.server import BackgroundServer, build_engine, create_app
 from adaflash_hf.serving.worker import EngineWorker
@@ -77,6 +79,25 @@ def test_learning_raises_the_version_while_requests_complete_lossless(
     assert versions == sorted(versions) and versions[0] == 0
     assert values["adaflash_trainer_rounds"] >= 2 and values["adaflash_reload_swaps"] >= 2
     assert values["adaflash_drafter_weights_version"] >= 2 and values["adaflash_reload_rejected"] == 0
+
+
+@pytest.mark.parametrize("restart", ["checkpoints deleted", "resume false"])
+def test_a_restart_serves_the_trainers_weights_under_a_version_above_any_left_on_disk(
+    target, drafter_factory, word_tokenizer, tmp_path, restart
+):
+    old = {n: t + 1.0 for n, t in drafter_factory(target).state_dict().items()}
+    publish_weights(tmp_path / "weights", old, 3)
+    overrides = {}
+    if restart == "resume false":
+        save_online_checkpoint(tmp_path / "checkpoints", LearnerState(old, None, 3), {"round": 3})
+        overrides["resume"] = False
+    engine = build_engine(target, drafter_factory(target), length_mode="adaptive")
+    learner = live_learner(engine, target, word_tokenizer, tmp_path, train_threshold=2, **overrides)
+    assert learner.trainer.weights_version == 4 and read_manifest(tmp_path / "weights")["version"] == 4
+    learner.between_steps()
+    served, trained = engine.drafter.state_dict(), learner.trainer.publishable_state()
+    assert engine.drafter.weights_version == 4
+    assert all(torch.equal(served[name], trained[name]) for name in trained)
 
 
 # ----------------------------------------------------------------------------------------- the command, end to end

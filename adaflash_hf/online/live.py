@@ -40,7 +40,7 @@ class LiveLearner:
         self.buffer = ReplayBuffer(config.train_threshold, config.max_staleness)
         self.recorder = EngineRecorder(self.buffer)
         engine.round_recorder = self.recorder
-        self.rounds = _resume(trainer, checkpoint_dir, weights_dir) if config.resume else 0
+        self.rounds = _resume(trainer, checkpoint_dir, weights_dir, config.resume)
         self.reloader = HotReloader(engine.drafter, weights_dir)
         self.checkpointed = trainer.weights_version
         self.last: dict[str, float] = {}

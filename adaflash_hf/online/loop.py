@@ -39,6 +39,7 @@ from adaflash_hf.online.weights import (
     LearnerState,
     latest_checkpoint,
     load_online_checkpoint,
+    newest_published_version,
     publish_weights,
     save_online_checkpoint,
 )
@@ -283,15 +284,34 @@ class MetricsLogger:
             tracker.finish()
 
 
-def _resume(trainer: OnlineLearner, checkpoint_dir, weights_dir) -> int:
-    """Restore the newest complete checkpoint (if any) and republish its weights; returns the rounds it had done."""
-    checkpoint = latest_checkpoint(checkpoint_dir)
-    if checkpoint is None:
-        return 0
-    state, loop_state = load_online_checkpoint(checkpoint)
-    trainer.restore(state)
-    publish_weights(weights_dir, trainer.publishable_state(), trainer.weights_version)
-    return int(loop_state.get("round", 0))
+def _resume(trainer: OnlineLearner, checkpoint_dir, weights_dir, resume: bool = True) -> int:
+    """Restore the newest complete checkpoint (with ``resume``, if any), publish the trainer's weights, and return the
+    rounds the checkpoint had done.
+
+    Versions only rise across restarts, whatever is left on disk: when ``weights_dir`` already holds a newer version
+    than the trainer's (checkpoints deleted or corrupt, ``resume`` off, or a publish after the last checkpoint), the
+    trainer's weights are published as the version after it and numbering goes on from there. Otherwise a reloader
+    would keep serving the old version while every new one, numbered lower, is published and never loaded."""
+    checkpoint = latest_checkpoint(checkpoint_dir) if resume else None
+    rounds = 0
+    if checkpoint is not None:
+        state, loop_state = load_online_checkpoint(checkpoint)
+        trainer.restore(state)
+        rounds = int(loop_state.get("round", 0))
+    published = newest_published_version(weights_dir)
+    if published > trainer.weights_version:
+        if checkpoint is not None:
+            held, why = f"checkpoint {checkpoint.name}", f"version {trainer.weights_version}"
+        else:
+            held, why = "the starting drafter", "no complete checkpoint" if resume else "resume: false"
+        logger.warning(
+            f"{weights_dir} holds version {published}, newer than {held} ({why}): publishing {held} as version "
+            f"{published + 1}; the versions it trains follow from there"
+        )
+        trainer.weights_version = published + 1
+    if checkpoint is not None or published > 0:
+        publish_weights(weights_dir, trainer.publishable_state(), trainer.weights_version)
+    return rounds
 
 
 def _replay_buffer(config: OnlineConfig, traffic: TrafficSource) -> ReplayBuffer:
@@ -331,7 +351,7 @@ def run_online(
     """
     buffer = _replay_buffer(config, traffic)
     reloader = HotReloader(engine.drafter, weights_dir)
-    start = _resume(trainer, checkpoint_dir, weights_dir) if config.resume else 0
+    start = _resume(trainer, checkpoint_dir, weights_dir, config.resume)
     worker = ServingWorker(
         engine,
         traffic,

@@ -105,6 +105,12 @@ def publish_weights(
 ) -> Path:
     """Write version ``version`` atomically and point ``latest.json`` at it; keep the newest ``keep`` files."""
     directory = Path(directory)
+    published = newest_published_version(directory)
+    if version < published:
+        # A reloader never goes back to a lower version: an older number would be published and never served.
+        raise ValueError(
+            f"version: expected >= {published} (the newest published in {directory}), got {version}"
+        )
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"drafter-v{version:06d}.safetensors"
     cpu = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
@@ -114,6 +120,24 @@ def publish_weights(
     for old in sorted(directory.glob("drafter-v*.safetensors"))[:-keep]:
         old.unlink(missing_ok=True)
     return path
+
+
+def newest_published_version(directory: str | Path) -> int:
+    """The highest version ``directory`` holds, by its manifest or by a payload file's name (a manifest that is
+    unreadable, or a publish killed before its manifest, still counts its file); 0 when nothing was published."""
+    directory = Path(directory)
+    versions = [0]
+    for path in directory.glob("drafter-v*.safetensors"):
+        number = path.name.removeprefix("drafter-v").removesuffix(".safetensors")
+        if number.isdigit():
+            versions.append(int(number))
+    try:
+        manifest = read_manifest(directory)
+    except PayloadError:
+        manifest = None
+    if manifest is not None:
+        versions.append(manifest["version"])
+    return max(versions)
 
 
 def read_manifest(directory: str | Path) -> dict | None:
@@ -266,27 +290,60 @@ def save_checkpoint(root: str | Path, name: str, write: Callable[[Path], None], 
     return final
 
 
-def verify_checkpoint(path: str | Path) -> dict | None:
-    """The checkpoint's ``state`` if its manifest exists and every file's sha256 matches, else None."""
+def checkpoint_problem(path: str | Path) -> str | None:
+    """Why the checkpoint at ``path`` cannot be loaded (its manifest unreadable, a file missing or changed), or None
+    when it is complete."""
     path = Path(path)
     try:
         manifest = json.loads((path / CHECKPOINT_MANIFEST).read_text())
-        for relative, digest in manifest["files"].items():
-            if sha256_file(path / relative) != digest:
-                return None
-    except (OSError, ValueError, KeyError, TypeError):
+        files = manifest["files"]
+        _ = manifest["state"]
+    except OSError as error:
+        return f"{CHECKPOINT_MANIFEST}: expected a readable manifest, got {error.strerror or error}"
+    except (ValueError, KeyError, TypeError) as error:
+        return (
+            f"{CHECKPOINT_MANIFEST}: expected JSON with files and state, got {type(error).__name__}: {error}"
+        )
+    for relative, digest in files.items():
+        if not (path / relative).is_file():
+            return f"{relative}: expected a file, got none"
+        actual = sha256_file(path / relative)
+        if actual != digest:
+            return f"{relative} sha256: expected {digest}, got {actual}"
+    return None
+
+
+def verify_checkpoint(path: str | Path) -> dict | None:
+    """The checkpoint's ``state`` if its manifest exists and every file's sha256 matches, else None."""
+    if checkpoint_problem(path) is not None:
         return None
-    return manifest["state"]
+    return json.loads((Path(path) / CHECKPOINT_MANIFEST).read_text())["state"]
 
 
 def latest_checkpoint(root: str | Path, prefix: str = "checkpoint-") -> Path | None:
     """The complete checkpoint under ``root`` with the greatest name (names are zero-padded versions); staging
-    directories and checkpoints whose files do not match their manifest are skipped."""
+    directories are skipped, and a newer checkpoint whose files do not match its manifest is refused with a warning
+    naming it, the reason and the checkpoint used instead (its rounds of training are lost, which a user must
+    learn from the log, not from the numbers)."""
     root = Path(root)
     if not root.is_dir():
         return None
-    complete = [p for p in root.glob(f"{prefix}*") if p.is_dir() and verify_checkpoint(p) is not None]
-    return max(complete, key=lambda p: p.name, default=None)
+    refused = []
+    chosen = None
+    for candidate in sorted(
+        (p for p in root.glob(f"{prefix}*") if p.is_dir()), key=lambda p: p.name, reverse=True
+    ):
+        problem = checkpoint_problem(candidate)
+        if problem is None:
+            chosen = candidate
+            break
+        refused.append((candidate, problem))
+    instead = (
+        f"using {chosen} instead" if chosen is not None else "no older complete checkpoint: none is used"
+    )
+    for candidate, problem in refused:
+        logger.warning(f"checkpoint {candidate} refused ({problem}); {instead}")
+    return chosen
 
 
 @dataclass
