@@ -3,6 +3,7 @@ text; SIGTERM finishes the running request, writes the learner's checkpoint and 
 a SIGKILL, during a publish or anywhere else, leaves the newest complete version loadable."""
 
 import json
+import logging
 import os
 import re
 import signal
@@ -27,7 +28,7 @@ from adaflash_hf.online.weights import (
 )
 from adaflash_hf.serving.server import BackgroundServer, build_engine, create_app
 from adaflash_hf.serving.worker import EngineWorker
-from adaflash_hf.trainers.opd_live import live_learner
+from adaflash_hf.trainers.opd_live import learn_configs, live_learner
 
 PROMPT = "w5 w6 w7 w8"
 
@@ -98,6 +99,26 @@ def test_a_restart_serves_the_trainers_weights_under_a_version_above_any_left_on
     served, trained = engine.drafter.state_dict(), learner.trainer.publishable_state()
     assert engine.drafter.weights_version == 4
     assert all(torch.equal(served[name], trained[name]) for name in trained)
+
+
+def test_a_misspelt_opd_config_key_is_refused_naming_the_nearest_key(tmp_path):
+    (tmp_path / "opd.yaml").write_text("learning_ratee: 0.1\n")
+    with pytest.raises(ValueError, match=r"got 'learning_ratee' \(did you mean 'learning_rate'\?\)"):
+        learn_configs(tmp_path, str(tmp_path / "opd.yaml"))
+
+
+def test_opd_script_keys_a_server_does_not_use_are_named_in_a_warning(tmp_path, caplog):
+    (tmp_path / "opd.yaml").write_text("learning_rate: 0.1\ndomains: [chat]\ntrain_threshold: 4\n")
+    with caplog.at_level(logging.WARNING, logger="adaflash_hf.trainers.opd_live"):
+        training, online = learn_configs(tmp_path, str(tmp_path / "opd.yaml"))
+    assert training.learning_rate == 0.1 and online.train_threshold == 4
+    assert any("domains set the OPD script's" in r.getMessage() for r in caplog.records)
+
+
+def test_an_opd_config_with_a_yaml_syntax_error_names_the_file_line_and_column(tmp_path):
+    (tmp_path / "opd.yaml").write_text("alpha: 0.5\ndelta: [0.1\n")
+    with pytest.raises(ValueError, match=r"opd.yaml: expected valid YAML, got .* at line 3, column 1"):
+        learn_configs(tmp_path, str(tmp_path / "opd.yaml"))
 
 
 # ----------------------------------------------------------------------------------------- the command, end to end

@@ -5,7 +5,8 @@ target, wrapped in ``adaflash_hf.online.live.LiveLearner``.
 
 ``opd_config`` (optional) is a TRL-style YAML: its ``OPDConfig`` keys (loss, optimisation) and ``OnlineConfig`` keys
 (``train_threshold``, ``max_staleness``, ``checkpoint_every``, ``resume``) are read, so the OPD script's config can be
-reused; its other keys (traffic, target) have no meaning for a server and are ignored. Files go under ``learn_dir``:
+reused; its other keys of the OPD script (traffic, target) have no meaning for a server and are ignored with a
+warning naming them, and a key of neither is refused (naming the nearest valid key). Files go under ``learn_dir``:
 ``weights/`` (published versions), ``checkpoints/`` (atomic, resumed at start), ``trainer/`` (the trainer's
 output_dir). Without CUDA the trainer runs on the CPU.
 """
@@ -13,17 +14,48 @@ output_dir). Without CUDA the trainer runs on the CPU.
 from __future__ import annotations
 
 import copy
+import dataclasses
+import difflib
 from pathlib import Path
 
 import torch
 import yaml
-from trl import TrlParser
+from transformers.utils import logging
+from trl import ModelConfig, TrlParser
 
 from adaflash_hf.online.config import OnlineConfig
 from adaflash_hf.online.live import LiveLearner
 from adaflash_hf.online.weights import base_drafter
 from adaflash_hf.trainers.opd_config import OPDConfig
 from adaflash_hf.trainers.opd_trainer import OPDTrainer
+
+logger = logging.get_logger(__name__)
+
+
+def _field_names(*dataclass_types) -> set[str]:
+    return {f.name for cls in dataclass_types for f in dataclasses.fields(cls)}
+
+
+def _check_opd_config_keys(path: str, keys) -> None:
+    """Refuse a key that no OPD setting has (a misspelt one would otherwise run on its default) and say which keys
+    of the OPD script a server leaves aside."""
+    from adaflash_hf.trainers.opd import OPDScriptArguments
+
+    used = _field_names(OPDConfig, OnlineConfig)
+    script_only = _field_names(OPDScriptArguments, ModelConfig) - used
+    for key in keys:
+        if str(key) not in used | script_only:
+            closest = difflib.get_close_matches(str(key), sorted(used | script_only), n=1)
+            raise ValueError(
+                f"--opd-config {path}: expected keys of the OPD trainer and buffer settings, got {key!r}"
+                + (f" (did you mean {closest[0]!r}?)" if closest else "")
+            )
+    ignored = sorted(str(key) for key in keys if str(key) in script_only)
+    if ignored:
+        logger.warning(
+            f"--opd-config {path}: {', '.join(ignored)} set the OPD script's traffic, target or model, which a "
+            "server does not use: ignored"
+        )
 
 
 def learn_configs(
@@ -37,11 +69,19 @@ def learn_configs(
         "report_to": "none",
     }
     if opd_config is not None:
-        loaded = yaml.safe_load(Path(opd_config).read_text()) or {}
+        try:
+            loaded = yaml.safe_load(Path(opd_config).read_text()) or {}
+        except yaml.YAMLError as error:
+            mark = getattr(error, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            raise ValueError(
+                f"--opd-config {opd_config}: expected valid YAML, got {getattr(error, 'problem', None) or error}{where}"
+            ) from error
         if not isinstance(loaded, dict):
             raise ValueError(
                 f"--opd-config {opd_config}: expected a mapping of settings, got {type(loaded).__name__}"
             )
+        _check_opd_config_keys(opd_config, loaded)
         values |= loaded
     values |= {key: value for key, value in overrides.items() if value is not None}
     training, online = TrlParser((OPDConfig, OnlineConfig)).parse_dict(values, allow_extra_keys=True)
