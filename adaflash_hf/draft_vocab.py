@@ -20,8 +20,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from adaflash_hf.drafting import CONFIDENCE_ROWS
-
 
 def build_draft_vocab(
     sequences: Iterable[Mapping], size: int, eos_token_id: int | Sequence[int] | None = None
@@ -115,34 +113,20 @@ def draft_tokens(
     return best if token_ids is None else token_ids[best]
 
 
-def block_confidences(states, rooms: list[int], heads: list[float], lm_head, token_ids, more_rows):
-    """Per block (a row of ``states``: [anchor, MASK...] after the drafter), its argmax proposals for rows 1..n and
-    the drafter's confidence (softmax maximum) in each: the first ``CONFIDENCE_ROWS`` rows, then all ``room`` rows
-    where ``more_rows(confidences, head)`` wants them (lm_head rows are what costs). Batched: one projection for
-    the first rows of every block, one for the rest."""
-
-    def project(widths, start):
-        pieces = [states[row, 1 + start : 1 + w] for row, w in enumerate(widths) if w > start]
-        if not pieces:
-            return [], []
-        logits, subset = draft_logits(torch.cat(pieces), lm_head, token_ids)
-        confidence, best = torch.softmax(logits.float(), dim=-1).max(dim=-1)
-        best = best if subset is None else subset[best]
-        return confidence.nan_to_num(0.0).tolist(), best.tolist()
-
-    first = [min(room, CONFIDENCE_ROWS) for room in rooms]
-    more = [0] * len(rooms)
-    confidences, tokens = [[] for _ in rooms], [[] for _ in rooms]
-    for start, widths in ((0, first), (CONFIDENCE_ROWS, more)):
-        flat_confidence, flat_tokens = project(widths, start)
-        for row, w in enumerate(widths):
-            n = max(0, w - start)
-            confidences[row] += flat_confidence[:n]
-            tokens[row] += flat_tokens[:n]
-            flat_confidence, flat_tokens = flat_confidence[n:], flat_tokens[n:]
-        if start == 0:
-            more[:] = [
-                room if room > w and more_rows(confidences[row], heads[row]) else 0
-                for row, (room, w) in enumerate(zip(rooms, first))
-            ]
+def block_confidences(states, spans: list[tuple[int, int]], lm_head, token_ids):
+    """Per block (a row of ``states``: [anchor, MASK...] after the drafter), the argmax proposals of its rows
+    start+1..end (``spans[row] = (start, end)``) and the drafter's confidence (softmax maximum) in each, as lists;
+    one projection for every block (lm_head rows are what costs: a policy says how many it reads)."""
+    confidences, tokens = [[] for _ in spans], [[] for _ in spans]
+    pieces = [states[row, 1 + start : 1 + end] for row, (start, end) in enumerate(spans) if end > start]
+    if not pieces:
+        return confidences, tokens
+    logits, subset = draft_logits(torch.cat(pieces), lm_head, token_ids)
+    confidence, best = torch.softmax(logits.float(), dim=-1).max(dim=-1)
+    best = best if subset is None else subset[best]
+    flat_confidence, flat_tokens, offset = confidence.nan_to_num(0.0).tolist(), best.tolist(), 0
+    for row, (start, end) in enumerate(spans):
+        n = max(0, end - start)
+        confidences[row], tokens[row] = flat_confidence[offset : offset + n], flat_tokens[offset : offset + n]
+        offset += n
     return confidences, tokens

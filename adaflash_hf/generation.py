@@ -51,12 +51,13 @@ from transformers.utils import logging
 
 from adaflash_hf.acceptance import lookup_model_for
 from adaflash_hf.draft_vocab import draft_logits
-from adaflash_hf.drafting import CONFIDENCE_ROWS, DraftingSettings
+from adaflash_hf.drafting import DraftingSettings
 from adaflash_hf.lookup import LookupIndex
 from adaflash_hf.modeling import AdaFlashDrafter
 from adaflash_hf.policy import (
     Block,
     Choice,
+    Round,
     Slot,
     Step,
     expected_lookup_accepted,
@@ -128,7 +129,7 @@ class PendingRound:
 
     started: float
     drafter_seconds: float
-    slot: Slot
+    round: Round
     choice: Choice
     predicted: float  # the length head's â, or a lookup's expected accepted tokens / (block_size - 1)
     context_length: int
@@ -165,7 +166,7 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
         self.forward_overrides = {
             "output_hidden_states": True
             if generation_config.output_hidden_states
-            else [i + 1 for i in drafter.config.target_layer_ids]
+            else drafter.config.target_hidden_state_ids
         }
         self.model_kwargs_overrides = self.forward_overrides
         criteria = getattr(generation_config, "_adaflash_stopping_criteria", None) or ()
@@ -189,9 +190,15 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
         self.context_buffer: torch.Tensor | None = None  # [1, n, features]: not yet in the drafter cache
         self.block_in_cache = False
         self.pending: PendingRound | None = None
-        self.policy = policy_for(self.settings.length_mode, self.settings, target, drafter, "generate")
+        self.policy = policy_for(
+            self.settings.length_mode,
+            self.settings,
+            target,
+            drafter,
+            "generate",
+            output_hidden_states=self.forward_overrides["output_hidden_states"],
+        )
         self.state = self.policy.new_state(lookup_model_for(target), greedy=not self.do_sample)
-        self.policy.calibrate(target, output_hidden_states=self.forward_overrides["output_hidden_states"])
 
     @torch.no_grad()
     def get_candidates(
@@ -212,30 +219,31 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
             return input_ids, None
         if self.max_length - cur_len <= 1:
             return input_ids, None  # only the bonus token still fits
-        started = time.perf_counter()
         self._buffer_context(cur_len, model_outputs)
         # Never verify drafts that could not be kept: the bonus token needs one slot of max_length (which
         # _check_call keeps inside the target's positions).
         room = max(0, min(self.block_size - 1, self.max_length - cur_len - 1))
         slot = Slot(self.state, room, self._lookup_proposal(input_ids, room), cur_len)
-        step = Step()
+        # The drafter's seconds start after ``start``: a first round calibrates the cost model there.
+        round_ = self.policy.start([slot], Step())
+        started = time.perf_counter()
         block, out = None, None
-        if self.policy.start([slot], step)[0]:
+        if round_.drafts[0]:
             out = self._drafter_forward(input_ids, model_kwargs)
             block, drafted = self._block(out, room)
-        choice = self.policy.choose([slot], [block], step)[0]
+        choice = self.policy.choose(round_, [block])[0]
         if choice.source == "plain":
-            return self._plain_round(input_ids, slot, choice, started)
+            return self._plain_round(input_ids, round_, choice, started)
         if choice.source == "lookup":
-            return self._lookup_round(input_ids, slot, choice, started)
-        return self._diffusion_round(input_ids, slot, choice, out, drafted, started)
+            return self._lookup_round(input_ids, round_, choice, started)
+        return self._diffusion_round(input_ids, round_, choice, out, drafted, started)
 
     def _buffer_context(self, cur_len: int, model_outputs) -> None:
         """Buffer the committed positions whose target states the last forward produced (all but the anchor)."""
         buffered = 0 if self.context_buffer is None else self.context_buffer.shape[1]
         num_new = cur_len - 1 - self.num_cached - buffered
         hidden = model_outputs.hidden_states
-        new_context = torch.cat([hidden[i + 1][:, :num_new] for i in self.config.target_layer_ids], dim=-1)
+        new_context = torch.cat([hidden[i][:, :num_new] for i in self.config.target_hidden_state_ids], dim=-1)
         self.context_buffer = (
             new_context if self.context_buffer is None else torch.cat([self.context_buffer, new_context], 1)
         )
@@ -249,33 +257,28 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
         return truncate_lookup(proposal, self.state.lookups, self.settings.lookup_min_prob)
 
     def _block(self, out, room: int) -> tuple[Block, torch.Tensor]:
-        """What the drafter's block says (â, finiteness, the adaptive rule's k̂ and, for a policy that reads them,
-        the confidences of its first rows), and the float logits of the rows projected so far."""
+        """What the drafter's block says (â, finiteness and the confidences of the rows the policy reads), and the
+        float logits of the rows projected so far."""
         head = float(out.acceptance_prob.float().reshape(-1)[0])
         finite = math.isfinite(head) and bool(torch.isfinite(out.last_hidden_state).all())
         if not finite:
             self._count_nonfinite_block()
             head = 0.0
         self.state.last_acceptance = head
-        rule_length = int(
-            self.drafter.predict_draft_length(
-                out.acceptance_prob, self.settings.gamma, self.settings.min_len
-            ).reshape(-1)[0]
-        )
         drafted, confidences, tokens = out.last_hidden_state.new_zeros(1, 0, 0), [], []
-        if self.policy.wants_confidences and finite:
-            drafted, confidences = self._confident_rows(out.last_hidden_state, room, head)
+        rows = self.policy.confidence_rows(room, (), head) if finite else 0
+        if rows:
+            drafted, confidences = self._confident_rows(out.last_hidden_state, rows, room, head)
             tokens = drafted[0, : len(confidences)].argmax(-1).tolist()
-        return Block(head, finite, rule_length, tuple(confidences), tuple(tokens)), drafted
+        return Block(head, finite, tuple(confidences), tuple(tokens)), drafted
 
-    def _confident_rows(self, block_hidden, room: int, head: float):
-        """Logits of block rows 1..n and the drafter's confidence in each proposal (its softmax maximum), for the
-        first ``CONFIDENCE_ROWS`` rows and then all ``room`` rows where the policy wants them (the lm_head rows are
-        what costs)."""
-        rows = min(room, CONFIDENCE_ROWS)
+    def _confident_rows(self, block_hidden, rows: int, room: int, head: float):
+        """Logits of block rows 1..n and the drafter's confidence in each proposal (its softmax maximum): the first
+        ``rows``, then the further rows the policy reads given those (the lm_head rows are what costs)."""
         drafted, confidences = self._block_logits(block_hidden[:, 1 : 1 + rows])
-        if rows < room and self.policy.more_rows(confidences, head):
-            more, more_confidences = self._block_logits(block_hidden[:, 1 + rows : 1 + room])
+        wanted = self.policy.confidence_rows(room, confidences, head)
+        if wanted > rows:
+            more, more_confidences = self._block_logits(block_hidden[:, 1 + rows : 1 + wanted])
             drafted, confidences = torch.cat([drafted, more], dim=1), confidences + more_confidences
         return drafted, confidences
 
@@ -329,11 +332,11 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
             )
         self.stats.nonfinite_blocks += 1
 
-    def _pending(self, input_ids, slot, choice, started, predicted, proposed, drafted=None) -> PendingRound:
+    def _pending(self, input_ids, round_, choice, started, predicted, proposed, drafted=None) -> PendingRound:
         return PendingRound(
             started=time.perf_counter(),
             drafter_seconds=time.perf_counter() - started,
-            slot=slot,
+            round=round_,
             choice=choice,
             predicted=predicted,
             context_length=input_ids.shape[1] - 1,
@@ -342,18 +345,18 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
             drafted=drafted,
         )
 
-    def _plain_round(self, input_ids, slot, choice, started):
+    def _plain_round(self, input_ids, round_, choice, started):
         """Verify nothing and skip the drafter: its context waits in the buffer."""
         self.stats.skipped_drafter_forwards += 1
-        self.pending = self._pending(input_ids, slot, choice, started, 0.0, input_ids[0, :0])
+        self.pending = self._pending(input_ids, round_, choice, started, 0.0, input_ids[0, :0])
         return input_ids, None
 
-    def _lookup_round(self, input_ids, slot, choice, started):
+    def _lookup_round(self, input_ids, round_, choice, started):
         """Verify the lookup continuation's first ``choice.length`` tokens: one-hot q under sampling (accepted with
         probability p(x), resampled from p without x: lossless), no q under greedy."""
         if not choice.drafter_ran:
             self.stats.skipped_drafter_forwards += 1
-        cur_len = input_ids.shape[1]
+        cur_len, slot = input_ids.shape[1], round_.slots[0]
         tokens = torch.tensor(
             [slot.proposal.tokens[: choice.length]], dtype=input_ids.dtype, device=input_ids.device
         )
@@ -367,10 +370,12 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
             logits = torch.full((1, cut, vocab), float("-inf"), device=input_ids.device)
             logits.scatter_(-1, tokens[..., None], 0.0)
         predicted = expected_lookup_accepted(slot.state, slot.proposal, cut) / (self.block_size - 1)
-        self.pending = self._pending(input_ids, slot, choice, started, predicted, candidate_ids[0, cur_len:])
+        self.pending = self._pending(
+            input_ids, round_, choice, started, predicted, candidate_ids[0, cur_len:]
+        )
         return candidate_ids, logits
 
-    def _diffusion_round(self, input_ids, slot, choice, out, drafted, started):
+    def _diffusion_round(self, input_ids, round_, choice, out, drafted, started):
         """Propose the block's first ``choice.length`` rows (the lm_head over V is the expensive part: only the
         verified rows are projected, and every row where a recorder wants the whole block)."""
         cur_len, length = input_ids.shape[1], choice.length
@@ -386,7 +391,7 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
         choice = replace(choice, length=length)
         predicted = self.state.last_acceptance
         self.pending = self._pending(
-            input_ids, slot, choice, started, predicted, candidate_ids[0, cur_len:], drafted
+            input_ids, round_, choice, started, predicted, candidate_ids[0, cur_len:], drafted
         )
         if length == 0:
             # An empty draft must be (input_ids, None): zero-length logits crash transformers' speculative sampling.
@@ -440,7 +445,7 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
         self.stats.verify_seconds += verify_seconds
         self.stats.drafter_seconds += pending.drafter_seconds
         self.stats.add_round(choice.length, accepted, pending.predicted, choice.source)
-        self.policy.learn([pending.slot], [choice], [accepted])
+        self.policy.learn(pending.round, [choice], [accepted])
         self.policy.observe_step(choice.length + 1, Step(), verify_seconds)
         if choice.drafter_ran:
             self.policy.observe_drafter(1, pending.drafter_seconds)

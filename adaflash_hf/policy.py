@@ -4,9 +4,14 @@ verifies and from which source, and what the verified round teaches.
 ``generate`` (``adaflash_hf.generation``) is a batch of one; the engine (``adaflash_hf.serving.engine``) a batch of
 its decoding requests. Both run the same three calls per round, around their own forwards:
 
-    flags   = policy.start(slots, step)           # before the drafter: who drafts (gates, lookup alone)
-    choices = policy.choose(slots, blocks, step)  # after it: each request's source and length
-    policy.learn(slots, choices, accepted)        # after verification
+    round = policy.start(slots, step)        # before the drafter: who drafts (round.drafts: gates, lookup alone)
+    choices = policy.choose(round, blocks)   # after it: each request's source and length, inside step.budget
+    policy.learn(round, choices, accepted)   # after verification
+
+The policy owns the whole round: it reads what the step hands it (the budget, the adaptive rule's γ after admission)
+and what each block says (â, confidences), computes every length itself (the adaptive rule's k̂ included), fits them
+to the budget, and calibrates its cost model at its first round. ``start`` returns a frozen ``Round`` that ``choose``
+takes, so nothing of a round is left behind on the policy.
 
 ``RulePolicy`` is the paper's adaptive rule (k̂ from the length head) or DFlash's fixed length; ``GoodputPolicy``
 picks the lengths with the most expected committed tokens per second (``adaflash_hf.drafting``), from its
@@ -20,13 +25,26 @@ estimator, the request's ``LookupModel``, both where a policy chooses between th
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+
+import torch
 
 from adaflash_hf.acceptance import AcceptanceModel, LookupModel, ShadowLabels, acceptance_model_for
 from adaflash_hf.cost_model import CostModel, calibrate_once, cost_model_for
-from adaflash_hf.drafting import REACH_FOR_MORE_ROWS, DraftingSettings, SkipGate, draft_surplus, plan_round
+from adaflash_hf.drafting import (
+    CONFIDENCE_ROWS,
+    REACH_FOR_MORE_ROWS,
+    DraftingSettings,
+    SkipGate,
+    draft_surplus,
+    plan_round,
+)
 from adaflash_hf.lookup import LookupProposal
+
+# The forward sizes an engine's first step times (those within its token budget), once each: its step fit takes over
+# after 16 steps. ``generate`` times 1..16 new tokens (``calibrate_target``'s defaults).
+ENGINE_CALIBRATION_SIZES = (1, 4, 16, 64)
 
 
 @dataclass
@@ -61,25 +79,45 @@ class Slot:
 
 @dataclass(frozen=True)
 class Block:
-    """One request's drafter block: the length head's â, whether every state is finite, the adaptive rule's k̂,
-    and, for a policy that reads them (``wants_confidences``), the drafter's argmax proposals for the first rows
-    and its confidence (softmax maximum) in each."""
+    """One request's drafter block: the length head's â, whether every state is finite, and, for the rows a policy
+    reads (``confidence_rows``), the drafter's argmax proposals and its confidence (softmax maximum) in each."""
 
     head: float
     finite: bool
-    rule_length: int
     confidences: tuple[float, ...] = ()
     tokens: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
 class Step:
-    """The forward a round shares: the requests in it (verifies + prefills), its prefill tokens, and the budget of
-    verify tokens its drafts may use beyond one per verifying request (None: no budget)."""
+    """The forward a round shares: the requests in it (verifies + prefills), its prefill tokens, the most tokens the
+    forward may take (prefills + one per verifying request + drafts; None: no budget), and the adaptive rule's γ after
+    admission (None: the settings' γ)."""
 
     running: int = 1
     prefill_tokens: int = 0
     budget: int | None = None
+    gamma: float | None = None
+
+    def draft_budget(self, verifies: int) -> int | None:
+        """The drafts ``verifies`` verifying requests may add to the forward (None: no budget)."""
+        return None if self.budget is None else self.budget - self.prefill_tokens - verifies
+
+
+@dataclass(frozen=True)
+class Round:
+    """What ``start`` hands ``choose``: the round's requests and step, who runs the drafter (``drafts``), and what
+    goodput planned before the drafter ran: per request its options (lookup gains) and their kinds, the step's cost
+    curve (None: a plain step), the plan's base and one more drafting request's drafter seconds."""
+
+    slots: tuple[Slot, ...]
+    step: Step
+    drafts: tuple[bool, ...]
+    options: tuple[tuple[Sequence[float], ...], ...] = ()
+    kinds: tuple[tuple[str, ...], ...] = ()
+    curve: Callable[[int], float] | None = None
+    base: Mapping = field(default_factory=dict)
+    share: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -94,6 +132,18 @@ class Choice:
 
 
 PLAIN = Choice("plain", 0, False)
+
+
+def fit_budget(lengths: Sequence[int], budget: int | None) -> list[int]:
+    """Draft lengths capped at the highest level L with Σ min(k_i, L) <= ``budget`` (water filling: the longest
+    drafts are trimmed first; None: no budget)."""
+    lengths = list(lengths)
+    if budget is None or not lengths or sum(lengths) <= budget:
+        return lengths
+    level = max(lengths)
+    while level > 0 and sum(min(n, level) for n in lengths) > budget:
+        level -= 1
+    return [min(n, level) for n in lengths]
 
 
 def expected_lookup_accepted(state: DraftState, proposal: LookupProposal, length: int | None = None) -> float:
@@ -127,8 +177,6 @@ def lookup_beats_block(proposal: LookupProposal | None, lookups: LookupModel, he
 class DraftingPolicy:
     """The shape every policy has (see the module docstring); also what every policy learns from a lookup round."""
 
-    wants_confidences = False  # whether ``choose`` reads a block's confidences (they cost lm_head rows)
-
     def __init__(self, settings: DraftingSettings, block_size: int):
         self.settings = settings
         self.block_size = block_size
@@ -141,21 +189,20 @@ class DraftingPolicy:
         shared = lookups if greedy else None
         return DraftState(gate=SkipGate(max_skip=self.settings.max_skip), lookups=LookupModel(parent=shared))
 
-    def calibrate(self, target, **forward_kwargs) -> None:
-        """Measure what the policy's cost model needs before its first round (goodput)."""
-
-    def start(self, slots: Sequence[Slot], step: Step) -> list[bool]:
+    def start(self, slots: Sequence[Slot], step: Step) -> Round:
         raise NotImplementedError
 
-    def choose(self, slots: Sequence[Slot], blocks: Sequence[Block | None], step: Step) -> list[Choice]:
+    def choose(self, round_: Round, blocks: Sequence[Block | None]) -> list[Choice]:
+        """Each request's source and length; the lengths fit ``round_.step``'s budget."""
         raise NotImplementedError
 
-    def more_rows(self, confidences: Sequence[float], head: float) -> bool:
-        """Whether a block's confidences past the first rows are worth their lm_head rows."""
-        return False
+    def confidence_rows(self, room: int, confidences: Sequence[float], head: float) -> int:
+        """How many of a block's first rows ``choose`` reads the confidence of, given those read so far (none at
+        first): each costs an lm_head row over the draft vocabulary."""
+        return 0
 
-    def learn(self, slots: Sequence[Slot], choices: Sequence[Choice], accepted: Sequence[int]) -> None:
-        for slot, choice, n in zip(slots, choices, accepted):
+    def learn(self, round_: Round, choices: Sequence[Choice], accepted: Sequence[int]) -> None:
+        for slot, choice, n in zip(round_.slots, choices, accepted):
             # Greedy goodput requests learn from ShadowLabels (every proposal, after the commit) instead.
             if choice.source == "lookup" and slot.state.shadows is None:
                 slot.state.lookups.observe(slot.proposal.match_length, choice.length, n)
@@ -183,60 +230,72 @@ class PlainPolicy(DraftingPolicy):
     """No drafter: every request verifies nothing (plain decoding)."""
 
     def start(self, slots, step):
-        return [False] * len(slots)
+        return Round(tuple(slots), step, (False,) * len(slots))
 
-    def choose(self, slots, blocks, step):
-        return [PLAIN] * len(slots)
+    def choose(self, round_, blocks):
+        return [PLAIN] * len(round_.slots)
 
 
 class RulePolicy(DraftingPolicy):
-    """The paper's rule (``fixed=False``: k̂ = clamp(floor(γ·â·(B-1)), min_len, B-1) from the length head) or DFlash's
-    (``fixed=True``: B - 1 drafts); in hybrid, lookup wins where its expected accepted tokens beat â · (B - 1), and a
-    lookup that beats the last â skips the drafter forward."""
+    """The paper's rule (``fixed=False``: k̂ = clamp(floor(γ·â·(B-1)), min_len, B-1) from the length head, by
+    ``length_rule``, the drafter's ``predict_draft_length``; γ is the step's) or DFlash's (``fixed=True``: B - 1
+    drafts); in hybrid, lookup wins where its expected accepted tokens beat â · (B - 1), and a lookup that beats the
+    last â skips the drafter forward. Lengths over the step's budget are trimmed longest first (``fit_budget``)."""
 
-    def __init__(self, settings: DraftingSettings, block_size: int, fixed: bool):
+    def __init__(
+        self,
+        settings: DraftingSettings,
+        block_size: int,
+        fixed: bool,
+        length_rule: Callable[..., torch.Tensor] | None = None,
+    ):
         super().__init__(settings, block_size)
         self.fixed = fixed
+        self.length_rule = length_rule
 
     def start(self, slots, step):
-        return [
+        drafts = tuple(
             not (s.state.last_acceptance is not None and self._lookup_wins(s, s.state.last_acceptance))
             for s in slots
-        ]
+        )
+        return Round(tuple(slots), step, drafts)
 
     def _lookup_wins(self, slot: Slot, head) -> bool:
         return lookup_beats_block(slot.proposal, slot.state.lookups, head, self.block_size)
 
-    def choose(self, slots, blocks, step):
-        choices = []
-        for slot, block in zip(slots, blocks):
+    def choose(self, round_, blocks):
+        rule_lengths = iter(self._rule_lengths(blocks, round_.step))
+        sources, lengths, ran = [], [], []
+        for slot, block in zip(round_.slots, blocks):
+            rule_length = next(rule_lengths) if block is not None else 0
+            ran.append(block is not None)
             if block is None or self._lookup_wins(slot, block.head):
-                choices.append(Choice("lookup", len(slot.proposal.tokens), block is not None))
+                sources.append("lookup")
+                lengths.append(len(slot.proposal.tokens))
                 continue
-            length = (self.block_size - 1 if self.fixed else block.rule_length) if block.finite else 0
-            choices.append(Choice("diffusion", min(length, slot.room), True))
-        return choices
+            sources.append("diffusion")
+            lengths.append(min(rule_length if block.finite else 0, slot.room))
+        lengths = fit_budget(lengths, round_.step.draft_budget(len(round_.slots)))
+        return [Choice(s, n, r) for s, n, r in zip(sources, lengths, ran)]
 
-
-@dataclass
-class _Round:
-    """What ``GoodputPolicy.start`` leaves for ``choose``: per request its options (gains) and their kinds, the
-    step's cost curve and plan base."""
-
-    options: list[list[list[float]]]
-    kinds: list[list[str]]
-    curve: Callable[[int], float] | None = None
-    base: dict = field(default_factory=dict)
-    share: float = 0.0
+    def _rule_lengths(self, blocks: Sequence[Block | None], step: Step) -> list[int]:
+        """Each drafted block's rule length: B - 1 (fixed), else k̂ from its â and the step's γ."""
+        heads = [b.head for b in blocks if b is not None]
+        if self.fixed or not heads:
+            return [self.block_size - 1] * len(heads)
+        gamma = self.settings.gamma if step.gamma is None else step.gamma
+        # The drafter's float32 â, as the length head gave it: the rule floors γ·â·(B-1) in float32.
+        return self.length_rule(
+            torch.tensor(heads, dtype=torch.float32), gamma, self.settings.min_len
+        ).tolist()
 
 
 class GoodputPolicy(DraftingPolicy):
     """Per request and round the k in 0..B-1 (and in hybrid the source) with the most expected committed tokens per
     second of the shared forward (``drafting.plan_round``), from the cost model and the acceptance model; requests
     whose drafting did not pay skip the drafter for a while (``SkipGate``), and, where whole steps are judged
-    (``judge_step``: the engine), so does the whole batch while drafted steps lose to plain ones."""
-
-    wants_confidences = True
+    (``judge_step``: the engine), so does the whole batch while drafted steps lose to plain ones. Its first round
+    calibrates the cost model (``calibrate_once``) by forwards of ``target`` with ``forward_kwargs``."""
 
     def __init__(
         self,
@@ -245,13 +304,16 @@ class GoodputPolicy(DraftingPolicy):
         cost: CostModel,
         acceptance: AcceptanceModel,
         kind: str = "generate",
+        target=None,
+        **forward_kwargs,
     ):
         super().__init__(settings, block_size)
         self.cost = cost
         self.kind = kind  # the forwards the cost model prices: "generate" or "engine"
         self.acceptance = acceptance
         self.batch_gate = SkipGate(max_skip=settings.max_skip)
-        self.round = _Round([], [])
+        self.target = target
+        self.forward_kwargs = forward_kwargs
 
     def new_state(self, lookups, greedy):
         """A greedy request also labels every proposal from its committed text (``ShadowLabels``)."""
@@ -259,14 +321,21 @@ class GoodputPolicy(DraftingPolicy):
         state.shadows = ShadowLabels(self.acceptance, state.lookups) if greedy else None
         return state
 
-    def calibrate(self, target, **forward_kwargs):
-        """Once per cost model: this machine's saved calibration, else timed forwards (``calibrate_once``)."""
-        if self.settings.calibrate and not self.cost.calibrated:
-            calibrate_once(target, self.cost, self.kind, **forward_kwargs)
+    def _calibrate(self, step: Step) -> None:
+        """Once per cost model, at its first round: this machine's saved calibration, else timed forwards
+        (``calibrate_once``; an engine's, of the sizes within its token budget, once each)."""
+        if not self.settings.calibrate or self.cost.calibrated:
+            return
+        sizes = {}
+        if self.kind == "engine":
+            fits = [n for n in ENGINE_CALIBRATION_SIZES if step.budget is None or n <= step.budget]
+            sizes = {"sizes": fits, "repeats": 1, "budget_s": 1.0}
+        calibrate_once(self.target, self.cost, self.kind, **sizes, **self.forward_kwargs)
 
     def start(self, slots, step):
-        options = [[g] if (g := s.state.lookups.gains(s.proposal)) else [] for s in slots]
-        self.round = _Round(options, [["lookup"] if o else [] for o in options])
+        self._calibrate(step)
+        options = tuple((g,) if (g := s.state.lookups.gains(s.proposal)) else () for s in slots)
+        kinds = tuple(("lookup",) if o else () for o in options)
         for slot in slots:
             if slot.state.shadows is not None:
                 slot.state.shadows.add_lookup(slot.position, slot.proposal)
@@ -278,38 +347,34 @@ class GoodputPolicy(DraftingPolicy):
             or curve is None
             or not self.cost.knows_target(step.prefill_tokens + count, step.running)
         ):
-            return [False] * count  # a plain step measures the k = 0 baseline first
-        self.round.curve = curve
-        self.round.base = {
-            "base_tokens": count,
-            "base_committed": float(step.running),
-            "target_seconds": curve,
-        }
-        self.round.share = self.cost.marginal_drafter_seconds(count)
+            # A plain step measures the k = 0 baseline first.
+            return Round(tuple(slots), step, (False,) * count, options, kinds)
+        base = {"base_tokens": count, "base_committed": float(step.running), "target_seconds": curve}
+        share = self.cost.marginal_drafter_seconds(count)
         batch_open = self.batch_gate.should_draft()
-        return [
-            batch_open and s.room > 0 and s.state.gate.should_draft() and not self._lookup_alone_wins(s, o)
+        drafts = tuple(
+            batch_open
+            and s.room > 0
+            and s.state.gate.should_draft()
+            and not _lookup_alone_wins(s, o, base, share)
             for s, o in zip(slots, options)
-        ]
-
-    def _lookup_alone_wins(self, slot: Slot, options: list) -> bool:
-        """Whether the lookup continuation, without the drafter, beats the last block's gains with it."""
-        if not options or slot.state.last_gains is None:
-            return False
-        base = self.round.base
-        alone = plan_round([options], drafter_seconds=0.0, **base)
-        drafted = plan_round(
-            [[slot.state.last_gains[: slot.room], *options]], drafter_seconds=self.round.share, **base
         )
-        return alone.goodput >= drafted.goodput
+        return Round(tuple(slots), step, drafts, options, kinds, curve, base, share)
 
-    def more_rows(self, confidences, head):
-        return bool(confidences) and self.acceptance.gains(confidences, head)[-1] > REACH_FOR_MORE_ROWS
+    def confidence_rows(self, room, confidences, head):
+        """The first ``CONFIDENCE_ROWS`` rows; then all ``room`` rows where the chain of acceptances reaches past
+        them with more than ``REACH_FOR_MORE_ROWS``."""
+        if not confidences:
+            return min(room, CONFIDENCE_ROWS)
+        if self.acceptance.gains(confidences, head)[-1] > REACH_FOR_MORE_ROWS:
+            return room
+        return len(confidences)
 
-    def choose(self, slots, blocks, step):
-        r = self.round
-        if r.curve is None:
+    def choose(self, round_, blocks):
+        slots = round_.slots
+        if round_.curve is None:
             return [PLAIN] * len(slots)
+        options, kinds = [list(o) for o in round_.options], [list(k) for k in round_.kinds]
         drafting = sum(b is not None for b in blocks)
         for i, (slot, block) in enumerate(zip(slots, blocks)):
             if block is None:
@@ -322,35 +387,36 @@ class GoodputPolicy(DraftingPolicy):
             state.block = (list(block.confidences), block.head)
             if state.shadows is not None:
                 state.shadows.add_block(slot.position, block.tokens, block.confidences, block.head)
-            r.options[i], r.kinds[i] = [state.last_gains, *r.options[i]], ["diffusion", *r.kinds[i]]
+            options[i], kinds[i] = [state.last_gains, *options[i]], ["diffusion", *kinds[i]]
         drafter_seconds = self.cost.drafter_seconds(drafting) if drafting else 0.0
-        budget = None if step.budget is None else step.budget - step.prefill_tokens - len(slots)
-        plan = plan_round(r.options, drafter_seconds=drafter_seconds, budget=budget, **r.base)
-        return self._choices(slots, blocks, plan, budget)
+        budget = round_.step.draft_budget(len(slots))
+        plan = plan_round(options, drafter_seconds=drafter_seconds, budget=budget, **round_.base)
+        return self._choices(round_, blocks, plan, kinds, budget)
 
-    def _choices(self, slots, blocks, plan, budget) -> list[Choice]:
-        r, count = self.round, len(slots)
-        plain = r.curve(count)
-        rate = r.base["base_committed"] / plain
+    def _choices(self, round_: Round, blocks, plan, kinds, budget) -> list[Choice]:
+        """The plan's choices; a sampled request's probe verifies one draft where the budget has room for it."""
+        count = len(round_.slots)
+        plain = round_.curve(count)
+        rate = round_.base["base_committed"] / plain
         spare = math.inf if budget is None else budget - sum(plan.lengths)
         choices = []
-        for i, (slot, block) in enumerate(zip(slots, blocks)):
+        for i, (slot, block) in enumerate(zip(round_.slots, blocks)):
             state, length = slot.state, plan.lengths[i]
-            source = None if plan.sources[i] is None else r.kinds[i][plan.sources[i]]
+            source = None if plan.sources[i] is None else kinds[i][plan.sources[i]]
             ran = block is not None
             if source is None and ran and state.gate.probing and state.shadows is None:
                 if state.last_gains and spare > 0:  # sampling: a probe verifies one draft, the only label
                     source, length, spare = "diffusion", 1, spare - 1
             if ran:
                 gains = state.last_gains or []
-                surplus = draft_surplus(gains, lambda k: r.curve(count + k) - plain, rate)
-                state.gate.record(surplus, rate * r.share)
+                surplus = draft_surplus(gains, lambda k: round_.curve(count + k) - plain, rate)
+                state.gate.record(surplus, rate * round_.share)
             choices.append(Choice(source or ("diffusion" if ran else "plain"), length, ran))
         return choices
 
-    def learn(self, slots, choices, accepted):
-        super().learn(slots, choices, accepted)
-        for slot, choice, n in zip(slots, choices, accepted):
+    def learn(self, round_, choices, accepted):
+        super().learn(round_, choices, accepted)
+        for slot, choice, n in zip(round_.slots, choices, accepted):
             state = slot.state
             if choice.source == "diffusion" and choice.length and state.block and state.shadows is None:
                 self.acceptance.update(*state.block, choice.length, n)
@@ -378,13 +444,32 @@ class GoodputPolicy(DraftingPolicy):
             self.batch_gate.record(committed - verifies * seconds / plain_seconds, 0.0)
 
 
-def policy_for(length_mode: str, settings: DraftingSettings, target, drafter, kind: str) -> DraftingPolicy:
+def _lookup_alone_wins(slot: Slot, options: Sequence, base: Mapping, share: float) -> bool:
+    """Whether the lookup continuation, without the drafter, beats the last block's gains with it (``share``: the
+    drafter seconds one more drafting request adds)."""
+    if not options or slot.state.last_gains is None:
+        return False
+    alone = plan_round([options], drafter_seconds=0.0, **base)
+    drafted = plan_round([[slot.state.last_gains[: slot.room], *options]], drafter_seconds=share, **base)
+    return alone.goodput >= drafted.goodput
+
+
+def policy_for(
+    length_mode: str, settings: DraftingSettings, target, drafter, kind: str, output_hidden_states=None
+) -> DraftingPolicy:
     """The policy of a resolved length mode (``DraftingSettings.length_mode_for``) for ``drafter`` on ``target``;
     goodput keeps the target's cost model for ``kind`` forwards (``cost_model_for``) and the drafter's acceptance
-    model, both shared with every other call that uses them."""
+    model, both shared with every other call that uses them, and calibrates with the target's forwards as they run
+    (``output_hidden_states``: default, the layers the drafter reads)."""
     block_size = drafter.config.block_size
     if length_mode == "goodput":
-        return GoodputPolicy(
-            settings, block_size, cost_model_for(target, kind), acceptance_model_for(drafter)
+        hidden = (
+            drafter.config.target_hidden_state_ids if output_hidden_states is None else output_hidden_states
         )
-    return RulePolicy(settings, block_size, fixed=length_mode == "fixed")
+        cost, acceptance = cost_model_for(target, kind), acceptance_model_for(drafter)
+        return GoodputPolicy(
+            settings, block_size, cost, acceptance, kind, target, output_hidden_states=hidden
+        )
+    return RulePolicy(
+        settings, block_size, fixed=length_mode == "fixed", length_rule=drafter.predict_draft_length
+    )

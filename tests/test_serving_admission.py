@@ -56,13 +56,6 @@ def test_idle_engine_always_admits_the_head_of_the_queue():
     assert controller.admit([big], []) == [big]
 
 
-def test_fit_lengths_trims_the_longest_drafts_first():
-    controller = AdmissionController(AdmissionConfig(max_running=4, token_budget=64), 16)
-    assert controller.fit_lengths([15, 3, 8, 0], 100) == [15, 3, 8, 0]
-    assert controller.fit_lengths([15, 3, 8, 0], 20) == [6, 3, 6, 0]
-    assert controller.fit_lengths([15, 15], 2) == [0, 0]
-
-
 def test_ema_of_running_requests_and_load_aware_gamma():
     controller = AdmissionController(
         AdmissionConfig(token_budget=64, ema_beta=0.5, load_aware_gamma=True), 16

@@ -7,7 +7,8 @@
   (``default_kv_budget``); pass an int to choose.
 - Compute: one target forward takes at most ``token_budget`` query tokens (prefills + Σ(k̂_i + 1)). Admission
   estimates the verify demand of the running requests from an EMA of tokens per verify, so new prefills do not
-  crowd out drafts; after drafting, ``fit_lengths`` trims the longest drafts first until the step fits.
+  crowd out drafts; the drafting policy then fits each step's drafts to it (``policy.fit_budget``: the
+  longest drafts are trimmed first).
 - Load: N̂ ← (1 - β)·N̂ + β·N over steps (N = running requests). With ``load_aware_gamma`` the length head's γ is
   scaled by min(1, token_budget / (N̂ · block_size)): under light load drafts keep their full predicted length;
   when the fair share of the budget per request drops below a block, every request drafts proportionally less.
@@ -127,15 +128,6 @@ class AdmissionController:
         if not self.config.load_aware_gamma or self.ema_running <= 0:
             return 1.0
         return min(1.0, self.config.token_budget / (self.ema_running * self.block_size))
-
-    def fit_lengths(self, lengths: list[int], available: int) -> list[int]:
-        """Cap draft lengths at the highest level L with Σ(min(k̂_i, L) + 1) <= available (water filling)."""
-        if sum(lengths) + len(lengths) <= available:
-            return lengths
-        level = max(lengths)
-        while level > 0 and sum(min(n, level) for n in lengths) + len(lengths) > available:
-            level -= 1
-        return [min(n, level) for n in lengths]
 
     def update(self, running: int, verify_tokens: int, verifies: int) -> None:
         beta = self.config.ema_beta

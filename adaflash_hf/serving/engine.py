@@ -7,7 +7,7 @@
 
 One ``step()``: admit waiting requests (``admission``); the drafting policy (``adaflash_hf.policy``) says who runs
 the drafter; ONE batched drafter forward over them (each its new committed context + its block); the policy gives
-each request its source and length; the drafts are trimmed to the step's token budget; ONE packed target forward
+each request its source and length, within the step's token budget; ONE packed target forward
 over Σ(k_i + 1) verify tokens plus the prompts of newly admitted requests (``cache``); ONE acceptance launch
 (``verify_accept``) for greedy and sampling requests together; per-request commit and rollback. Without a drafter
 every k_i is 0; ``length_mode="fixed"`` is DFlash; every mode shares every other line.
@@ -58,6 +58,7 @@ from adaflash_hf.policy import (
     Choice,
     DraftingPolicy,
     PlainPolicy,
+    Round,
     Slot,
     Step,
     policy_for,
@@ -155,10 +156,10 @@ def _resolve_drafter(drafter):
 
 @dataclass
 class _Drafted:
-    """A step's drafting: per decoding request its slot and choice, its row in the block states (None: no block
+    """A step's drafting: its round, per decoding request its choice, its row in the block states (None: no block
     verified), its lookup drafts (None: not a lookup round), whether it ran the drafter; the block states."""
 
-    slots: list[Slot]
+    round: Round
     choices: list[Choice]
     rows: list[int | None]
     lookups: list[list[int] | None]
@@ -424,14 +425,14 @@ class AdaFlashEngine:
             return aborted
         self.running.extend(admitted)
         prefill_tokens = sum(len(r.prompt) for r in admitted)
-        shape = Step(len(decoding) + len(admitted), prefill_tokens, self.admission.config.token_budget)
         gamma = (self.settings.gamma or 1.0) * self.admission.gamma_scale()
+        budget = self.admission.config.token_budget
+        shape = Step(len(decoding) + len(admitted), prefill_tokens, budget, gamma)
         policy = self._policy(decoding)
-        drafted = self._draft(policy, decoding, shape, gamma)
+        drafted = self._draft(policy, decoding, shape)
         drafter_seconds = time.perf_counter() - started
-        lengths = [c.length for c in drafted.choices]
-        lengths = self.admission.fit_lengths(lengths, self.admission.config.token_budget - prefill_tokens)
-        choices = [replace(c, length=n) for c, n in zip(drafted.choices, lengths)]
+        choices = drafted.choices
+        lengths = [c.length for c in choices]
         full = self.record_full_drafts and self.round_recorder is not None
         drafts, full_drafts = self._propose(drafted.states, drafted.rows, drafted.lookups, lengths, full)
         sources = ["diffusion" if lookup is None else "lookup" for lookup in drafted.lookups]
@@ -444,7 +445,7 @@ class AdaFlashEngine:
         accepted, next_tokens, features = self._verify(admitted, decoding, drafts)
         target_seconds = time.perf_counter() - target_started
         policy.observe_step(len(decoding) + sum(lengths), shape, target_seconds)
-        policy.learn(drafted.slots, choices, accepted[len(admitted) :])
+        policy.learn(drafted.round, choices, accepted[len(admitted) :])
 
         outputs, committed = self._commit(
             admitted, decoding, drafts, accepted, next_tokens, features, full_drafts, sources, heads
@@ -491,7 +492,7 @@ class AdaFlashEngine:
             )
         )
 
-    def _draft(self, policy: DraftingPolicy, decoding: list[Request], shape: Step, gamma: float) -> _Drafted:
+    def _draft(self, policy: DraftingPolicy, decoding: list[Request], shape: Step) -> _Drafted:
         """The step's drafting: ``policy.start`` says who runs the drafter; ONE batched drafter forward over them
         (with the confidences the policy reads); ``policy.choose`` gives each request its source and length."""
         count = len(decoding)
@@ -502,46 +503,41 @@ class AdaFlashEngine:
             Slot(r.draft, room[i], proposals[i], len(r.prompt) + len(r.output))
             for i, r in enumerate(decoding)
         ]
-        policy.calibrate(
-            self.target,
-            sizes=[n for n in (1, 4, 16, 64) if n <= shape.budget],  # the step fit takes over after 16 steps
-            repeats=1,
-            budget_s=1.0,
-            output_hidden_states=self._tapped_layers(),
-        )
-        drafting = [i for i, runs in enumerate(policy.start(slots, shape)) if runs]
+        round_ = policy.start(slots, shape)
+        drafting = [i for i, runs in enumerate(round_.drafts) if runs]
         blocks, states, fallbacks = [None] * count, None, 0
         rows: list[int | None] = [None] * count
         if drafting:
             tick = time.perf_counter()
-            rule_lengths, states, finite = self._drafter_forward([decoding[i] for i in drafting], gamma)
+            states, finite = self._drafter_forward([decoding[i] for i in drafting])
             heads = [decoding[i].draft.last_acceptance for i in drafting]
-            confidences, tokens = [[] for _ in drafting], [[] for _ in drafting]
-            if policy.wants_confidences:
-                lm_head = self.target.get_output_embeddings()
-                rooms = [room[i] for i in drafting]
-                confidences, tokens = block_confidences(
-                    states, rooms, heads, lm_head, self.drafter.draft_token_ids, policy.more_rows
-                )
+            confidences, tokens = self._confidences(policy, states, [room[i] for i in drafting], heads)
             policy.observe_drafter(len(drafting), time.perf_counter() - tick)
             for row, i in enumerate(drafting):
                 if not finite[row]:
                     self._count_fallback(decoding[i])
                     fallbacks += 1
-                blocks[i] = Block(
-                    heads[row], finite[row], rule_lengths[row], tuple(confidences[row]), tuple(tokens[row])
-                )
+                blocks[i] = Block(heads[row], finite[row], tuple(confidences[row]), tuple(tokens[row]))
                 rows[i] = row
-        choices = policy.choose(slots, blocks, shape)
+        choices = policy.choose(round_, blocks)
         lookups: list[list[int] | None] = [None] * count
         for i, choice in enumerate(choices):
             if choice.source == "lookup":
                 lookups[i], rows[i] = proposals[i].tokens[: choice.length], None
         ran = [b is not None for b in blocks]
-        return _Drafted(slots, choices, rows, lookups, ran, states, fallbacks)
+        return _Drafted(round_, choices, rows, lookups, ran, states, fallbacks)
 
-    def _tapped_layers(self) -> list[int]:
-        return [i + 1 for i in self.drafter.config.target_layer_ids] if self.drafter is not None else []
+    def _confidences(self, policy: DraftingPolicy, states, rooms: list[int], heads: list[float]):
+        """Per block, the proposals and confidences of the rows the policy reads: its first rows of every block,
+        then the further rows it reads given those (one projection each)."""
+        lm_head, token_ids = self.target.get_output_embeddings(), self.drafter.draft_token_ids
+        confidences, tokens = [[] for _ in rooms], [[] for _ in rooms]
+        for _ in range(2):
+            spans = [(len(c), policy.confidence_rows(n, c, h)) for c, n, h in zip(confidences, rooms, heads)]
+            more, more_tokens = block_confidences(states, spans, lm_head, token_ids)
+            confidences = [c + m for c, m in zip(confidences, more)]
+            tokens = [t + m for t, m in zip(tokens, more_tokens)]
+        return confidences, tokens
 
     def _lookup_proposals(self, decoding: list[Request], room: list[int]) -> list:
         """Each request's lookup continuation (hybrid; None elsewhere): the longer match of its own tokens and the
@@ -570,9 +566,9 @@ class AdaFlashEngine:
                 "drafter_fallbacks; warned once per request)"
             )
 
-    def _drafter_forward(self, decoding: list[Request], gamma: float):
-        """One batched drafter forward over ``decoding``: the adaptive rule's k̂ per request, the block states,
-        finite flags; sets each request's ``last_acceptance`` (â; 0 for a non-finite block)."""
+    def _drafter_forward(self, decoding: list[Request]):
+        """One batched drafter forward over ``decoding``: the block states and finite flags; sets each request's
+        ``last_acceptance`` (â; 0 for a non-finite block)."""
         drafter = self.drafter
         device = next(drafter.parameters()).device
         contexts = [r.pending_context for r in decoding]
@@ -606,8 +602,7 @@ class AdaFlashEngine:
             request.drafter_len += features.shape[0]
             request.pending_context = None
             request.draft.last_acceptance = acceptance if ok else 0.0
-        lengths = drafter.predict_draft_length(out.acceptance_prob, gamma, self.settings.min_len).tolist()
-        return lengths, states, finite
+        return states, finite
 
     def _propose(
         self, block_states, rows, lookups, lengths: list[int], full: bool = False
@@ -648,7 +643,7 @@ class AdaFlashEngine:
             offset += n
         kwargs = {}
         if self.drafter is not None:
-            kwargs["output_hidden_states"] = [i + 1 for i in self.drafter.config.target_layer_ids]
+            kwargs["output_hidden_states"] = self.drafter.config.target_hidden_state_ids
         out = packed_target_forward(
             self.target,
             torch.tensor([list(itertools.chain.from_iterable(pieces))], device=device),
