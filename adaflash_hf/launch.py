@@ -66,24 +66,26 @@ def number_in(low: float, high: float | None = None, *, open_low: bool = False):
     return parse
 
 
-def _load_option_file(path: str) -> dict:
+def load_yaml_mapping(path: str, option: str = "--config") -> dict:
+    """The mapping a YAML file of options holds. A missing file, a syntax error (its line and column) or a document
+    that is not a mapping is a one-line error naming ``option`` and the file."""
     import yaml
 
     try:
         text = Path(path).read_text()
     except FileNotFoundError as error:
-        raise FileNotFoundError(f"--config: expected an existing YAML file, got {path!r}") from error
+        raise FileNotFoundError(f"{option}: expected an existing YAML file, got {path!r}") from error
     try:
         values = yaml.safe_load(text) or {}
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         raise ValueError(
-            f"--config {path}: expected valid YAML, got {getattr(error, 'problem', None) or error}{where}"
+            f"{option} {path}: expected valid YAML, got {getattr(error, 'problem', None) or error}{where}"
         ) from error
     if not isinstance(values, dict):
         raise ValueError(
-            f"--config {path}: expected a mapping of option names to values, got {type(values).__name__}"
+            f"{option} {path}: expected a mapping of option names to values, got {type(values).__name__}"
         )
     return values
 
@@ -131,7 +133,7 @@ def read_option_file(path: str, parser: argparse.ArgumentParser) -> dict:
     (``overwrite: true``); any other value for a flag, the string "false" included, is an error. ``null`` leaves an
     option at its default. Errors name the file and the key.
     """
-    values = _load_option_file(path)
+    values = load_yaml_mapping(path)
     actions = {
         a.dest: a
         for a in parser._actions

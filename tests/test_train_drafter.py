@@ -718,6 +718,28 @@ def test_the_trainer_scripts_help_lists_config(script):
     assert not hasattr(parsed, "config")
 
 
+@pytest.mark.parametrize("script", ["train_drafter", "opd"])
+def test_a_yaml_syntax_error_in_the_scripts_config_is_one_line_naming_the_file_line_and_column(
+    script, tmp_path
+):
+    config = tmp_path / "run.yaml"
+    config.write_text("max_steps: 3\noutput_dir: [runs/x\n")
+    result = subprocess.run(
+        [sys.executable, "-m", f"adaflash_hf.trainers.{script}", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        timeout=300,
+    )
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"{script}.py: error: --config {config}: expected valid YAML, got expected ',' or ']', but got "
+        "'<stream end>' at line 3, column 1"
+    )
+    assert "Traceback" not in result.stderr
+
+
 def test_the_script_needs_a_corpus_and_says_how_to_build_one(tmp_path):
     from adaflash_hf.trainers.train_drafter import main
 

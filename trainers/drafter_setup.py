@@ -4,13 +4,14 @@ its final-norm initialisation, optional draft vocabulary (``build_drafter``) and
 last layers (``init_from_target``)."""
 
 import argparse
+import sys
 from dataclasses import dataclass, field
 
 import torch
 from transformers.utils import logging
 
 from adaflash_hf.draft_vocab import build_draft_vocab
-from adaflash_hf.launch import config_help
+from adaflash_hf.launch import config_help, load_yaml_mapping
 from adaflash_hf.modeling import AdaFlashConfig, AdaFlashDrafter
 from adaflash_hf.modeling.configuration_adaflash import build_target_layer_ids
 
@@ -62,6 +63,19 @@ def add_config_option(parser):
     reaching the dataclasses. It documents the flag, nothing more."""
     parser.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS, help=config_help(parser))
     return parser
+
+
+def parse_script_args(parser, argv: list[str] | None = None) -> tuple:
+    """``parser.parse_args_and_config(argv)`` (a training script's TrlParser) with its ``--config FILE`` read first
+    as ``adaflash``'s commands read theirs: a YAML syntax error is one line naming the file, the line and the column,
+    not the YAML scanner's traceback."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    for i, arg in enumerate(args):
+        if arg == "--config" and i + 1 < len(args):
+            load_yaml_mapping(args[i + 1])
+        elif arg.startswith("--config="):
+            load_yaml_mapping(arg.split("=", 1)[1])
+    return parser.parse_args_and_config(argv)
 
 
 def build_drafter(args, target, records: list[dict] | None = None) -> AdaFlashDrafter:

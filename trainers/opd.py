@@ -30,7 +30,12 @@ from adaflash_hf.online.config import OnlineConfig
 from adaflash_hf.online.loop import MetricsLogger, TrafficSource, run_online
 from adaflash_hf.online.weights import load_state, publishable_state
 from adaflash_hf.serving import AdaFlashEngine, AdmissionConfig, SamplingParams
-from adaflash_hf.trainers.drafter_setup import DrafterArguments, add_config_option, build_drafter
+from adaflash_hf.trainers.drafter_setup import (
+    DrafterArguments,
+    add_config_option,
+    build_drafter,
+    parse_script_args,
+)
 from adaflash_hf.trainers.opd_config import OPDConfig
 from adaflash_hf.trainers.opd_trainer import OPDTrainer
 
@@ -198,4 +203,4 @@ def make_parser(subparsers=None) -> TrlParser:
 
 
 if __name__ == "__main__":
-    run_command(Path(__file__).name, lambda: main(*make_parser().parse_args_and_config()))
+    run_command(Path(__file__).name, lambda: main(*parse_script_args(make_parser())))

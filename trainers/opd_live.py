@@ -19,10 +19,10 @@ import difflib
 from pathlib import Path
 
 import torch
-import yaml
 from transformers.utils import logging
 from trl import ModelConfig, TrlParser
 
+from adaflash_hf.launch import load_yaml_mapping
 from adaflash_hf.online.config import OnlineConfig
 from adaflash_hf.online.live import LiveLearner
 from adaflash_hf.online.weights import base_drafter
@@ -69,18 +69,7 @@ def learn_configs(
         "report_to": "none",
     }
     if opd_config is not None:
-        try:
-            loaded = yaml.safe_load(Path(opd_config).read_text()) or {}
-        except yaml.YAMLError as error:
-            mark = getattr(error, "problem_mark", None)
-            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-            raise ValueError(
-                f"--opd-config {opd_config}: expected valid YAML, got {getattr(error, 'problem', None) or error}{where}"
-            ) from error
-        if not isinstance(loaded, dict):
-            raise ValueError(
-                f"--opd-config {opd_config}: expected a mapping of settings, got {type(loaded).__name__}"
-            )
+        loaded = load_yaml_mapping(opd_config, "--opd-config")
         _check_opd_config_keys(opd_config, loaded)
         values |= loaded
     values |= {key: value for key, value in overrides.items() if value is not None}

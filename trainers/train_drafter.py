@@ -27,7 +27,7 @@ from adaflash_hf.data import load_domain, prompt_ids
 from adaflash_hf.launch import run_command, warn_if_cpu_threads_idle
 from adaflash_hf.modeling import AdaFlashDrafter
 from adaflash_hf.trainers.corpus_format import drop_prompt_twins, read_corpus
-from adaflash_hf.trainers.drafter_setup import add_config_option, build_drafter
+from adaflash_hf.trainers.drafter_setup import add_config_option, build_drafter, parse_script_args
 from adaflash_hf.trainers.train_drafter_config import DrafterTrainingConfig
 from adaflash_hf.trainers.train_drafter_trainer import DrafterTrainer
 from adaflash_hf.trainers.weights_only_checkpoint import complete_checkpoints
@@ -124,4 +124,4 @@ def make_parser(subparsers=None) -> TrlParser:
 
 
 if __name__ == "__main__":
-    run_command(Path(__file__).name, lambda: main(*make_parser().parse_args_and_config()))
+    run_command(Path(__file__).name, lambda: main(*parse_script_args(make_parser())))
