@@ -3,7 +3,9 @@ text equals plain ``target.generate``, concurrent clients each get their solo ou
 stop strings, OpenAI-style 400s naming the field, disconnects that free their slot, and 429 under overload."""
 
 import json
+import logging
 import re
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -227,6 +229,56 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(server):
     assert metrics(server)["adaflash_requests_running"] == 0
     later = client(server).completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=24, temperature=0)
     assert later.choices[0].text == plain_text(server, server.tokenizer(PROMPTS[0])["input_ids"], 24)
+
+
+def test_a_non_streamed_client_that_goes_away_has_its_request_aborted(server):
+    before = metrics(server)
+    impatient = openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0, timeout=0.3)
+    with pytest.raises(openai.APITimeoutError):
+        impatient.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=480, temperature=0)
+    aborted = 'adaflash_requests_finished_total{reason="abort"}'
+    wait_for(lambda: metrics(server)[aborted] == before.get(aborted, 0) + 1)
+    finished = 'adaflash_requests_finished_total{reason="length"}'
+    assert metrics(server)[finished] == before[finished]
+
+
+def sse_lines(base_url: str, body: dict, first_line: threading.Event) -> list[str]:
+    """The non-empty lines of a streamed response; ``first_line`` is set once one has arrived."""
+    request = urllib.request.Request(
+        base_url + "/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    lines = []
+    with urllib.request.urlopen(request, timeout=60) as response:
+        assert response.status == 200
+        for line in response:
+            if line.strip():
+                lines.append(line.decode().strip())
+                first_line.set()
+    return lines
+
+
+def test_streams_still_running_when_the_grace_period_ends_get_an_error_event_and_done(
+    target, word_tokenizer, caplog
+):
+    worker = EngineWorker(build_engine(target, None), word_tokenizer)
+    server = BackgroundServer(create_app(worker, word_tokenizer, "tiny"), grace_s=0.3)
+    body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 480, "temperature": 0, "stream": True}
+    started = [threading.Event(), threading.Event()]
+    with caplog.at_level(logging.INFO), ThreadPoolExecutor(2) as pool:
+        with server:
+            streams = [pool.submit(sse_lines, server.base_url, body, event) for event in started]
+            assert all(event.wait(30) for event in started)
+        # leaving the block stops the server as SIGTERM does
+        ends = [stream.result()[-2:] for stream in streams]
+    for error, done in ends:
+        assert done == "data: [DONE]"
+        error = json.loads(error.removeprefix("data: "))["error"]
+        assert error["code"] == "shutting_down" and "grace period of 0.3 s" in error["message"]
+    cut = [r for r in caplog.records if "grace period" in r.getMessage()]
+    assert len(cut) == 1 and "stopping 2 unfinished request(s)" in cut[0].getMessage()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
 
 
 def test_models_health_and_metrics(server):

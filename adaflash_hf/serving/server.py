@@ -12,7 +12,8 @@ errors: ``openai_api``. The engine runs on its own thread (``worker.EngineWorker
 and streams. A client that disconnects has its request aborted; a full queue answers 429 with ``Retry-After``.
 
 SIGTERM (or Ctrl-C): the server stops accepting connections, lets running requests finish for ``--grace-period``
-seconds, aborts the rest, closes the learner (its last checkpoint) and exits 0.
+seconds, stops the rest with an error their clients read (a stream's last event is an OpenAI error, then
+``[DONE]``; a whole response is a 503), logs one line for them, closes the learner (its last checkpoint) and exits 0.
 
 ``build_engine`` is the one place the engine is built from the command's options.
 """
@@ -41,7 +42,8 @@ from adaflash_hf.serving.worker import EngineWorker, QueueFull, ShuttingDown
 logger = logging.get_logger(__name__)
 
 DEFAULT_DRAFTER = Path(__file__).resolve().parents[2] / "examples" / "drafters" / "smollm2-135m-adaflash"
-DISCONNECT_POLL_S = 0.5
+DISCONNECT_POLL_S = 0.25
+SHUTDOWN_MARGIN_S = 5.0
 
 
 def build_engine(
@@ -67,6 +69,13 @@ def _error(error: api.OpenAIError, headers: dict | None = None) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
+def _failure(error: BaseException) -> api.OpenAIError:
+    """A running request the worker ended with an error: cut by the shutdown (503), or the engine thread failed."""
+    if isinstance(error, ShuttingDown):
+        return api.OpenAIError(str(error), status=503, code="shutting_down")
+    return api.OpenAIError(f"engine: {error!r}", status=500)
+
+
 def create_app(
     worker: EngineWorker,
     tokenizer,
@@ -89,6 +98,7 @@ def create_app(
             await asyncio.to_thread(learner.close, grace_s)
 
     app = FastAPI(title="adaflash serve", lifespan=lifespan)
+    app.state.worker = worker  # closed first when the server stops (``uvicorn_server``)
 
     @app.exception_handler(api.OpenAIError)
     async def openai_error(request, error: api.OpenAIError):
@@ -145,9 +155,12 @@ async def _complete(
     except asyncio.CancelledError:
         worker.abort(handle.request_id)
         raise
-    if first.kind == "failed":  # refused by the engine (its budgets), or the engine thread failed
-        status = 400 if isinstance(first.error, (ValueError, TypeError)) else 500
-        return _error(api.OpenAIError(str(first.error), param=prompt_field, status=status))
+    if (
+        first.kind == "failed"
+    ):  # refused by the engine (its budgets), cut by the shutdown, or the engine failed
+        if isinstance(first.error, (ValueError, TypeError)):
+            return _error(api.OpenAIError(str(first.error), param=prompt_field))
+        return _error(_failure(first.error))
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         writer = api.ChunkWriter(chat, handle.request_id, model_name, include_usage)
@@ -158,19 +171,26 @@ async def _complete(
 async def _whole(worker, handle, request: Request, chat: bool, model_name: str):
     """Collect a request's text; a client that went away meanwhile has its request aborted."""
     pieces, done = [], False
+    loop = asyncio.get_running_loop()
+    check_at = loop.time() + DISCONNECT_POLL_S
     try:
         while True:
+            # Checked on a clock, not only when no text arrives: a busy request sends text at every step.
             try:
-                event = await asyncio.wait_for(handle.queue.get(), DISCONNECT_POLL_S)
+                event = await asyncio.wait_for(handle.queue.get(), max(0.0, check_at - loop.time()))
             except TimeoutError:
+                event = None
+            if loop.time() >= check_at:
                 if await request.is_disconnected():
                     return JSONResponse({}, status_code=499)
+                check_at = loop.time() + DISCONNECT_POLL_S
+            if event is None:
                 continue
             if event.kind == "text":
                 pieces.append(event.text)
             elif event.kind == "failed":
                 done = True
-                return _error(api.OpenAIError(f"engine: {event.error!r}", status=500))
+                return _error(_failure(event.error))
             else:
                 done = True
                 return api.response_body(
@@ -194,7 +214,7 @@ async def _stream(worker, handle, writer: api.ChunkWriter):
                 continue
             done = True
             if event.kind == "failed":
-                yield writer.error(api.OpenAIError(f"engine: {event.error!r}", status=500))
+                yield writer.error(_failure(event.error))
             else:
                 yield writer.finish(event)
             return
@@ -289,12 +309,29 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def run(app: FastAPI, sock: socket.socket, grace_s: float = 30.0, log_level: str = "info") -> int:
-    """Serve ``app`` on ``sock`` until SIGTERM or SIGINT, then stop gracefully; returns 0."""
+def uvicorn_server(app: FastAPI, grace_s: float, log_level: str):
+    """uvicorn's server for ``app`` that, once it stops taking connections, hands the grace period to the app's
+    worker: a request still running at its end is stopped with an error its client reads (a stream's last event).
+    uvicorn's own graceful timeout comes ``SHUTDOWN_MARGIN_S`` later, for the last events to go out: at its end it
+    cancels the responses still open, which would cut a stream without a word."""
     import uvicorn
 
-    config = uvicorn.Config(app, timeout_graceful_shutdown=grace_s, log_level=log_level, lifespan="on")
-    server = uvicorn.Server(config)
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            worker = getattr(app.state, "worker", None)
+            if worker is not None:
+                worker.close(grace_s)
+            await super().shutdown(sockets)
+
+    config = uvicorn.Config(
+        app, timeout_graceful_shutdown=grace_s + SHUTDOWN_MARGIN_S, log_level=log_level, lifespan="on"
+    )
+    return Server(config)
+
+
+def run(app: FastAPI, sock: socket.socket, grace_s: float = 30.0, log_level: str = "info") -> int:
+    """Serve ``app`` on ``sock`` until SIGTERM or SIGINT, then stop gracefully; returns 0."""
+    server = uvicorn_server(app, grace_s, log_level)
     # uvicorn re-raises the signal it stopped on once it has restored the previous handlers: with these no-op
     # handlers in place the process then exits with status 0 instead of dying of SIGTERM.
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
@@ -311,12 +348,9 @@ class BackgroundServer:
     then ``server.base_url`` (``http://127.0.0.1:<free port>/v1``); leaving the block stops it gracefully."""
 
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, grace_s: float = 5.0):
-        import uvicorn
-
         self.sock = bind(host, port)
         self.base_url = f"http://{host}:{self.sock.getsockname()[1]}/v1"
-        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=grace_s, lifespan="on")
-        self.server = uvicorn.Server(config)
+        self.server = uvicorn_server(app, grace_s, "warning")
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     def __enter__(self) -> BackgroundServer:

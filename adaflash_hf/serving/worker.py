@@ -6,7 +6,7 @@ submits requests and reads their events.
     handle = worker.submit(prompt_ids, SamplingParams(max_new_tokens=64), stop=["\\n"], loop=asyncio loop)
     event = await handle.queue.get()    # Event("accepted"), then "text" pieces, then "finished" (or "failed")
     worker.abort(handle.request_id)     # the client went away: its slot and cache are freed at the next step
-    worker.shutdown(grace_s=30)         # take nothing new, let the running requests finish, abort the rest
+    worker.shutdown(grace_s=30)         # take nothing new, let the running requests finish, stop the rest
 
 Everything the engine sees happens on this thread between two steps: new requests (``add_request``; a request the
 engine refuses gets a "failed" event with its error), aborts, and the learner's ``between_steps`` (the hot reloader),
@@ -157,6 +157,7 @@ class EngineWorker(threading.Thread):
         self._accepted = 0  # submitted and not yet ended, inbox included
         self._closing = False
         self._deadline: float | None = None
+        self._grace_s = 0.0
         self._busy = False
 
     # ------------------------------------------------------------------------------------ HTTP side (any thread)
@@ -184,12 +185,17 @@ class EngineWorker(threading.Thread):
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
 
-    def shutdown(self, grace_s: float = 30.0) -> None:
-        """Stop taking requests; running ones get ``grace_s`` seconds to finish, then are aborted; waits for the
-        thread to end."""
+    def close(self, grace_s: float = 30.0) -> None:
+        """Stop taking requests; running ones get ``grace_s`` seconds to finish, then each is stopped with a
+        "failed" event (``ShuttingDown``) its client is told; returns at once. A second call can only bring the
+        deadline closer."""
         with self._lock:
             self._closing = True
-        self._inbox.put(("close", time.monotonic() + grace_s))
+        self._inbox.put(("close", time.monotonic() + grace_s, grace_s))
+
+    def shutdown(self, grace_s: float = 30.0) -> None:
+        """``close(grace_s)``, then wait for the thread to end."""
+        self.close(grace_s)
         self.join()
 
     # -------------------------------------------------------------------------------------------- engine thread
@@ -198,9 +204,8 @@ class EngineWorker(threading.Thread):
         try:
             while True:
                 self._drain(block=not engine.has_unfinished())
-                if self._deadline is not None and time.monotonic() >= self._deadline:
-                    for request_id in list(self._live):
-                        self._end(request_id, "abort")
+                if self._deadline is not None and time.monotonic() >= self._deadline and self._live:
+                    self._cut_at_deadline()
                 if not engine.has_unfinished():
                     if self._deadline is not None and self._inbox.empty():
                         return
@@ -237,9 +242,21 @@ class EngineWorker(threading.Thread):
         except queue.Empty:
             return
 
+    def _cut_at_deadline(self) -> None:
+        """The grace period is over: every request still live ends with an error its client reads (a stream's last
+        event, a whole response's 503), and the log gets one line for them all."""
+        cut = list(self._live)
+        logger.warning(
+            f"shutting down: the grace period of {self._grace_s:g} s is over; stopping {len(cut)} unfinished "
+            "request(s), each told so"
+        )
+        for request_id in cut:
+            self._end(request_id, "abort", cut=True)
+
     def _command(self, kind: str, *args) -> None:
         if kind == "close":
-            self._deadline = args[0]
+            if self._deadline is None or args[0] < self._deadline:
+                self._deadline, self._grace_s = args
         elif kind == "abort":
             if args[0] in self._live:
                 self._end(args[0], "abort")
@@ -276,8 +293,9 @@ class EngineWorker(threading.Thread):
         if reason is not None:
             self._end(output.request_id, reason)
 
-    def _end(self, request_id: str, reason: str) -> None:
-        """Close a live request: abort it in the engine if it still runs, and send its final event."""
+    def _end(self, request_id: str, reason: str, cut: bool = False) -> None:
+        """Close a live request: abort it in the engine if it still runs, and send its final event ("failed" with
+        ``ShuttingDown`` when ``cut`` by the shutdown's deadline)."""
         live = self._live.pop(request_id)
         request = self.engine.requests[request_id]
         if not self.engine.abort(request_id):  # finished by the engine: its final output was this step's
@@ -291,6 +309,13 @@ class EngineWorker(threading.Thread):
             "accepted_drafts": request.accepted,
             "drafter_version": int(getattr(self.engine.drafter, "weights_version", 0) or 0),
         }
+        if cut:
+            error = ShuttingDown(
+                f"server: shutting down, and the grace period of {self._grace_s:g} s ended before this request "
+                f"finished (stopped after {live.text.tokens_used} tokens)"
+            )
+            live.handle.emit(Event("failed", error=error, extra=extra))
+            return
         live.handle.emit(
             Event(
                 "finished",
