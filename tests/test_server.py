@@ -183,6 +183,14 @@ def test_a_seeded_sampling_request_repeats_its_text(server):
     assert sample() == sample()
 
 
+def test_a_tiny_positive_temperature_answers_the_greedy_text(server):
+    prompt_ids = server.tokenizer(PROMPTS[6])["input_ids"]
+    response = client(server).completions.create(
+        model="tiny", prompt=PROMPTS[6], max_tokens=16, temperature=5e-324, seed=1
+    )
+    assert response.choices[0].text == plain_text(server, prompt_ids, 16)
+
+
 BAD = [
     (b'{"model": "tiny", "prompt": "w5", ', None),
     (b'{"model": "other", "prompt": "w5"}', "model"),

@@ -105,3 +105,14 @@ def test_the_same_test_rejects_a_verifier_that_accepts_every_draft(setup, monkey
     monkeypatch.setattr(engine_module, "verify_accept", accept_all)
     counts, _ = sampled_counts(target, drafter, reference)
     assert min_p_value(counts, marginals) < 1e-6
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 5e-324])
+def test_a_tiny_positive_temperature_samples_the_greedy_text(setup, temperature):
+    target, drafter, reference, _ = setup
+    engine = AdaFlashEngine(target, drafter, length_mode="fixed")
+    params = SamplingParams(max_new_tokens=12, temperature=temperature, seed=3)
+    request_id = engine.add_request(PROMPT, params)
+    for _ in engine.stream():
+        pass
+    assert engine.requests[request_id].output == reference[len(PROMPT) : len(PROMPT) + 12]

@@ -22,7 +22,8 @@ WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request decoding settings. ``temperature == 0`` is greedy; ``top_k == 0`` and ``top_p == 1`` disable
+    """Per-request decoding settings. ``temperature == 0`` is greedy, and a positive one tends to greedy as it
+    shrinks (any finite positive value is exact: ``filter_logits``); ``top_k == 0`` and ``top_p == 1`` disable
     those filters. ``seed`` fixes the request's own random stream (None: drawn from the engine's seed), so its
     samples do not depend on what else is in the batch. ``eos_token_id`` None uses the target's."""
 
@@ -129,8 +130,14 @@ class RequestOutput:
 
 
 def filter_logits(rows: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature, then top-k and top-p (joint support, on the tempered distribution) as -inf masks."""
-    rows = rows / params.temperature
+    """Temperature, then top-k and top-p (joint support, on the tempered distribution) as -inf masks.
+
+    Each row's maximum is subtracted before dividing by the temperature (softmax is shift-invariant), so every
+    tempered logit is <= 0 and none overflows to inf; a temperature below the rows' smallest normal number (1e-300,
+    5e-324: zero once in float32, and 0/0 is NaN) divides as that number, which leaves only the row's maximum finite,
+    the limit as the temperature goes to 0: such a request samples its argmax."""
+    temperature = max(params.temperature, torch.finfo(rows.dtype).tiny)
+    rows = (rows - rows.amax(dim=-1, keepdim=True)) / temperature
     if params.top_k and params.top_k < rows.shape[-1]:
         kth = rows.topk(params.top_k, dim=-1).values[..., -1:]
         rows = rows.masked_fill(rows < kth, float("-inf"))
