@@ -203,6 +203,7 @@ BAD = [
     (b'{"model": "tiny", "prompt": "w5", "logprobs": 2}', "logprobs"),
     (b'{"model": "tiny", "prompt": ["w5", "w6"]}', "prompt"),
     (b'{"prompt": "w5"}', "model"),
+    (b'{"model": "tiny", "prompt": "w5 \\ud800"}', "prompt"),
 ]
 
 
@@ -223,6 +224,13 @@ def test_bad_chat_messages_name_the_message_field(server):
     assert status == 400 and error["error"]["param"] == "messages.0.content"
     with pytest.raises(openai.BadRequestError, match="messages"):
         client(server).chat.completions.create(model="tiny", messages=[])
+
+
+def test_a_lone_surrogate_in_a_message_is_a_400_naming_the_message_field(server):
+    body = b'{"model": "tiny", "messages": [{"role": "user", "content": "a\\ud800b"}]}'
+    status, error = post(server, "/chat/completions", body)
+    assert status == 400 and error["error"]["param"] == "messages.0.content"
+    assert "expected valid Unicode text, got a lone surrogate '\\ud800'" in error["error"]["message"]
 
 
 def test_a_client_that_disconnects_mid_stream_frees_its_slot(server):

@@ -110,6 +110,7 @@ def parse_body(raw: bytes, model: type[_Sampling]) -> _Sampling:
         raise OpenAIError(f"body: expected a JSON object, got malformed JSON ({error})") from None
     if not isinstance(values, dict):
         raise OpenAIError(f"body: expected a JSON object, got {type(values).__name__}")
+    _refuse_lone_surrogates(values, [])
     try:
         request = model.model_validate(values)
     except ValidationError as error:
@@ -125,6 +126,27 @@ def parse_body(raw: bytes, model: type[_Sampling]) -> _Sampling:
                 param=name,
             )
     return request
+
+
+def _refuse_lone_surrogates(value, path: list[str]) -> None:
+    """JSON's escapes can spell half of a UTF-16 pair (``"\\ud800"``), which is no text: no tokenizer encodes it."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as error:
+            param = ".".join(path) or None
+            raise OpenAIError(
+                f"{param}: expected valid Unicode text, got a lone surrogate {value[error.start]!r} at character "
+                f"{error.start}",
+                param=param,
+            ) from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _refuse_lone_surrogates(key, path)
+            _refuse_lone_surrogates(item, [*path, key])
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            _refuse_lone_surrogates(item, [*path, str(index)])
 
 
 def check_model(request: _Sampling, served: str) -> None:
