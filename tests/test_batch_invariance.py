@@ -4,6 +4,10 @@ it (row plans, the invariant linear and attention) keep a row's result independe
 bf16 is the negative control that shows the effect on this CPU."""
 
 import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +20,30 @@ from adaflash_hf.prepared.prepare import prepare_target
 from adaflash_hf.prepared.tiles import Tiles, position_invariant
 
 ROWS = 8
+REPO = Path(__file__).resolve().parents[1]
+# oneDNN's kernel families, from the highest, with the CPU flag each needs; ATen's own vector kernels (softmax, norms,
+# elementwise) follow ATEN_CPU_CAPABILITY, lowered with the AVX2 family as an AVX2-only host runs them.
+KERNEL_FAMILIES = {
+    "AVX512_CORE_AMX": ("amx_bf16", {}),
+    "AVX512_CORE_BF16": ("avx512_bf16", {}),
+    "AVX512_CORE": ("avx512f", {}),
+    "AVX2": ("avx2", {"ATEN_CPU_CAPABILITY": "avx2"}),
+}
+# What runs under each lower family: the forward, the linear and the attention tests of this file.
+FAMILY_TESTS = "rows_of_a_prepared_forward or row_count or query_count"
+
+
+def cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return {
+        flag
+        for line in text.splitlines()
+        if line.startswith("flags")
+        for flag in line.split(":", 1)[1].split()
+    }
 
 
 @torch.no_grad()
@@ -214,3 +242,29 @@ def test_a_rows_result_depending_on_its_neighbours_is_refused():
         return x + x.roll(1, dims=-2) * 1e-3
 
     assert not position_invariant(op, _sample, 16, (0.0,))
+
+
+@pytest.mark.skipif(
+    os.environ.get("ONEDNN_MAX_CPU_ISA") is not None, reason="already under a held kernel family"
+)
+@pytest.mark.parametrize("family", list(KERNEL_FAMILIES))
+def test_the_invariance_tests_pass_under_every_kernel_family_this_cpu_has(family):
+    flag, extra = KERNEL_FAMILIES[family]
+    if flag not in cpu_flags():
+        pytest.skip(f"this CPU has no {flag}: oneDNN's {family} kernels cannot run here")
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": family, **extra}
+    command = [
+        sys.executable,
+        "-P",
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        __file__,
+        "-k",
+        FAMILY_TESTS,
+    ]
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout and " failed" not in done.stdout

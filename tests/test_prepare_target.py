@@ -15,7 +15,12 @@ from adaflash_hf.prepared.cpu import bf16_units, cpu_model
 from adaflash_hf.prepared.linear import InvariantLinear
 from adaflash_hf.prepared.prepare import is_prepared
 from adaflash_hf.serving import AdaFlashEngine, AdmissionConfig, SamplingParams
-from tests.conftest import greedy_reference, make_batched_oracle, random_prompts
+from tests.conftest import (
+    assert_outputs_equal_references,
+    greedy_reference,
+    make_batched_oracle,
+    random_prompts,
+)
 
 # 70 tokens: generation crosses the attention's key-block boundary at 128 only with longer runs; the prompt
 # itself spans two blocks.
@@ -127,6 +132,36 @@ def test_the_check_refuses_a_forward_whose_rows_depend_on_the_row_count(target_f
         prepare_target(target, dtype="bf16", rows=4)
 
 
+def test_the_check_refuses_a_forward_whose_rows_depend_on_their_position_in_the_call(target_factory):
+    class PositionLinear(
+        torch.nn.Linear
+    ):  # a subclass the preparation leaves alone: a kernel with an uneven tail
+        def forward(self, x):
+            out = super().forward(x)
+            last = (torch.arange(x.shape[-2]) == x.shape[-2] - 1)[:, None] * (x.shape[-2] > 1)
+            return out + (1e-2 * last).to(out.dtype)
+
+    target = target_factory("qwen3")
+    old = target.model.layers[1].self_attn.o_proj
+    target.model.layers[1].self_attn.o_proj = PositionLinear(old.in_features, old.out_features, bias=False)
+    with pytest.raises(RuntimeError, match="row 1 of a 2-token forward differs"):
+        prepare_target(target, dtype="bf16", rows=4)
+
+
+def test_auto_keeps_fp32_where_a_bf16_linear_finds_no_tile(target_factory, monkeypatch, caplog):
+    import adaflash_hf.prepared.prepare as prepare
+
+    class RowByRow:
+        rows = 1
+
+    monkeypatch.setattr(prepare, "linear_tiles", lambda *args: RowByRow())
+    with caplog.at_level(logging.WARNING):
+        target = prepare_target(target_factory("qwen3"), bf16_units=["avx512_bf16"], rows=4)
+    settings = is_prepared(target)
+    assert settings.dtype == torch.float32 and not settings.invariant
+    assert "one row per call" in settings.reason and "one row per call" in caplog.text
+
+
 def test_plain_generate_of_the_prepared_target_runs_the_invariant_attention(target_factory, monkeypatch):
     import adaflash_hf.prepared.forward as invariant_forward
 
@@ -203,3 +238,56 @@ def test_engine_batched_equals_serial_equals_plain_on_the_prepared_bf16_target(
     assert batched == expected
     assert max(s.running for s in engine.stats) > 1 and sum(s.accepted for s in engine.stats) > 0
     assert [run([i])[1][0] for i in range(len(prompts))] == expected
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_sixteen_requests_at_once_equal_each_request_served_alone_on_a_prepared_target(
+    dtype, target_factory, drafter_factory
+):
+    # Mixed prompt lengths (some across the attention's key-block boundary), requests joining at random steps and
+    # two aborted, goodput on a cost curve where drafts pay for some requests and not others: steps mix prefills,
+    # verifies with drafts and verifies without.
+    target = prepare_target(target_factory("qwen3"), dtype=dtype, invariant=True, rows=4)
+    use_cost_model(target, "engine", CostModel.profile({1: 1.0, 2: 1.2, 8: 2.0}, drafter_seconds=0.05))
+    prompts = random_prompts(16, seed=21, max_len=110)
+    params = [
+        SamplingParams(max_new_tokens=n)
+        for n in torch.randint(4, 25, (16,), generator=torch.Generator().manual_seed(21)).tolist()
+    ]
+    expected = [greedy_reference(target, p, s.max_new_tokens) for p, s in zip(prompts, params)]
+    oracle, weight = make_batched_oracle(target, drafter_factory(target))
+    oracle.to(dtype)
+
+    def engine():
+        built = AdaFlashEngine(
+            target, oracle, length_mode="goodput", admission=AdmissionConfig(max_running=16)
+        )
+        references = {}
+        oracle.arm(built, references, weight, seed=21)
+        return built, references
+
+    batched, references = engine()
+    arrivals = {i: 0 if i < 12 else 2 * i - 21 for i in range(16)}  # twelve at once, four joining later
+    aborts = {4: 3, 9: 13}  # step -> request: one leaves early, one right after it joined
+    ids, step = {}, 0
+    while len(ids) < len(prompts) or batched.has_unfinished():
+        for i in [i for i, at in arrivals.items() if at == step]:
+            ids[i] = batched.add_request(prompts[i], params[i])
+            references[ids[i]] = prompts[i].tolist() + expected[i]
+        if step in aborts:
+            batched.abort(ids[aborts[step]])
+        batched.step()
+        step += 1
+    results = {i: batched.requests[rid] for i, rid in ids.items()}
+    assert_outputs_equal_references(results, set(aborts.values()), expected)
+    assert max(s.running for s in batched.stats) >= 12
+    assert any(s.zero_length_verifies and s.draft_tokens for s in batched.stats), (
+        "no step mixed k = 0 with drafts"
+    )
+    for i, prompt in enumerate(prompts):
+        alone, references = engine()
+        rid = alone.add_request(prompt, params[i])
+        references[rid] = prompt.tolist() + expected[i]
+        while alone.has_unfinished():
+            alone.step()
+        assert alone.requests[rid].output == expected[i], f"request {i} served alone"

@@ -37,13 +37,21 @@ def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    """Whether oneDNN's prepacked linear serves this weight: a CPU tensor in bf16 or fp32, torch built with oneDNN."""
-    return (
-        weight.device.type == "cpu"
-        and weight.dtype in (torch.bfloat16, torch.float32)
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-    )
+    """Whether oneDNN's prepacked linear serves this weight: a CPU tensor in bf16 or fp32, torch built with oneDNN,
+    and a CPU (or ``ONEDNN_MAX_CPU_ISA``) whose kernels oneDNN packs that dtype for (bf16 needs AVX-512 or
+    AVX-NE-CONVERT; an AVX2-only host runs bf16 through ``F.linear``)."""
+    return weight.device.type == "cpu" and _packs(weight.dtype)
+
+
+@functools.cache
+def _packs(dtype: torch.dtype) -> bool:
+    if dtype not in (torch.bfloat16, torch.float32) or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype))
+    except (AttributeError, RuntimeError):
+        return False
+    return True
 
 
 def invariant_linear(
