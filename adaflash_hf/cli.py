@@ -23,12 +23,14 @@ import importlib
 import importlib.util
 import inspect
 import json
+import os
 import subprocess
 import sys
 
 import adaflash_hf
 from adaflash_hf.launch import (
     CONFIG_HELP,
+    LAUNCHER_ENV,
     error_line,
     int_at_least,
     launch_command,
@@ -142,9 +144,35 @@ def _run_publish(args) -> int:
     return 0
 
 
+LEARN_ONLY = ("learn_dir", "train_threshold", "opd_config")  # serve options that only --learn reads
+DRAFTER_ONLY = ("draft_source", "length_mode")  # and those that only a drafter reads
+
+
+def _serve_usage_error(args) -> str | None:
+    """An option ``adaflash serve`` would otherwise ignore: a --learn option without --learn, a drafting option
+    with --drafter none."""
+
+    def given(dest: str) -> str:
+        return f"--{dest.replace('_', '-')} {getattr(args, dest)}"
+
+    if not args.learn:
+        for dest in LEARN_ONLY:
+            if getattr(args, dest) is not None:
+                return f"{given(dest)}: expected together with --learn (the drafter learns only then), got no --learn"
+    if args.drafter == "none":
+        for dest in DRAFTER_ONLY:
+            if getattr(args, dest) is not None:
+                return f"{given(dest)}: expected a drafter to draft with, got --drafter none (plain decoding)"
+    return None
+
+
 def _run_serve(args) -> int:
     from adaflash_hf.serving.server import serve
 
+    if (problem := _serve_usage_error(args)) is not None:
+        args.serve_parser.error(problem)
+    args.learn_dir = args.learn_dir or DEFAULT_LEARN_DIR
+    args.draft_source = args.draft_source or "auto"
     factory = None
     if args.learn:
         from adaflash_hf.trainers.opd_live import live_learner
@@ -216,7 +244,7 @@ def _run_trainer(name: str, launcher_args: argparse.Namespace, script_args: list
     from transformers.utils import logging
 
     logging.get_logger(__name__).info(f"Running {' '.join(command)}")
-    return subprocess.call(command)
+    return subprocess.call(command, env={**os.environ, LAUNCHER_ENV: f"adaflash {name}"})
 
 
 # ---------------------------------------------------------------------------------------------- parser
@@ -290,6 +318,25 @@ def _add_publish(commands) -> None:
     publish.set_defaults(handler=_run_publish)
 
 
+DEFAULT_LEARN_DIR = "runs/serve"
+
+
+def _port(text: str) -> int:
+    """An argparse ``type``: a TCP port, or 0 for a free one."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected an int in 0..65535 (0: a free one), got {text!r}"
+        ) from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected an int in 0..65535 (0: a free one), got {value}")
+    return value
+
+
+_port.__name__ = "an int in 0..65535"  # what a --config file's error says is expected
+
+
 def _add_serve(commands) -> None:
     serve = commands.add_parser(
         "serve",
@@ -307,13 +354,12 @@ def _add_serve(commands) -> None:
     serve.add_argument(
         "--draft-source",
         choices=("auto", "diffusion", "hybrid"),
-        default="auto",
-        help="drafts from (auto: hybrid)",
+        help="drafts from (default auto: hybrid); needs a drafter",
     )
     serve.add_argument(
         "--length-mode",
         choices=("auto", "adaptive", "fixed", "goodput"),
-        help="draft lengths (default auto; adaptive with --learn, the feedback OPD learns from)",
+        help="draft lengths (default auto; adaptive with --learn, the feedback OPD learns from); needs a drafter",
     )
     serve.add_argument(
         "--dtype",
@@ -325,7 +371,7 @@ def _add_serve(commands) -> None:
     )
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     serve.add_argument(
-        "--port", type=int_at_least(0), default=8000, help="port (default 8000; 0 = a free one, printed)"
+        "--port", type=_port, default=8000, help="port, 0..65535 (default 8000; 0 = a free one, printed)"
     )
     serve.add_argument(
         "--max-running", type=int_at_least(1), default=16, help="requests in the engine's batch (default 16)"
@@ -347,14 +393,14 @@ def _add_serve(commands) -> None:
         "--learn", action="store_true", help="train the drafter on the traffic and hot-reload it"
     )
     serve.add_argument(
-        "--learn-dir", default="runs/serve", help="--learn: weights/ and checkpoints/ (resumed)"
+        "--learn-dir", help=f"--learn: weights/ and checkpoints/, resumed (default {DEFAULT_LEARN_DIR})"
     )
     serve.add_argument(
         "--train-threshold", type=int_at_least(1), help="--learn: finished requests per training round (128)"
     )
     serve.add_argument("--opd-config", metavar="FILE", help="--learn: OPD trainer and buffer settings (YAML)")
     serve.add_argument("--config", metavar="FILE", help=CONFIG_HELP)
-    serve.set_defaults(handler=_run_serve)
+    serve.set_defaults(handler=_run_serve, serve_parser=serve)
 
 
 def _add_pass_through(commands) -> None:

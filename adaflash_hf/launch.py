@@ -300,10 +300,18 @@ def cpu_thread_args(num_processes: int = 1, environ=os.environ) -> list[str]:
     return ["--num_cpu_threads_per_process", str(threads)] if threads > 1 else []
 
 
-def warn_if_cpu_threads_idle(logger, device, num_processes: int = 1) -> bool:
+# Set by ``adaflash train`` / ``adaflash opd`` for the script they launch: its hints then name what that user can change.
+LAUNCHER_ENV = "ADAFLASH_LAUNCHED_BY"
+
+
+def warn_if_cpu_threads_idle(
+    logger, device, num_processes: int = 1, command: str = "adaflash train", environ=os.environ
+) -> bool:
     """Log a warning (and return True) when a run on the CPU leaves cores idle: fewer threads per process than its
-    share of the usable cores, which is what a plain ``accelerate launch`` without ``--cpu`` gives
-    (OMP_NUM_THREADS=1); the warning names the fix."""
+    share of the usable cores. The fix it names depends on how the script was started: by ``adaflash train|opd``
+    (``LAUNCHER_ENV``: OMP_NUM_THREADS was set, or an accelerate config or a GPU machine kept the launcher from passing
+    the cores), by a plain ``accelerate launch`` without ``--cpu`` (which sets OMP_NUM_THREADS=1), or by Python.
+    ``command`` is the script's ``adaflash`` command."""
     import torch
 
     if getattr(device, "type", str(device)) != "cpu":
@@ -311,10 +319,22 @@ def warn_if_cpu_threads_idle(logger, device, num_processes: int = 1) -> bool:
     threads, share = torch.get_num_threads(), usable_cores() // max(1, num_processes)
     if threads >= share:
         return False
+    launcher = environ.get(LAUNCHER_ENV)
+    if launcher:
+        fix = (
+            f"start it as `OMP_NUM_THREADS={share} {launcher} ...` (`{launcher}` passes every usable core only "
+            "when OMP_NUM_THREADS is unset, no --accelerate-config is given and there is no CUDA device)"
+        )
+    elif "ACCELERATE_MIXED_PRECISION" in environ:  # set by every `accelerate launch`
+        fix = (
+            f"`accelerate launch` without --cpu sets it to 1: pass `accelerate launch --num_cpu_threads_per_process "
+            f"{share}`, or start it with `{command}`, which does"
+        )
+    else:
+        fix = f"set OMP_NUM_THREADS={share}, or start it with `{command}`"
     logger.warning(
         f"torch uses {threads} thread(s) per process, of {share} usable cores per process (OMP_NUM_THREADS="
-        f"{os.environ.get('OMP_NUM_THREADS', 'unset')}; `accelerate launch` without --cpu sets it to 1): pass "
-        f"`accelerate launch --num_cpu_threads_per_process {share}`, or start it with `adaflash train` / "
-        "`adaflash opd`, which do (a drafter step here: 2.6 s on one of 2 cores, 1.45 s on both)"
+        f"{environ.get('OMP_NUM_THREADS', 'unset')}): {fix} (a drafter step here: 2.6 s on one of 2 cores, 1.45 s "
+        "on both)"
     )
     return True

@@ -134,7 +134,7 @@ def test_train_launches_the_script_through_accelerate(monkeypatch, tmp_path):
     script.write_text("")
     launched = []
     monkeypatch.setattr(cli, "trainer_script", lambda filename: script)
-    monkeypatch.setattr(cli.subprocess, "call", lambda command: launched.append(command) or 0)
+    monkeypatch.setattr(cli.subprocess, "call", lambda command, env: launched.append(command) or 0)
     argv = [
         "train",
         "--num-processes",
@@ -329,6 +329,56 @@ def test_a_cpu_launch_uses_every_usable_core_unless_the_user_chose(monkeypatch, 
     assert "--num_cpu_threads_per_process" not in configured
 
 
+@pytest.mark.parametrize("name", ["train", "opd"])
+def test_the_launched_script_knows_which_adaflash_command_started_it(monkeypatch, tmp_path, name):
+    from adaflash_hf.launch import LAUNCHER_ENV
+
+    script = tmp_path / "script.py"
+    script.write_text("")
+    environments = []
+    monkeypatch.setattr(cli, "trainer_script", lambda filename: script)
+    monkeypatch.setattr(cli.subprocess, "call", lambda command, env: environments.append(env) or 0)
+    assert cli.main([name]) == 0
+    assert environments[0][LAUNCHER_ENV] == f"adaflash {name}"
+
+
+@pytest.mark.parametrize(
+    "started,expected,not_expected",
+    [
+        (
+            {"ADAFLASH_LAUNCHED_BY": "adaflash opd", "OMP_NUM_THREADS": "1"},
+            "start it as `OMP_NUM_THREADS={share} adaflash opd ...`",
+            "start it with",
+        ),
+        (
+            {"ACCELERATE_MIXED_PRECISION": "no", "OMP_NUM_THREADS": "1"},
+            "pass `accelerate launch --num_cpu_threads_per_process {share}`, or start it with `adaflash opd`",
+            "start it as",
+        ),
+        (
+            {"OMP_NUM_THREADS": "1"},
+            "set OMP_NUM_THREADS={share}, or start it with `adaflash opd`",
+            "accelerate",
+        ),
+    ],
+    ids=["adaflash", "accelerate-launch", "python"],
+)
+def test_the_idle_cores_hint_names_a_fix_for_how_the_script_was_started(started, expected, not_expected):
+    from adaflash_hf.launch import usable_cores, warn_if_cpu_threads_idle
+
+    if usable_cores() < 2:
+        pytest.skip("needs 2 or more usable cores")
+    messages = []
+    logger = type("Logger", (), {"warning": staticmethod(messages.append)})
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert warn_if_cpu_threads_idle(logger, torch.device("cpu"), command="adaflash opd", environ=started)
+    finally:
+        torch.set_num_threads(threads)
+    assert expected.format(share=usable_cores()) in messages[0] and not_expected not in messages[0]
+
+
 def test_a_cpu_run_on_fewer_threads_than_cores_warns_with_the_fix(monkeypatch):
     import logging
 
@@ -343,7 +393,7 @@ def test_a_cpu_run_on_fewer_threads_than_cores_warns_with_the_fix(monkeypatch):
         idle = warn_if_cpu_threads_idle(logger, torch.device("cpu"))
         assert idle == (usable_cores() > 1)
         if idle:
-            assert "--num_cpu_threads_per_process" in messages[0] and "OMP_NUM_THREADS" in messages[0]
+            assert f"of {usable_cores()} usable cores per process (OMP_NUM_THREADS=" in messages[0]
         torch.set_num_threads(usable_cores())
         assert not warn_if_cpu_threads_idle(logger, torch.device("cpu"))
         assert not warn_if_cpu_threads_idle(logger, torch.device("meta"))  # not a CPU run

@@ -67,6 +67,13 @@ def test_phase_prompts_need_one_positive_count_per_domain(counts):
         OPDScriptArguments(domains=["chat", "translate"], phase_prompts=counts)
 
 
+def test_a_fresh_drafter_without_layers_is_refused():
+    from adaflash_hf.trainers.opd import OPDScriptArguments
+
+    with pytest.raises(ValueError, match=r"drafter_layers: expected >= 1, got 0"):
+        OPDScriptArguments(drafter_layers=0)
+
+
 def test_the_script_refuses_resume_from_checkpoint_before_the_target_loads(tmp_path, monkeypatch):
     from adaflash_hf.trainers import opd
 

@@ -68,7 +68,8 @@ def test_defaults_are_the_papers_and_cpu_safe(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "field,value", [("alpha", 1.5), ("delta", 0.0), ("clip_mode", "token"), ("max_nonfinite_steps", 0)]
+    "field,value",
+    [("alpha", 1.5), ("delta", 0.0), ("clip_mode", "token"), ("max_nonfinite_steps", 0), ("max_steps", -3)],
 )
 def test_bad_settings_name_the_field(tmp_path, field, value):
     with pytest.raises(ValueError, match=field):

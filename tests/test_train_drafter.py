@@ -740,6 +740,49 @@ def test_a_yaml_syntax_error_in_the_scripts_config_is_one_line_naming_the_file_l
     assert "Traceback" not in result.stderr
 
 
+def test_a_fresh_drafter_without_layers_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"drafter_layers: expected >= 1, got 0"):
+        DrafterTrainingConfig(output_dir=str(tmp_path), drafter_layers=0, report_to="none")
+
+
+@pytest.mark.parametrize("max_steps", [-3, 0])
+def test_max_steps_other_than_minus_one_must_be_positive(tmp_path, max_steps):
+    with pytest.raises(
+        ValueError, match=rf"max_steps: expected >= 1, or -1 to train by num_train_epochs, got {max_steps}"
+    ):
+        DrafterTrainingConfig(output_dir=str(tmp_path), max_steps=max_steps, report_to="none")
+
+
+def test_an_output_dir_holding_another_run_is_refused_before_anything_loads(tmp_path):
+    from adaflash_hf.trainers.train_drafter import main
+
+    (tmp_path / "checkpoint-4").mkdir()
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    args = DrafterTrainingConfig(
+        output_dir=str(tmp_path), corpus_dir=str(tmp_path / "corpus"), report_to="none"
+    )
+    with pytest.raises(
+        FileExistsError,
+        match=rf"output_dir: expected a new or empty folder, got {tmp_path}, which holds checkpoint-4, "
+        r"model.safetensors; pass --resume_from_checkpoint last",
+    ):
+        main(args)
+
+
+@pytest.mark.parametrize(
+    "option",
+    [{"resume_from_checkpoint": "last"}, {"overwrite_output_dir": True}],
+    ids=["resume", "overwrite"],
+)
+def test_resuming_or_overwriting_may_use_an_output_dir_that_holds_a_run(tmp_path, option):
+    from adaflash_hf.trainers.train_drafter import main
+
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    args = DrafterTrainingConfig(output_dir=str(tmp_path), report_to="none", **option)
+    with pytest.raises(ValueError, match="corpus_dir: expected a corpus"):  # past the output_dir check
+        main(args)
+
+
 def test_the_script_needs_a_corpus_and_says_how_to_build_one(tmp_path):
     from adaflash_hf.trainers.train_drafter import main
 

@@ -57,6 +57,22 @@ class DrafterArguments:
     )
 
 
+def check_drafter_arguments(args: DrafterArguments) -> None:
+    """Refuse a fresh drafter's shape that cannot draft (called by the configs that inherit ``DrafterArguments``)."""
+    for name in ("drafter_layers", "drafter_target_layers"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"{name}: expected >= 1, got {getattr(args, name)}")
+    if args.block_size < 2:
+        raise ValueError(f"block_size: expected >= 2, got {args.block_size}")
+
+
+def check_max_steps(max_steps: int) -> None:
+    """TrainingArguments reads a negative ``max_steps`` as "not set" and trains by epochs instead; only TRL's -1 means
+    that, so any other negative value is a mistake to refuse, not a run of ``num_train_epochs``."""
+    if max_steps < -1 or max_steps == 0:
+        raise ValueError(f"max_steps: expected >= 1, or -1 to train by num_train_epochs, got {max_steps}")
+
+
 def add_config_option(parser):
     """List ``--config FILE`` in a script's ``--help`` (``parser``: its TrlParser). TrlParser takes ``--config FILE``
     out of argv itself before parsing, so this option is never parsed: SUPPRESS keeps a ``config`` attribute from

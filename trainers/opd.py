@@ -34,6 +34,7 @@ from adaflash_hf.trainers.drafter_setup import (
     DrafterArguments,
     add_config_option,
     build_drafter,
+    check_drafter_arguments,
     parse_script_args,
 )
 from adaflash_hf.trainers.opd_config import OPDConfig
@@ -75,6 +76,7 @@ class OPDScriptArguments(DrafterArguments):
     )
 
     def __post_init__(self):
+        check_drafter_arguments(self)
         if self.phase_prompts is not None and (
             len(self.phase_prompts) != len(self.domains) or min(self.phase_prompts, default=0) < 1
         ):
@@ -123,7 +125,7 @@ def main(
 ) -> list[dict]:
     state = PartialState()
     _check_launch(state, script_args, training_args)
-    warn_if_cpu_threads_idle(logger, state.device)
+    warn_if_cpu_threads_idle(logger, state.device, command="adaflash opd")
     output_dir = Path(training_args.output_dir)
     target, tokenizer = load_target(script_args.target_model)
     target = target.to(state.device)

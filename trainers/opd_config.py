@@ -5,6 +5,8 @@ from dataclasses import dataclass, field
 
 from trl import DistillationConfig
 
+from adaflash_hf.trainers.drafter_setup import check_max_steps
+
 CLIP_MODES = ("entry", "row")
 
 
@@ -102,6 +104,7 @@ class OPDConfig(DistillationConfig):
 
     def __post_init__(self):
         super().__post_init__()
+        check_max_steps(self.max_steps)
         if not 0.0 <= self.alpha <= 1.0:
             raise ValueError(f"alpha: expected a value in [0, 1], got {self.alpha}")
         if self.delta <= 0:

@@ -42,14 +42,32 @@ def last_complete_checkpoint(output_dir: str | Path) -> str | None:
     return str(steps[max(steps)]) if steps else None
 
 
+def check_output_dir(args: DrafterTrainingConfig) -> None:
+    """Refuse to train into an ``output_dir`` that holds files unless the run continues there
+    (``resume_from_checkpoint``) or replaces it (``overwrite_output_dir``): a second run would otherwise mix its
+    checkpoints with the first's and replace its drafter without a word."""
+    output_dir = Path(args.output_dir)
+    if args.resume_from_checkpoint is not None or args.overwrite_output_dir or not output_dir.is_dir():
+        return
+    entries = sorted(p.name for p in output_dir.iterdir())
+    if entries:
+        shown = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
+        raise FileExistsError(
+            f"output_dir: expected a new or empty folder, got {output_dir}, which holds {shown}; pass "
+            "--resume_from_checkpoint last to continue that run, --overwrite_output_dir true to replace it, or "
+            "another --output_dir"
+        )
+
+
 def main(args: DrafterTrainingConfig) -> AdaFlashDrafter:
-    warn_if_cpu_threads_idle(logger, args.device, args.world_size)
+    warn_if_cpu_threads_idle(logger, args.device, args.world_size, command="adaflash train")
     resume = args.resume_from_checkpoint
     if resume not in (None, "last") and not Path(resume).is_dir():
         raise FileNotFoundError(
             f"resume_from_checkpoint: expected 'last' or an existing checkpoint folder, got {resume!r}, which does "
             "not exist"
         )
+    check_output_dir(args)
     if not args.corpus_dir:
         raise ValueError(
             "corpus_dir: expected a corpus written by `adaflash corpus --out-dir DIR` (the training sequences), "

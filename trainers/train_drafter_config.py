@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from transformers import TrainingArguments
 
 from adaflash_hf.data import DOMAINS
-from adaflash_hf.trainers.drafter_setup import DrafterArguments
+from adaflash_hf.trainers.drafter_setup import DrafterArguments, check_drafter_arguments, check_max_steps
 
 
 @dataclass
@@ -172,6 +172,14 @@ class DrafterTrainingConfig(DrafterArguments, TrainingArguments):
     length_head_learning_rate: float = field(
         default=2e-4, metadata={"help": "Learning rate of the length head."}
     )
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={
+            "help": "Train into an output_dir that already holds files (a previous run's checkpoints and drafter), "
+            "which the new run replaces; without it such an output_dir is refused unless --resume_from_checkpoint "
+            "continues the run in it."
+        },
+    )
     eval_prompts_per_domain: int = field(
         default=2, metadata={"help": "Held-out prompts per domain for the periodic tau evaluation."}
     )
@@ -209,8 +217,8 @@ class DrafterTrainingConfig(DrafterArguments, TrainingArguments):
         if self.heldout_domains is None:
             self.heldout_domains = list(self.domains)
         _check_domains("heldout_domains", self.heldout_domains)
-        if self.block_size < 2:
-            raise ValueError(f"block_size: expected >= 2, got {self.block_size}")
+        check_drafter_arguments(self)
+        check_max_steps(self.max_steps)
         if self.num_anchors < 1:
             raise ValueError(f"num_anchors: expected >= 1, got {self.num_anchors}")
         if self.loss_decay_gamma <= 0:
