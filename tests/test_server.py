@@ -380,3 +380,53 @@ def test_the_real_target_with_the_shipped_drafter_answers_chat_as_plain_generate
     assert answer.choices[0].message.content == text.split("\n\n")[0]
     expected_reason = "stop" if "\n\n" in text or tokenizer.eos_token_id in plain.tolist() else "length"
     assert answer.choices[0].finish_reason == expected_reason
+
+
+EVERYDAY_PROMPTS = [
+    "What is tea?",
+    "Name three primary colors.",
+    "Write a Python function that reverses a string.",
+    "Translate 'good morning, how are you?' into French.",
+    "Summarize in one sentence: the meeting moved to Friday because two speakers were ill.",
+    "What is 17 times 23?",
+    "Give me a tip for sleeping better.",
+    "Explain what a hash map is.",
+    "Write a haiku about rain.",
+    "Which planet is closest to the sun?",
+    "List two uses of baking soda.",
+    "How do I boil an egg?",
+    "What does HTTP stand for?",
+    "Tom has 5 apples and eats 2. How many are left?",
+    "Suggest a name for a grey cat.",
+    "Why is the sky blue?",
+]
+
+
+@pytest.mark.integration
+def test_the_default_server_answers_the_same_greedy_text_at_one_client_and_at_sixteen():
+    # adaflash serve's defaults (the target prepared by --dtype auto, the shipped drafter, default drafting): a
+    # request's text does not depend on what else is in the batch, nor on whether a drafter drafts at all.
+    from adaflash_hf.assets import DEFAULT_TARGET
+    from adaflash_hf.serving.server import served_engine
+
+    engine, target, tokenizer = served_engine(DEFAULT_TARGET)
+
+    def answers(worker_engine, concurrency):
+        worker = EngineWorker(worker_engine, tokenizer)
+        with BackgroundServer(create_app(worker, tokenizer, "smollm2")) as server:
+
+            def ask(prompt):
+                reply = client(server).chat.completions.create(
+                    model="smollm2",
+                    messages=[{"role": "user", "content": prompt}],
+                    max_tokens=32,
+                    temperature=0,
+                )
+                return reply.choices[0].message.content
+
+            with ThreadPoolExecutor(concurrency) as pool:
+                return list(pool.map(ask, EVERYDAY_PROMPTS))
+
+    alone = answers(engine, 1)
+    assert answers(engine, 16) == alone
+    assert answers(build_engine(target, None), 16) == alone
