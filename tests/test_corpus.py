@@ -4,6 +4,7 @@ recorded beside them at the positions of the tokens it predicts, resume, clear e
 import gzip
 import importlib.util
 import json
+import logging
 
 import pytest
 import torch
@@ -81,6 +82,28 @@ def test_a_truncated_corpus_file_keeps_its_complete_records(target_factory, tmp_
     with gzip.open(path, "rt") as handle:  # readable to the end again, every row exactly once
         ids = [json.loads(line)["id"] for line in handle]
     assert sorted(ids) == sorted(r["id"] for r in rows(("chat",)))
+
+
+def test_prompts_longer_than_max_prompt_tokens_are_counted_and_logged(target_factory, tmp_path, caplog):
+    target = target_factory("llama")
+    tokenizer = tiny_tokenizer(target.config.vocab_size)
+    chat = rows(("chat",), per_domain=3)
+    limit = sorted(len(corpus.prompt_ids(tokenizer, row)[0]) for row in chat)[1]  # the longest one is over
+    with caplog.at_level(logging.WARNING, logger="adaflash_hf.trainers.corpus"):
+        stats = build_corpus(
+            target,
+            tokenizer,
+            chat,
+            tmp_path,
+            layer_ids=LAYERS,
+            max_new_tokens=3,
+            max_prompt_tokens=limit,
+        )
+    assert (stats["sequences"], stats["dropped_long_prompts"]) == (2, 1)
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [
+        f"corpus: dropped 1 prompt(s) longer than --max-prompt-tokens {limit} tokens (chat: 1); raise it to "
+        "keep them"
+    ]
 
 
 def test_the_time_budget_stops_between_batches(target_factory, tmp_path):

@@ -76,7 +76,8 @@ def build_corpus(
     with other layers or top-k, are rebuilt first (``rebuild_features``). ``rebuild`` drops the corpus files of the
     rows' domains and starts afresh. Batches hold prompts of similar length, one domain each, taken from each domain
     in turn so a run stopped early (``time_budget_s``) still covers every domain. Returns throughput figures:
-    sequences, generated tokens, seconds, generated tokens/s, rebuilt features.
+    sequences, generated tokens, seconds, generated tokens/s, rebuilt features, and the prompts dropped for being
+    longer than ``max_prompt_tokens`` (also logged as a warning).
     """
     rows = list(rows)
     layer_ids = sorted(set(layer_ids))
@@ -101,7 +102,14 @@ def build_corpus(
         rebuilt = rebuild_features(
             target, existing, features_dir, layer_ids, topk, time_budget_s=time_budget_s
         )
-    batches = _batches(_rows_to_regenerate(tokenizer, rows, out_dir, max_prompt_tokens), batch_size)
+    todo, dropped = _rows_to_regenerate(tokenizer, rows, out_dir, max_prompt_tokens)
+    if dropped:
+        per_domain = ", ".join(f"{domain}: {count}" for domain, count in sorted(dropped.items()))
+        logger.warning(
+            f"corpus: dropped {sum(dropped.values())} prompt(s) longer than --max-prompt-tokens "
+            f"{max_prompt_tokens} tokens ({per_domain}); raise it to keep them"
+        )
+    batches = _batches(todo, batch_size)
 
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
@@ -126,6 +134,7 @@ def build_corpus(
         "seconds": seconds,
         "tokens_per_s": generated / seconds if seconds else 0.0,
         "rebuilt_features": rebuilt,
+        "dropped_long_prompts": sum(dropped.values()),
     }
     logger.info(f"corpus: {stats}")
     return stats
@@ -212,10 +221,11 @@ def rebuild_features(
 
 def _rows_to_regenerate(
     tokenizer, rows: Iterable[dict], out_dir: Path, max_prompt_tokens: int
-) -> dict[str, list[tuple[dict, list[int]]]]:
-    """Per domain, the ``(row, prompt ids)`` not yet in the corpus whose prompt fits; a corpus file cut mid-record is
-    rewritten with its complete records first."""
+) -> tuple[dict[str, list[tuple[dict, list[int]]]], dict[str, int]]:
+    """Per domain, the ``(row, prompt ids)`` not yet in the corpus whose prompt fits, and per domain the count of
+    rows dropped for a longer prompt; a corpus file cut mid-record is rewritten with its complete records first."""
     todo: dict[str, list[tuple[dict, list[int]]]] = {}
+    dropped: dict[str, int] = {}
     done: dict[str, set[str]] = {}
     for row in rows:
         domain = row["domain"]
@@ -232,7 +242,9 @@ def _rows_to_regenerate(
         ids = prompt_ids(tokenizer, row, max_prompt_tokens, too_long="skip")
         if ids is not None:
             todo.setdefault(domain, []).append((row, ids[0].tolist()))
-    return todo
+        else:
+            dropped[domain] = dropped.get(domain, 0) + 1
+    return todo, dropped
 
 
 def _batches(
