@@ -116,7 +116,7 @@ def test_bad_options_are_usage_errors_before_anything_loads(tmp_path, capsys, fl
 def test_cli_calibrates_the_shipped_drafter_on_the_offline_target(tmp_path):
     """Integration: the real target answers 2 prompts per domain, the shipped drafter's re-initialised head is fitted
     on its realised acceptance, and the calibrated drafter is saved and loads."""
-    from adaflash_hf.bench.generate import DEFAULT_DRAFTER
+    from adaflash_hf.bench.targets import DEFAULT_DRAFTER
     from adaflash_hf.modeling import AdaFlashDrafter
 
     report = main(

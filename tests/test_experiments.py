@@ -1,8 +1,10 @@
 """experiments/: the lab's configs parse, their pinned starts resolve from git history, the run scripts do what their
-headers say, and nothing a user starts from (examples/, the library) reads from experiments/."""
+headers say, the goals grade a bench's results file, and nothing a user starts from (examples/, the library) reads
+from experiments/."""
 
 import ast
 import importlib.util
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -19,11 +21,18 @@ TRAINING = ["continue_first_run", "long_run", "long_run_restart", *(f"sweep_{arm
 LIBRARY = ("adaflash_hf", "trainers", "modeling", "kernels")
 
 
-def _restore_module():
-    spec = importlib.util.spec_from_file_location("restore_start", ROOT / "experiments" / "restore_start.py")
+def _experiment(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "experiments" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+GOALS = _experiment("goals")
+
+
+def _restore_module():
+    return _experiment("restore_start")
 
 
 def _training_config(name, monkeypatch):
@@ -232,3 +241,122 @@ def test_the_overfit_check_computes_the_features_a_fresh_checkout_lacks(target_f
         assert (
             0 <= result[name]["acceptance"]["first_position"] <= 1 and result[name]["generate_tau_fixed"] >= 1
         )
+
+
+# ----------------------------------------------------------------------------------------------- goals
+def _summary(tau, spread=0, flip=False):
+    """A domain's evaluation summary whose pooled τ is ``tau``: 8 prompts of 100 verifies each, their accepted counts
+    ``spread`` above and below the mean in turn (``flip``: in the other order)."""
+    sign = lambda i: 1 if (i % 2 == 0) != flip else -1  # noqa: E731
+    rows = [[round((tau - 1) * 100) + spread * sign(i), 100, 0, 0] for i in range(8)]
+    return {"tau": tau, "per_prompt": rows}
+
+
+def _evaluation(start, ada, ce):
+    rows = lambda chat, code: {"chat": _summary(chat), "code": _summary(code)}  # noqa: E731
+    return {
+        "none": {0: rows(*start)},
+        "adaflash": {0: rows(*start), **{r + 1: rows(*v) for r, v in enumerate(ada)}},
+        "ce": {0: rows(*start), **{r + 1: rows(*v) for r, v in enumerate(ce)}},
+    }
+
+
+def test_the_opd_goals_are_met_by_a_gain_beyond_the_rivals():
+    goals = GOALS.opd_goals(
+        _evaluation((1.0, 1.2), [(1.1, 1.2), (1.3, 1.15)], [(1.1, 1.2), (1.2, 1.2)]), "chat"
+    )
+    ada = goals["adaflash"]
+    assert goals["new_domain_is_weakest"] and ada["gain_25pct"] and ada["others_within_5pct"]
+    assert ada["new_domain_gain"]["value"] == pytest.approx(0.3) and ada["best_round"] == 2
+    assert (
+        goals["adaflash_minus_ce"]["value"] == pytest.approx(0.1)
+        and goals["adaflash_minus_ce"]["beyond_noise"]
+    )
+
+
+def test_the_opd_goals_are_not_met_by_a_small_gain_or_a_lost_domain():
+    goals = GOALS.opd_goals(_evaluation((1.0, 1.2), [(1.2, 1.0)], [(1.3, 1.2)]), "chat")
+    ada = goals["adaflash"]
+    assert not ada["gain_25pct"] and not ada["others_within_5pct"]
+    assert not goals["adaflash_minus_ce"]["beyond_noise"] and goals["adaflash_minus_ce"]["value"] < 0
+    assert ada["other_domain_change"]["code"]["value"] == pytest.approx(-1 / 6)
+    goals = GOALS.opd_goals(_evaluation((1.2, 1.0), [(1.6, 1.0)], [(1.3, 1.0)]), "chat")
+    assert not goals["new_domain_is_weakest"]
+    ce_only = {"ce": _evaluation((1.0, 1.2), [(1.1, 1.2)], [(1.3, 1.2)])["ce"]}
+    assert set(GOALS.opd_goals(ce_only, "chat")) == {"new_domain", "new_domain_is_weakest", "ce"}
+
+
+def test_a_difference_within_the_prompt_to_prompt_noise_is_not_beyond_it():
+    # The same prompts, the two sides' per-prompt values moving in opposite directions: the paired interval is wide.
+    noisy = GOALS.difference(_summary(1.32, spread=30), _summary(1.30, spread=30, flip=True))
+    assert noisy["value"] == pytest.approx(0.02) and noisy["low"] < 0 < noisy["high"]
+    # Moving together, the same mean difference is exact: pairing removes the prompts' own spread.
+    paired = GOALS.difference(_summary(1.32, spread=30), _summary(1.30, spread=30))
+    assert paired["low"] == pytest.approx(0.02) == paired["high"]
+
+
+def test_the_replay_plot_draws_each_domains_change_against_the_replay_fraction(tmp_path):
+    evaluation = _evaluation((1.0, 1.2), [(1.3, 1.1)], [(1.2, 1.2)])
+    evaluation["replay-0.5"] = {
+        0: evaluation["adaflash"][0],
+        1: {"chat": _summary(1.25), "code": _summary(1.19)},
+    }
+    goals = GOALS.opd_goals(evaluation, "chat")
+    GOALS.plot_replay(evaluation, goals, {"replay-0.5": 0.5}, tmp_path / "replay.png")
+    assert (tmp_path / "replay.png").stat().st_size > 0
+    del goals["replay-0.5"]  # a single arm (AdaFlash alone) has nothing to compare: no plot
+    GOALS.plot_replay(evaluation, goals, {"replay-0.5": 0.5}, tmp_path / "alone.png")
+    assert not (tmp_path / "alone.png").exists()
+
+
+def _serve_row(concurrency, mode, tokens_per_s, plain):
+    return {
+        "concurrency": concurrency,
+        "mode": mode,
+        "tokens_per_s": tokens_per_s,
+        "speedup_vs_plain": tokens_per_s / plain,
+    }
+
+
+def test_the_serving_goals_are_graded_on_the_levels_and_modes_a_run_has():
+    rows = [
+        _serve_row(c, m, tps, 10.0)
+        for c in (1, 8)
+        for m, tps in (("plain", 10.0), ("adaflash", 13.0), ("dflash", 10.0))
+    ]
+    graded = GOALS.grade("serve", {"summary": rows})
+    assert graded["verdicts"] == {
+        "adaflash_at_least_plain_everywhere": True,
+        "adaflash_1.2x_dflash_at_8_plus": True,
+    }
+
+
+def test_a_serving_run_slower_than_plain_fails_its_goal_and_the_grader_exits_1(tmp_path):
+    rows = [_serve_row(1, "plain", 10.0, 10.0), _serve_row(1, "adaflash", 9.0, 10.0)]
+    (tmp_path / "results.json").write_text(json.dumps({"summary": rows}))
+    assert GOALS.main(["serve", str(tmp_path / "results.json")]) == 1
+
+
+def test_the_opd_grader_reads_a_results_file_with_rounds_as_strings(tmp_path):
+    evaluation = _evaluation((1.0, 1.2), [(1.1, 1.2), (1.3, 1.15)], [(1.1, 1.2), (1.2, 1.2)])
+    record = {
+        "settings": {"new_domain": "chat"},
+        "evaluation": {v: {str(r): s for r, s in rounds.items()} for v, rounds in evaluation.items()},
+    }
+    (tmp_path / "results.json").write_text(json.dumps(record))
+    assert GOALS.main(["opd", str(tmp_path / "results.json")]) == 0
+
+
+def test_the_kernel_goals_compare_the_fused_loss_with_the_naive_one_at_the_largest_vocabulary():
+    loss = [
+        {"vocab": 151936, "variant": "naive", "memory_vs_naive": 1.0, "speedup_vs_naive": 1.0},
+        {"vocab": 151936, "variant": "fallback", "memory_vs_naive": 0.2, "speedup_vs_naive": 0.9},
+        {"vocab": 151936, "variant": "triton", "memory_vs_naive": 0.1, "speedup_vs_naive": 2.5},
+    ]
+    assert GOALS.kernels_goals({"device": "cuda", "loss": loss}) == {
+        "fused_peak_at_most_quarter_of_naive": True,
+        "fused_2x_faster_than_naive_on_gpu": True,
+    }
+    assert GOALS.kernels_goals({"device": "cpu", "loss": loss[:2]}) == {
+        "fused_peak_at_most_quarter_of_naive": True
+    }

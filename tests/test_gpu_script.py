@@ -1,4 +1,4 @@
-"""examples/gpu/train_drafter.sh on its CPU dry path (DEVICE=cpu): a tiny target, corpus and starting drafter, a time
+"""experiments/gpu/train_drafter.sh on its CPU dry path (DEVICE=cpu): a tiny target, corpus and starting drafter, a time
 budget that stops the first run after one step, and a second run of the same command that resumes to max_steps."""
 
 import json
@@ -12,7 +12,7 @@ import pytest
 from tests.conftest import tiny_script_inputs
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "examples" / "gpu" / "train_drafter.sh"
+SCRIPT = ROOT / "experiments" / "gpu" / "train_drafter.sh"
 
 
 @pytest.fixture
@@ -67,11 +67,11 @@ def test_the_gpu_script_stops_at_its_time_budget_and_the_same_command_resumes(ti
 
 
 def test_cuda_checks_dry_run_on_cpu(tmp_path):
-    """examples/gpu/cuda_checks.py on its CPU dry path: every arm of generate and the engine equal plain greedy in
+    """experiments/gpu/cuda_checks.py on its CPU dry path: every arm of generate and the engine equal plain greedy in
     fp32, and the prepared bf16 target passes the bitwise invariance check (whether the eager one does depends on
     the CPU's kernels, so the report only says)."""
     output = tmp_path / "cuda_checks.json"
-    command = [sys.executable, "-P", str(ROOT / "examples" / "gpu" / "cuda_checks.py"), "--device", "cpu"]
+    command = [sys.executable, "-P", str(ROOT / "experiments" / "gpu" / "cuda_checks.py"), "--device", "cpu"]
     command += [
         "--targets",
         "tiny-qwen3",

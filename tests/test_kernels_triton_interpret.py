@@ -3,7 +3,7 @@
 On CPU each check runs in a subprocess with ``TRITON_INTERPRET=1`` in its environment from the start
 (the flag is read when ``@triton.jit`` decorates, and pytest has imported the kernels by then), at small
 sizes with small vocabulary tiles so the tiling loops and ragged tails run. With CUDA the same checks run
-in-process at larger sizes (``-m gpu``; examples/gpu/run_gpu_checks.sh).
+in-process at larger sizes (``-m gpu``; experiments/gpu/run_gpu_checks.sh).
 
 Tolerances: loss 1e-5 relative, gradients 1e-5 of max|grad| (fp32 math against a float64 reference);
 acceptance exact; attention 1e-5 in the interpreter (exact fp32 dots), 5e-3 on GPU (TF32 dots).

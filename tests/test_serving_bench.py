@@ -17,10 +17,7 @@ def test_bench_serve_runs_all_modes_and_writes_json_table_and_plot(target_factor
     results = run_benchmark(target, drafter, prompts, [1, 4], requests_per_level=2, max_new_tokens=6)
     write_outputs(results, tmp_path)
     saved = json.loads((tmp_path / "results.json").read_text())
-    assert saved["ok"] and set(saved["goals"]) == {
-        "adaflash_at_least_plain_everywhere",
-        "goodput_at_least_0.97x_plain_everywhere",
-    }
+    assert saved["ok"] and "goals" not in saved  # a bench measures; experiments/goals.py grades
     rows = {(r["concurrency"], r["mode"]): r for r in saved["summary"]}
     modes = ("plain", "dflash", "adaflash", "hybrid", "goodput", "hybrid_goodput")
     assert set(rows) == {(c, m) for c in (1, 4) for m in modes}

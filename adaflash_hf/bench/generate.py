@@ -43,27 +43,32 @@ methods' cost model learnt it on this machine (``cost_curve`` in results.json).
 from __future__ import annotations
 
 import argparse
-import json
-import logging as std_logging
 import math
-import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
-import transformers
 from tqdm.auto import tqdm
 from transformers import GenerationConfig
 from transformers.utils import logging
 
 import adaflash_hf
 from adaflash_hf import AdaFlashDrafter
-from adaflash_hf.bench.machine import cpu_flags, plot_cost_curve
-from adaflash_hf.bench.targets import add_target_options, benchmarked_target, plain_baselines
-from adaflash_hf.prepared.cpu import cpu_model
-from adaflash_hf.launch import CONFIG_HELP, int_at_least, number_in, parse_args_with_config
+from adaflash_hf.bench import report
+from adaflash_hf.bench.machine import plot_cost_curve
+from adaflash_hf.bench.report import fmt, panels, percent, save, table
+from adaflash_hf.bench.targets import (
+    add_run_options,
+    benchmarked_target,
+    default_drafter,
+    machine_settings,
+    parse_run_args,
+    plain_baselines,
+    run_settings,
+    start_run,
+)
+from adaflash_hf.launch import int_at_least, number_in
 from adaflash_hf.modeling.length_head_adaflash import length_head_error, realised_acceptance
 from adaflash_hf.stats import tau_of
 
@@ -88,7 +93,6 @@ ADAFLASH_METHODS = (
 )
 PROMPT_LOOKUP_TOKENS = 10
 WARMUP_TOKENS = 16
-DEFAULT_DRAFTER = Path(__file__).resolve().parents[2] / "examples" / "drafters" / "smollm2-135m-adaflash"
 QUICK = {"prompts_per_domain": 1, "max_new_tokens": 16, "repeats": 1}
 FULL = {"prompts_per_domain": 4, "max_new_tokens": 256, "repeats": 3}
 
@@ -360,11 +364,7 @@ def _settings(drafter, prompts, methods, max_new_tokens: int, repeats: int, gamm
         "block_size": None if drafter is None else drafter.config.block_size,
         "gamma": gamma,
         "min_len": min_len,
-        "threads": torch.get_num_threads(),
-        "cpu": cpu_flags(),
-        "cpu_model": cpu_model(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
+        **machine_settings(),
     }
 
 
@@ -542,91 +542,71 @@ def length_head_figures(stats: list[dict]) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------------- outputs
-def _fmt(value, spec: str = ".2f", suffix: str = "") -> str:
-    return "–" if value is None else f"{value:{spec}}{suffix}"
-
-
-def _percent(share) -> str:
-    return _fmt(None if share is None else 100 * share, ".0f", "%")
-
-
 def markdown_table(results: dict) -> str:
     """One row per (domain, method)."""
     settings = results["settings"]
     fastest = settings["fastest_plain"]
-    lines = [
+    rates = ", ".join(f"{k} {v:.1f}" for k, v in sorted(fastest["tokens_per_s"].items()))
+    header = (
+        "domain|method|τ|τ (stats)|tokens/s|speed-up|vs fastest plain|mean verify len|k=0 rounds|drafter skipped|"
+        "acceptance|lookup rounds|lookup acceptance|length head mean abs(â - a*)|lossless|exact"
+    ).split("|")
+    rows = [
+        [
+            row["domain"],
+            row["method"],
+            fmt(row["tau"]),
+            fmt(row["tau_stats"]),
+            fmt(row["tokens_per_s"], ".1f"),
+            fmt(row["speedup"], ".2f", "x"),
+            fmt(row["speedup_vs_fastest_plain"], ".2f", "x"),
+            fmt(row["mean_verify_length"]),
+            percent(row.get("zero_length_share")),
+            percent(row.get("skipped_drafter_share")),
+            fmt(row["acceptance_rate"]),
+            percent(row["lookup_share"]),
+            fmt(row["lookup_acceptance"]),
+            fmt(row.get("head_abs_error")),
+            "yes" if row["lossless"] else "NO",
+            percent(row["exact_rate"]),
+        ]
+        for row in results["summary"]
+    ]
+    return (
         f"Greedy, {settings['max_new_tokens']} new tokens, median of {settings['repeats']} repeats, "
-        f"{settings['threads']} threads; prompts per domain: {settings['prompts_per_domain']}.",
+        f"{settings['threads']} threads; prompts per domain: {settings['prompts_per_domain']}.\n"
         f"CPU: {settings['cpu_model']} ({settings['cpu']}); target {settings.get('target_dtype', '?')}, "
         f"prepared: {settings.get('prepared')}. Speed-up: against plain decoding of this target; vs fastest plain: "
         f"against {fastest['name']} plain decoding, the fastest of {sorted(fastest['tokens_per_s'])} here "
-        f"(tokens/s: {', '.join(f'{k} {v:.1f}' for k, v in sorted(fastest['tokens_per_s'].items()))}).",
-        "",
-        "| domain | method | τ | τ (stats) | tokens/s | speed-up | vs fastest plain | mean verify len | k=0 rounds "
-        "| drafter skipped | acceptance | lookup rounds | lookup acceptance | length head mean abs(â - a*) | lossless "
-        "| exact |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
-    ]
-    for row in results["summary"]:
-        lines.append(
-            f"| {row['domain']} | {row['method']} | {_fmt(row['tau'])} | {_fmt(row['tau_stats'])} | "
-            f"{_fmt(row['tokens_per_s'], '.1f')} | {_fmt(row['speedup'], '.2f', 'x')} | "
-            f"{_fmt(row['speedup_vs_fastest_plain'], '.2f', 'x')} | "
-            f"{_fmt(row['mean_verify_length'])} | {_percent(row.get('zero_length_share'))} | "
-            f"{_percent(row.get('skipped_drafter_share'))} | {_fmt(row['acceptance_rate'])} | "
-            f"{_percent(row['lookup_share'])} | "
-            f"{_fmt(row['lookup_acceptance'])} | {_fmt(row.get('head_abs_error'))} | "
-            f"{'yes' if row['lossless'] else 'NO'} | {_percent(row['exact_rate'])} |"
-        )
-    return "\n".join(lines) + "\n"
-
-
-def _drafting_methods(results: dict) -> list[str]:
-    return [m for m in results["settings"]["methods"] if m != "plain"]
+        f"(tokens/s: {rates}).\n\n" + table(header, rows, "ll" + "r" * 12 + "lr")
+    )
 
 
 def _color(method: str) -> str:
     return f"C{METHODS.index(method)}"  # the same colour for a method in every panel
 
 
-def _finish(figure, axes, ylabel: str, path: Path) -> None:
-    axes[0].set_ylabel(ylabel)
-    labelled = {label: handle for ax in axes for handle, label in zip(*ax.get_legend_handles_labels())}
-    if labelled:  # a method may have no rounds with drafts at all (prompt lookup without a match)
-        figure.legend(labelled.values(), labelled.keys(), loc="outside right upper", fontsize="small")
-    figure.savefig(path, dpi=120)
-
-
 def plot_acceptance_per_position(results: dict, path: Path) -> None:
     """Figure 3 analogue: P(draft j accepted | verified) per position, one panel per domain."""
-    from matplotlib.figure import Figure
-
     domains = results["settings"]["domains"]
-    figure = Figure(figsize=(4.5 * len(domains), 3.6), layout="constrained")
-    axes = figure.subplots(1, len(domains), squeeze=False)[0]
+    figure, axes = panels(len(domains))
     for ax, domain in zip(axes, domains):
         for row in results["summary"]:
             curve = row["acceptance_per_position"]
             if row["domain"] == domain and row["method"] != "plain" and curve:
                 points = [(j + 1, p) for j, p in enumerate(curve) if p is not None]
-                ax.plot(
-                    *zip(*points), marker="o", markersize=3, label=row["method"], color=_color(row["method"])
-                )
+                ax.plot(*zip(*points), marker="o", ms=3, label=row["method"], color=_color(row["method"]))
         ax.set(title=domain, xlabel="draft position j", ylim=(0, 1.02))
         ax.grid(alpha=0.3)
-    _finish(figure, axes, "P(accepted | verified)", path)
+    save(figure, axes, "P(accepted | verified)", path)
 
 
 def plot_acceptance_hist(results: dict, path: Path) -> None:
     """Figure 1 analogue: histogram of the per-round acceptance ratio (accepted / verified), one panel per domain."""
-    from matplotlib.figure import Figure
-
     domains = results["settings"]["domains"]
-    figure = Figure(figsize=(4.5 * len(domains), 3.6), layout="constrained")
-    axes = figure.subplots(1, len(domains), squeeze=False)[0]
-    bins = [i / 10 for i in range(11)]
+    figure, axes = panels(len(domains))
     for ax, domain in zip(axes, domains):
-        for method in _drafting_methods(results):
+        for method in (m for m in results["settings"]["methods"] if m != "plain"):
             ratios = [
                 a / k
                 for r in results["records"]
@@ -636,23 +616,19 @@ def plot_acceptance_hist(results: dict, path: Path) -> None:
             ]
             if ratios:
                 weights = [1 / len(ratios)] * len(ratios)
-                ax.hist(
-                    ratios, bins=bins, weights=weights, histtype="step", label=method, color=_color(method)
-                )
+                bins = [i / 10 for i in range(11)]
+                ax.hist(ratios, bins, weights=weights, histtype="step", label=method, color=_color(method))
         ax.set(title=domain, xlabel="accepted / verified drafts per round", xlim=(0, 1))
         ax.grid(alpha=0.3)
-    _finish(figure, axes, "fraction of rounds", path)
+    save(figure, axes, "fraction of rounds", path)
 
 
 def plot_source_share(results: dict, path: Path) -> None:
     """Per domain, the share of drafting rounds won by the diffusion block and by lookup, per AdaFlash method
     (diffusion-only methods are all diffusion: the hybrid's bar is the one that says something)."""
-    from matplotlib.figure import Figure
-
     domains = results["settings"]["domains"]
     methods = [m for m in results["settings"]["methods"] if m in ADAFLASH_METHODS]
-    figure = Figure(figsize=(4.5 * len(domains), 3.6), layout="constrained")
-    axes = figure.subplots(1, len(domains), squeeze=False)[0]
+    figure, axes = panels(len(domains))
     rows = {(r["domain"], r["method"]): r for r in results["summary"]}
     for ax, domain in zip(axes, domains):
         shares = [rows[domain, m]["lookup_share"] or 0.0 for m in methods]
@@ -660,61 +636,53 @@ def plot_source_share(results: dict, path: Path) -> None:
         ax.bar(methods, shares, bottom=[1 - s for s in shares], label="lookup", color="C1")
         ax.set(title=domain, ylim=(0, 1))
         ax.tick_params(axis="x", labelrotation=30, labelsize="small")
-    _finish(figure, axes, "share of rounds", path)
+    save(figure, axes, "share of rounds", path)
 
 
 def plot_k_hat_distribution(results: dict, path: Path) -> None:
     """Per domain, the share of diffusion rounds that verified k̂ drafts, per AdaFlash method (fixed-length is one
     bar at its length; the adaptive bars are the length head's choices), with the head's mean |â - a*| in the legend."""
-    from matplotlib.figure import Figure
-
     domains = results["settings"]["domains"]
     methods = [m for m in results["settings"]["methods"] if m in ADAFLASH_METHODS]
-    figure = Figure(figsize=(4.5 * len(domains), 3.6), layout="constrained")
-    axes = figure.subplots(1, len(domains), squeeze=False)[0]
+    figure, axes = panels(len(domains))
     rows = {(r["domain"], r["method"]): r for r in results["summary"]}
     width = 0.8 / max(len(methods), 1)
     for ax, domain in zip(axes, domains):
         for i, method in enumerate(methods):
             histogram = rows[domain, method].get("k_hat_histogram") or []
-            total = sum(histogram)
+            total, error = sum(histogram), rows[domain, method].get("head_abs_error")
             if not total:
                 continue
-            error = rows[domain, method].get("head_abs_error")
-            ax.bar(
-                [k + (i - (len(methods) - 1) / 2) * width for k in range(len(histogram))],
-                [n / total for n in histogram],
-                width=width,
-                color=_color(method),
-                label=method,
-            )
+            x = [k + (i - (len(methods) - 1) / 2) * width for k in range(len(histogram))]
+            ax.bar(x, [n / total for n in histogram], width=width, color=_color(method), label=method)
             if error is not None:
+                note = f"{method}: |â-a*| {error:.2f}"
                 ax.text(
                     0.98,
                     0.95 - 0.08 * i,
-                    f"{method}: |â-a*| {error:.2f}",
+                    note,
                     transform=ax.transAxes,
                     ha="right",
                     va="top",
                     fontsize="x-small",
-                    color=_color(method),
                 )
         ax.set(title=domain, xlabel="k̂ (drafts verified per diffusion round)")
         ax.grid(alpha=0.3)
-    _finish(figure, axes, "share of diffusion rounds", path)
+    save(figure, axes, "share of diffusion rounds", path)
 
 
 def write_outputs(results: dict, output_dir: Path) -> None:
-    output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    (output_dir / "table.md").write_text(markdown_table(results))
-    plot_acceptance_per_position(results, output_dir / "acceptance_per_position.png")
-    plot_acceptance_hist(results, output_dir / "acceptance_hist.png")
+    figures = {
+        "acceptance_per_position.png": lambda path: plot_acceptance_per_position(results, path),
+        "acceptance_hist.png": lambda path: plot_acceptance_hist(results, path),
+    }
     if set(results["settings"]["methods"]) & set(ADAFLASH_METHODS):
-        plot_source_share(results, output_dir / "source_share.png")
-        plot_k_hat_distribution(results, output_dir / "k_hat_distribution.png")
+        figures["source_share.png"] = lambda path: plot_source_share(results, path)
+        figures["k_hat_distribution.png"] = lambda path: plot_k_hat_distribution(results, path)
     if results.get("cost_curve"):
-        plot_cost_curve(results["cost_curve"], output_dir / "cost_curve.png", results["settings"].get("cpu"))
+        cpu = results["settings"].get("cpu")
+        figures["cost_curve.png"] = lambda path: plot_cost_curve(results["cost_curve"], path, cpu)
+    report.write_outputs(output_dir, results, markdown_table(results), figures)
 
 
 # ---------------------------------------------------------------------------------------------------------- CLI
@@ -724,85 +692,35 @@ def make_parser() -> argparse.ArgumentParser:
         description="τ, tokens/s and speed-up of plain generate, prompt lookup, native DFlash and AdaFlash fixed, "
         "adaptive and hybrid on held-out chat/code/math prompts (greedy, lossless-checked).",
     )
+    add_run_options(parser, "generate", QUICK)
+    domains = ["chat", "code", "math"]
+    parser.add_argument("--domains", nargs="+", default=domains, choices=domains)
     parser.add_argument(
-        "--target", default="smollm2-135m-instruct", help="target (adaflash_hf.assets.load_target)"
+        "--prompts-per-domain", type=int_at_least(1), help=f"held-out prompts per domain ({FULL})"
     )
+    parser.add_argument("--max-new-tokens", type=int_at_least(2), help="new tokens per call")
+    parser.add_argument("--repeats", type=int_at_least(1), help="timed calls per prompt and method")
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS, help="needs plain")
     parser.add_argument(
-        "--drafter", type=Path, help=f"AdaFlash drafter folder (default: {DEFAULT_DRAFTER}, when it exists)"
+        "--gamma", type=number_in(0, open_low=True), help="adaflash_gamma (default: drafter's)"
     )
-    parser.add_argument(
-        "--domains", nargs="+", default=["chat", "code", "math"], choices=["chat", "code", "math"]
-    )
-    parser.add_argument(
-        "--prompts-per-domain",
-        type=int_at_least(1),
-        help=f"held-out prompts per domain (default {FULL['prompts_per_domain']})",
-    )
-    parser.add_argument(
-        "--max-new-tokens",
-        type=int_at_least(2),
-        help=f"new tokens per call (default {FULL['max_new_tokens']})",
-    )
-    parser.add_argument(
-        "--repeats",
-        type=int_at_least(1),
-        help=f"timed calls per prompt and method (default {FULL['repeats']})",
-    )
-    parser.add_argument(
-        "--threads", type=int_at_least(1), default=2, help="torch threads and OMP_NUM_THREADS (default 2)"
-    )
-    add_target_options(parser)
-    parser.add_argument(
-        "--methods", nargs="+", default=list(METHODS), choices=METHODS, help="subset; needs plain"
-    )
-    parser.add_argument(
-        "--gamma",
-        type=number_in(0, open_low=True),
-        help="adaflash_gamma for the AdaFlash methods (default: drafter's)",
-    )
-    parser.add_argument(
-        "--min-len",
-        type=int_at_least(0),
-        help="adaflash_min_len for the AdaFlash methods (default: drafter's)",
-    )
-    parser.add_argument(
-        "--lookup-min-prob",
-        type=number_in(0, 1),
-        default=0.0,
-        help="adaflash_lookup_min_prob of adaflash_hybrid (default 0)",
-    )
-    parser.add_argument(
-        "--output-dir", type=Path, default=Path("runs/bench_generate"), help="where outputs go"
-    )
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help=f"smoke run: defaults become {', '.join(f'{k}={v}' for k, v in QUICK.items())}",
-    )
-    parser.add_argument("--config", metavar="FILE", help=CONFIG_HELP)
+    parser.add_argument("--min-len", type=int_at_least(0), help="adaflash_min_len (default: drafter's)")
+    parser.add_argument("--lookup-min-prob", type=number_in(0, 1), default=0.0, help="adaflash_hybrid's (0)")
     return parser
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     """The options with their defaults filled in, every check that needs no model done (usage errors exit 2)."""
     parser = make_parser()
-    args = parse_args_with_config(parser, argv)
-    defaults = QUICK if args.quick else FULL
-    for name, value in defaults.items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
+    args = parse_run_args(parser, argv, QUICK, FULL)
     if "plain" not in args.methods:
         parser.error(
             f"--methods: expected a list including plain (every method is checked against it), got {args.methods}"
         )
     if not set(args.methods) - {"plain", "prompt_lookup"}:
         args.drafter = None  # no method drafts with it
-    elif args.drafter is None:
-        if not DEFAULT_DRAFTER.is_dir():
-            parser.error(
-                f"--drafter: expected a drafter folder (the default {DEFAULT_DRAFTER} does not exist), got none"
-            )
-        args.drafter = DEFAULT_DRAFTER
+    else:
+        default_drafter(parser, args)
     return args
 
 
@@ -823,9 +741,7 @@ def _heldout_rows(domains: list[str], per_domain: int) -> dict[str, list[dict]]:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
-    std_logging.basicConfig(level=std_logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    os.environ["OMP_NUM_THREADS"] = str(args.threads)
-    torch.set_num_threads(args.threads)
+    start_run(args.threads)
 
     from adaflash_hf.assets import load_target
     from adaflash_hf.data import prompt_ids
@@ -854,24 +770,10 @@ def main(argv: list[str] | None = None) -> int:
         lookup_min_prob=args.lookup_min_prob,
         baselines=plain_baselines(loaded, args.plain_baselines, target, prepared),
     )
-    results["settings"].update(
-        target=args.target,
-        target_dtype=str(next(target.parameters()).dtype).removeprefix("torch."),
-        prepared=prepared,
-        drafter=None if drafter is None else str(args.drafter),
-        command=" ".join(["adaflash bench generate", *(sys.argv[1:] if argv is None else argv)]),
-    )
+    results["settings"].update(run_settings(args, target, prepared, "generate", argv))
     write_outputs(results, args.output_dir)
-    print(markdown_table(results))
-    logger.info(f"wrote results.json, table.md and plots to {args.output_dir}")
-    if not results["ok"]:
-        print(
-            "adaflash bench generate: error: ok: expected true, got false (a method's output differs from plain "
-            f"greedy, or its forward accounting from drafter.last_stats): see {args.output_dir / 'results.json'}",
-            file=sys.stderr,
-        )
-        return 1
-    return 0
+    failure = "a method's output differs from plain greedy, or its forward accounting from drafter.last_stats"
+    return report.finish("generate", results, args.output_dir, markdown_table(results), failure)
 
 
 if __name__ == "__main__":

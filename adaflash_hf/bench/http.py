@@ -36,7 +36,6 @@ import json
 import random
 import re
 import statistics
-import sys
 import time
 import urllib.parse
 import urllib.request
@@ -45,6 +44,8 @@ from pathlib import Path
 
 from transformers.utils import logging
 
+from adaflash_hf.bench import report
+from adaflash_hf.bench.report import line_plot, table
 from adaflash_hf.launch import CONFIG_HELP, int_at_least, number_in, parse_args_with_config
 from adaflash_hf.stats import tau_of
 
@@ -318,19 +319,20 @@ def markdown_table(results: dict) -> str:
     def ms(value):
         return "n/a" if value is None else f"{1000 * value:.0f}"
 
-    lines = [
-        "| server | concurrency | tokens/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | τ | done | 429 | errors | memory MB |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    header = "server|concurrency|tokens/s|TTFT p50 / p99 (ms)|ITL p50 / p99 (ms)|τ|done|429|errors|memory MB"
+    rows = [
+        [
+            r["server"],
+            r["concurrency"],
+            f"{r['tokens_per_s']:.1f}",
+            f"{ms(r['ttft_p50'])} / {ms(r['ttft_p99'])}",
+        ]
+        + [f"{ms(r['itl_p50'])} / {ms(r['itl_p99'])}", "n/a" if r["tau"] is None else f"{r['tau']:.2f}"]
+        + [r["completed"], r["rejected_429"], r["errors"]]
+        + [" → ".join("n/a" if m is None else f"{m:.0f}" for m in r["memory_mb"])]
+        for r in results["summary"]
     ]
-    for r in results["summary"]:
-        tau = "n/a" if r["tau"] is None else f"{r['tau']:.2f}"
-        memory = " → ".join("n/a" if m is None else f"{m:.0f}" for m in r["memory_mb"])
-        lines.append(
-            f"| {r['server']} | {r['concurrency']} | {r['tokens_per_s']:.1f} | {ms(r['ttft_p50'])} / {ms(r['ttft_p99'])} | "
-            f"{ms(r['itl_p50'])} / {ms(r['itl_p99'])} | {tau} | {r['completed']} | {r['rejected_429']} | {r['errors']} | "
-            f"{memory} |"
-        )
-    return "\n".join(lines) + "\n"
+    return table(header.split("|"), rows, "l" + "r" * 8 + "l")
 
 
 def learning_curve(records: list[dict], window: int, seed: int = 0) -> list[dict]:
@@ -347,50 +349,27 @@ def learning_curve(records: list[dict], window: int, seed: int = 0) -> list[dict
     return rows
 
 
-def plot_throughput(results: dict, path: Path) -> None:
-    from matplotlib.figure import Figure
-
-    figure = Figure(figsize=(6, 4))
-    axes = figure.subplots()
-    for label in dict.fromkeys(r["server"] for r in results["summary"]):
-        rows = [r for r in results["summary"] if r["server"] == label]
-        axes.plot(
-            [r["concurrency"] for r in rows], [r["tokens_per_s"] for r in rows], marker="o", label=label
-        )
-    axes.set_xscale("log", base=2)
-    axes.set_xlabel("concurrent streaming clients")
-    axes.set_ylabel("generated tokens/s over HTTP")
-    axes.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-
-
-def plot_learning_curve(rows: list[dict], path: Path, label: str) -> None:
-    from matplotlib.figure import Figure
-
-    figure = Figure(figsize=(6, 4))
-    axes = figure.subplots()
-    x = [r["requests"] for r in rows]
-    axes.plot(x, [r["tau"] for r in rows], marker="o", label=f"{label}: mean τ per window")
-    axes.fill_between(
-        x, [r["low"] for r in rows], [r["high"] for r in rows], alpha=0.3, label="95% bootstrap interval"
-    )
-    axes.set_xlabel("requests served")
-    axes.set_ylabel("τ (committed tokens per verify round)")
-    axes.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-
-
 def write_outputs(results: dict, output_dir: Path, window: int | None) -> None:
-    output_dir.mkdir(parents=True, exist_ok=True)
+    servers = dict.fromkeys(r["server"] for r in results["summary"])
+    rows = {label: [r for r in results["summary"] if r["server"] == label] for label in servers}
+    lines = {
+        label: ([r["concurrency"] for r in rs], [r["tokens_per_s"] for r in rs]) for label, rs in rows.items()
+    }
+    xlabel, ylabel = "concurrent streaming clients", "generated tokens/s over HTTP"
+    figures = {"tokens_per_s.png": lambda path: line_plot(path, lines, xlabel, ylabel, log2_x=True)}
     if window:
         first = next(iter(results["records"]))
-        results["learning_curve"] = learning_curve(results["records"][first], window)
-        plot_learning_curve(results["learning_curve"], output_dir / "tau_vs_requests.png", first)
-    (output_dir / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    (output_dir / "table.md").write_text(markdown_table(results))
-    plot_throughput(results, output_dir / "tokens_per_s.png")
+        curve = results["learning_curve"] = learning_curve(results["records"][first], window)
+        x = [r["requests"] for r in curve]
+        label = f"{first}: mean τ per window"
+        figures["tau_vs_requests.png"] = lambda path: line_plot(
+            path,
+            {label: (x, [r["tau"] for r in curve])},
+            "requests served",
+            "τ (committed tokens per verify round)",
+            bands={label: ([r["low"] for r in curve], [r["high"] for r in curve])},
+        )
+    report.write_outputs(output_dir, results, markdown_table(results), figures)
 
 
 # ----------------------------------------------------------------------------------------------------------- CLI
@@ -405,21 +384,10 @@ def make_parser() -> argparse.ArgumentParser:
         "drafter; none: plain), with no HTTP; repeatable",
     )
     parser.add_argument("--model", help="model id to send (default: each server's first /v1/models entry)")
-    parser.add_argument(
-        "--concurrency", type=int_at_least(1), nargs="+", default=[1, 4, 16], help="levels (default 1 4 16)"
-    )
-    parser.add_argument(
-        "--requests", type=int_at_least(1), default=32, help="requests per server and level (default 32)"
-    )
-    parser.add_argument(
-        "--max-tokens", type=int_at_least(1), default=128, help="max_tokens per request (default 128)"
-    )
-    parser.add_argument(
-        "--duration-s",
-        type=number_in(0, open_low=True),
-        default=600.0,
-        help="time cap per server and level (600)",
-    )
+    parser.add_argument("--concurrency", type=int_at_least(1), nargs="+", default=[1, 4, 16], help="levels")
+    parser.add_argument("--requests", type=int_at_least(1), default=32, help="requests per server and level")
+    parser.add_argument("--max-tokens", type=int_at_least(1), default=128, help="max_tokens per request")
+    parser.add_argument("--duration-s", type=number_in(0, open_low=True), default=600.0, help="cap per level")
     parser.add_argument(
         "--domains", nargs="+", default=["chat", "code", "math"], help="prompt domains in turn"
     )
@@ -428,13 +396,13 @@ def make_parser() -> argparse.ArgumentParser:
         "--max-prompt-chars", type=int_at_least(1), default=1500, help="longer prompts keep their end"
     )
     parser.add_argument(
-        "--disconnect-prob", type=number_in(0, 1), default=0.0, help="chance a client drops its stream"
+        "--disconnect-prob", type=number_in(0, 1), default=0.0, help="chance a client drops out"
     )
     parser.add_argument(
         "--learning-curve", action="store_true", help="plot τ against requests (first server)"
     )
     parser.add_argument(
-        "--window", type=int_at_least(1), default=100, help="requests per learning-curve point (default 100)"
+        "--window", type=int_at_least(1), default=100, help="requests per learning-curve point"
     )
     parser.add_argument("--seed", type=int, default=0, help="prompt shuffle and disconnect draws")
     parser.add_argument("--output-dir", type=Path, default=Path("runs/bench_http"), help="where outputs go")
@@ -466,11 +434,10 @@ def main(argv: list[str] | None = None) -> int:
     results["settings"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()} | {
         "servers": servers,
         "in_process": in_process,
-        "command": " ".join(["adaflash bench http", *(sys.argv[1:] if argv is None else argv)]),
+        "command": report.command("http", argv),
     }
     write_outputs(results, args.output_dir, args.window if args.learning_curve else None)
-    print(markdown_table(results))
-    return 0
+    return report.finish("http", results, args.output_dir, markdown_table(results))
 
 
 if __name__ == "__main__":

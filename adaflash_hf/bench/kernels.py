@@ -5,8 +5,8 @@ and autograd, ``clipped_distill_loss_reference``), ``fallback`` (chunked torch, 
 CUDA, ``triton``. Acceptance over a packed verify batch of B requests with k̂ = 16 (sampling, one-hot
 proposals): ``fallback`` and, on CUDA, ``triton``. Times are medians over ``--repeats`` after one warm-up.
 Peak memory is the working memory above the inputs: ``torch.cuda.max_memory_allocated`` on CUDA; on CPU
-each variant runs in a fresh subprocess and reports its RSS high-water mark minus its RSS before the run.
-Goals: fused peak <= 1/4 of naive at V=151936, and >= 2x faster than naive on GPU.
+each variant runs in a fresh subprocess and reports its RSS high-water mark minus its RSS before the run
+(``experiments/goals.py kernels`` grades the fused loss's goals on the ``--output`` record).
 """
 
 import argparse
@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from adaflash_hf.bench.report import fmt, table, write_json
 from adaflash_hf.kernels.clipped_kl import clipped_distill_loss_reference, fused_clipped_distill_loss
 from adaflash_hf.kernels.verify_accept import verify_accept
 from adaflash_hf.launch import CONFIG_HELP, int_at_least, parse_args_with_config
@@ -115,10 +116,6 @@ def measure_accept(impl: str, batch: int, vocab: int, device: str, repeats: int,
     return {"ms": statistics.median(times)}
 
 
-def _fmt(value, digits=1) -> str:
-    return "—" if value is None else f"{value:.{digits}f}"
-
-
 def run(args) -> dict:
     loss_variants = ["naive", "fallback"] + (["triton"] if args.device == "cuda" else [])
     results = {"device": args.device, "loss": [], "accept": []}
@@ -148,28 +145,26 @@ def run(args) -> dict:
 
 
 def format_tables(results: dict) -> str:
-    lines = [
-        f"Clipped distillation loss, forward + backward ({results['device']})",
-        "",
-        "| V | N | H | variant | median ms | peak MiB | speedup vs naive | memory vs naive |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for e in results["loss"]:
-        lines.append(
-            f"| {e['vocab']} | {e['rows']} | {e['hidden']} | {e['variant']} | {_fmt(e.get('ms'))} | "
-            f"{_fmt(e.get('peak_mib'))} | {_fmt(e['speedup_vs_naive'], 2)} | {_fmt(e['memory_vs_naive'], 3)} |"
-        )
-    if results["accept"]:
-        lines += [
-            "",
-            "Acceptance, k̂ = 16 per request, sampling",
-            "",
-            "| V | B | impl | median ms |",
-            "|---|---|---|---|",
+    loss = [
+        [
+            e["vocab"],
+            e["rows"],
+            e["hidden"],
+            e["variant"],
+            fmt(e.get("ms"), ".1f"),
+            fmt(e.get("peak_mib"), ".1f"),
         ]
-        for e in results["accept"]:
-            lines.append(f"| {e['vocab']} | {e['batch']} | {e['impl']} | {_fmt(e['ms'], 2)} |")
-    return "\n".join(lines)
+        + [fmt(e["speedup_vs_naive"]), fmt(e["memory_vs_naive"], ".3f")]
+        for e in results["loss"]
+    ]
+    header = "V|N|H|variant|median ms|peak MiB|speedup vs naive|memory vs naive".split("|")
+    text = f"Clipped distillation loss, forward + backward ({results['device']})\n\n" + table(header, loss)
+    if results["accept"]:
+        rows = [[e["vocab"], e["batch"], e["impl"], fmt(e["ms"])] for e in results["accept"]]
+        text += "\nAcceptance, k̂ = 16 per request, sampling\n\n" + table(
+            ["V", "B", "impl", "median ms"], rows
+        )
+    return text
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -210,8 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     results = run(args)
     print(format_tables(results))
     if args.output:
-        with open(args.output, "w") as f:
-            json.dump(results, f, indent=2)
+        write_json(args.output, results)
     return 0
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from adaflash_hf.bench.report import line_plot
+
 
 def cpu_flags() -> str:
     """Which bf16 matrix units this CPU has (``amx_bf16``, ``avx512_bf16``, or none): benchmark records say it,
@@ -18,24 +20,11 @@ def cpu_flags() -> str:
 
 def plot_cost_curve(curves: dict, path: Path, cpu: str | None = None) -> None:
     """The cost model's measured target-forward seconds by tokens in the forward, relative to one token; one line per
-    running-request bucket (``curves``: bucket -> {tokens: relative seconds})."""
-    from matplotlib.figure import Figure
-
-    figure = Figure(figsize=(6, 4))
-    axes = figure.subplots()
+    running-request bucket (``curves``: bucket -> {tokens: relative seconds}, keys as ints or as JSON's strings)."""
+    lines = {}
     for running, curve in sorted(curves.items(), key=lambda item: int(item[0])):
-        sizes = sorted(int(n) for n in curve)
-        axes.plot(
-            sizes,
-            [curve[n] if n in curve else curve[str(n)] for n in sizes],
-            marker="o",
-            label=f"{running} running",
-        )
-    axes.set_xscale("log", base=2)
-    axes.set(xlabel="tokens in the target forward", ylabel="seconds relative to a 1-token forward")
-    axes.set_title(f"measured verify cost ({cpu})" if cpu else "measured verify cost", fontsize="small")
-    axes.axhline(1.0, color="gray", linewidth=0.8)
-    axes.grid(alpha=0.3)
-    axes.legend(fontsize="small")
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
+        relative = {int(n): seconds for n, seconds in curve.items()}
+        lines[f"{running} running"] = (sorted(relative), [relative[n] for n in sorted(relative)])
+    title = f"measured verify cost ({cpu})" if cpu else "measured verify cost"
+    xlabel, ylabel = "tokens in the target forward", "seconds relative to a 1-token forward"
+    line_plot(path, lines, xlabel, ylabel, title=title, log2_x=True, unit_line=True)

@@ -28,12 +28,8 @@
    is an error. Results are cached per (run, round) in ``OUT/eval`` and reused when the settings match.
 3. **Outputs** in ``OUT`` (``opd_report``): ``results.json`` (with per-prompt counts), ``table.md`` (τ with paired
    bootstrap 95% intervals over the prompts), ``tau_vs_rounds.png``, ``acceptance_per_position.png`` (round 0 against
-   each run's last round), ``head_error_vs_rounds.png`` and, with two or more replay fractions,
-   ``replay_forgetting.png``.
-
-Goals: on the new domain (the traffic's last phase, one the drafter never saw), AdaFlash raises evaluation τ
-by >= 25% within the buffers run, lowers no other domain's τ by more than 5% (with replay if needed), and ends ahead of
-CE-only and of unclipped reverse KL beyond the noise; the online length head ahead of the frozen one in speed-up.
+   each run's last round) and ``head_error_vs_rounds.png``. ``experiments/goals.py opd`` grades the experiment's
+   goals on ``results.json``.
 """
 
 from __future__ import annotations
@@ -47,7 +43,6 @@ import math
 import os
 import shlex
 import subprocess
-import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -55,14 +50,8 @@ from pathlib import Path
 import torch
 from transformers.utils import logging
 
-from adaflash_hf.bench.opd_report import (
-    goals,
-    markdown_table,
-    plot_head_error,
-    plot_per_position,
-    plot_replay,
-    plot_tau,
-)
+from adaflash_hf.bench import report
+from adaflash_hf.bench.opd_report import markdown_table, plot_head_error, plot_per_position, plot_tau
 from adaflash_hf.launch import int_at_least
 from adaflash_hf.modeling.length_head_adaflash import realised_acceptance
 from adaflash_hf.serving import AdaFlashEngine, AdmissionConfig, SamplingParams
@@ -581,30 +570,25 @@ def main(argv: list[str] | None = None) -> int:
             },
             "launch_args": args.launch_args,
             "domains": list(evaluation_domains(config)),
+            "new_domain": config["domains"][-1],  # the traffic shifts to its last phase's domain
             "traffic": {"domains": config["domains"], "served": served_counts(config)},
             "train_threshold": int(config["train_threshold"]),
             "max_rounds": int(config["max_rounds"]),
             "eval_prompts_per_domain": args.eval_prompts_per_domain,
             "eval_max_new_tokens": args.eval_max_new_tokens or int(config["max_new_tokens"]),
-            "command": " ".join(["adaflash bench opd", *(sys.argv[1:] if argv is None else argv)]),
+            "command": report.command("opd", argv),
         },
         "evaluation": {v: {str(r): s for r, s in rounds.items()} for v, rounds in evaluation.items()},
         "live": {v: read_metrics(d) for v, d in run_dirs.items()},
     }
-    results["goals"] = goals(
-        evaluation, config["domains"][-1]
-    )  # the traffic shifts to its last phase's domain
-    args.output_dir.mkdir(parents=True, exist_ok=True)
-    (args.output_dir / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    results["evaluation"] = evaluation  # int rounds for the table and plots
-    (args.output_dir / "table.md").write_text(markdown_table(results))
-    plot_tau(results, args.output_dir / "tau_vs_rounds.png")
-    plot_per_position(results, args.output_dir / "acceptance_per_position.png")
-    plot_head_error(results, args.output_dir / "head_error_vs_rounds.png")
-    plot_replay(results, args.output_dir / "replay_forgetting.png")
-    print(markdown_table(results))
-    print(json.dumps(results["goals"], indent=1))
-    return 0
+    figures = {
+        "tau_vs_rounds.png": plot_tau,
+        "acceptance_per_position.png": plot_per_position,
+        "head_error_vs_rounds.png": plot_head_error,
+    }
+    figures = {name: lambda path, draw=draw: draw(results, path) for name, draw in figures.items()}
+    report.write_outputs(args.output_dir, results, markdown_table(results), figures)
+    return report.finish("opd", results, args.output_dir, markdown_table(results))
 
 
 if __name__ == "__main__":

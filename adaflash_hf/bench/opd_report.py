@@ -1,17 +1,19 @@
-"""What ``adaflash bench opd`` reports: intervals, the goals, the table and the plots, from its evaluations.
+"""What ``adaflash bench opd`` reports: intervals, the table and the plots, from its evaluations.
 
 An evaluation summary (``opd.evaluate_drafter``) holds, per domain, the pooled figures (τ, τ_full, per-position
 acceptance, the length head's mean |â - a*|) and ``per_prompt`` counts ``[accepted, verifies, full_rounds,
 full_accepted]``. Every variant and round serves the same evaluation prompts, so intervals are paired bootstraps over
 prompts: resample the prompts with replacement (the same indices for both sides of a comparison) and recompute the
-pooled statistic; the 2.5th and 97.5th percentiles of 2000 resamples are the 95% interval. A difference is "beyond the
-noise" when its interval excludes 0.
+pooled statistic; the 2.5th and 97.5th percentiles of 2000 resamples are the 95% interval (``experiments/goals.py``
+grades the experiment's goals with them).
 """
 
 from __future__ import annotations
 
 import random
 from pathlib import Path
+
+from adaflash_hf.bench.report import panels, save
 
 ACCEPTED, VERIFIES, FULL_ROUNDS, FULL_ACCEPTED = range(4)
 RESAMPLES = 2000
@@ -60,63 +62,17 @@ def tau_interval(summary: dict) -> tuple[float, float]:
     return bootstrap(pooled_tau, summary["per_prompt"])
 
 
-def change(after: dict, before: dict) -> dict:
-    """τ after / τ before - 1 on the same prompts, with its paired interval."""
-    ratio = lambda a, b: pooled_tau(a) / pooled_tau(b) - 1.0  # noqa: E731
-    low, high = bootstrap(ratio, after["per_prompt"], before["per_prompt"])
-    return {"value": ratio(after["per_prompt"], before["per_prompt"]), "low": low, "high": high}
-
-
-def difference(first: dict, second: dict) -> dict:
-    """τ first - τ second on the same prompts, with its paired interval."""
-    diff = lambda a, b: pooled_tau(a) - pooled_tau(b)  # noqa: E731
-    low, high = bootstrap(diff, first["per_prompt"], second["per_prompt"])
-    return {"value": diff(first["per_prompt"], second["per_prompt"]), "low": low, "high": high}
-
-
-# ---------------------------------------------------------------------------------------------- goals
-def goals(evaluation: dict, new_domain: str) -> dict:
-    """The issue's goals on the evaluation τ: the new domain +25% within the rounds run (AdaFlash loss), every other
-    domain within -5% of its start (AdaFlash, and each replay variant), AdaFlash ahead of CE-only and of unclipped
-    reverse KL on the new domain beyond the noise; the online head against the frozen one is timed apart."""
-    start = next(iter(evaluation.values()))[0]  # round 0: the same starting drafter in every variant
-    out = {
-        "new_domain": new_domain,
-        "new_domain_is_weakest": min(start, key=lambda d: start[d]["tau"]) == new_domain,
-    }
-    for variant, rounds in evaluation.items():
-        trained = sorted(r for r in rounds if r > 0)
-        if variant == "none" or not trained:
-            continue
-        last = trained[-1]
-        gains = {r: change(rounds[r][new_domain], start[new_domain]) for r in trained}
-        best = max(gains, key=lambda r: gains[r]["value"])
-        others = {d: change(rounds[last][d], start[d]) for d in start if d != new_domain}
-        out[variant] = {
-            "final_round": last,
-            "new_domain_gain": gains[last],
-            "best_round": best,
-            "best_gain": gains[best],
-            "gain_25pct": gains[best]["value"] >= 0.25,
-            "other_domain_change": others,
-            "others_within_5pct": all(c["value"] >= -0.05 for c in others.values()),
-        }
-    ada = evaluation.get("adaflash")
-    for rival in ("ce", "rkl", "head_frozen"):
-        if ada is None or rival not in evaluation:
-            continue
-        last = min(max(ada), max(evaluation[rival]))
-        diff = difference(ada[last][new_domain], evaluation[rival][last][new_domain])
-        out[f"adaflash_minus_{rival}"] = {**diff, "round": last, "beyond_noise": diff["low"] > 0}
-    return out
-
-
 # ---------------------------------------------------------------------------------------------- table
+def _by_round(results: dict) -> dict:
+    """The evaluation keyed by int rounds (results.json keys them as strings)."""
+    return {v: {int(r): s for r, s in rounds.items()} for v, rounds in results["evaluation"].items()}
+
+
 def markdown_table(results: dict) -> str:
     """Per variant and round: τ [95% interval] and τ_full per evaluation domain, the head's |â - a*| on the new
     domain, and the live traffic τ."""
-    evaluation, domains = results["evaluation"], results["settings"]["domains"]
-    new = results["goals"]["new_domain"]
+    evaluation, domains = _by_round(results), results["settings"]["domains"]
+    new = results["settings"]["new_domain"]
     lines = [
         "| variant | round | samples trained | "
         + " | ".join(f"{d} τ [95%] (τ full)" for d in domains)
@@ -142,27 +98,11 @@ def markdown_table(results: dict) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- plots
-def _domain_panels(results: dict, extra: int = 0, height: float = 3.6, sharey: bool = False):
-    """A figure with one panel per evaluation domain (and ``extra`` more): the figure and its axes."""
-    from matplotlib.figure import Figure
-
-    panels = len(results["settings"]["domains"]) + extra
-    figure = Figure(figsize=(4 * panels, height))
-    return figure, figure.subplots(1, panels, sharey=sharey)
-
-
-def _finish(figure, axes, ylabel: str, path: Path) -> None:
-    axes[0].set_ylabel(ylabel)
-    axes[0].legend(fontsize=7)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-
-
 def plot_tau(results: dict, path: Path) -> None:
     """Evaluation τ per domain over rounds (95% intervals as bars), one panel per domain, and the live traffic τ."""
-    evaluation, domains = results["evaluation"], results["settings"]["domains"]
-    new = results["goals"]["new_domain"]
-    figure, axes = _domain_panels(results, extra=1)
+    evaluation, domains = _by_round(results), results["settings"]["domains"]
+    new = results["settings"]["new_domain"]
+    figure, axes = panels(len(domains) + 1, width=4)
     variants = results["settings"]["variants"]
     for ax, domain in zip(axes, domains):
         for k, variant in enumerate(variants):
@@ -188,13 +128,13 @@ def plot_tau(results: dict, path: Path) -> None:
         )
     live_ax.set_title("live traffic τ (all served domains)")
     live_ax.set_xlabel("OPD round")
-    _finish(figure, axes, "τ (committed tokens per verify), 95% CI", path)
+    save(figure, axes, "τ (committed tokens per verify), 95% CI", path)
 
 
 def plot_per_position(results: dict, path: Path) -> None:
     """Per-position acceptance of the full draft before (round 0) and after each variant's last round."""
-    evaluation, domains = results["evaluation"], results["settings"]["domains"]
-    figure, axes = _domain_panels(results, sharey=True)
+    evaluation, domains = _by_round(results), results["settings"]["domains"]
+    figure, axes = panels(len(domains), width=4, sharey=True)
     start = next(iter(evaluation.values()))[0]
     last_seen = 2  # the x range ends one position past the last position any curve reaches
     for ax, domain in zip(axes, domains):
@@ -220,13 +160,13 @@ def plot_per_position(results: dict, path: Path) -> None:
         ax.set_xlabel("draft position j")
     for ax in axes:
         ax.set_xlim(0.5, last_seen + 0.5)
-    _finish(figure, axes, "P(first j proposals accepted)", path)
+    save(figure, axes, "P(first j proposals accepted)", path)
 
 
 def plot_head_error(results: dict, path: Path) -> None:
     """The length head's mean |â - a*| over rounds, per domain and variant (a* = the full draft's accepted share)."""
-    evaluation, domains = results["evaluation"], results["settings"]["domains"]
-    figure, axes = _domain_panels(results, height=3.4, sharey=True)
+    evaluation, domains = _by_round(results), results["settings"]["domains"]
+    figure, axes = panels(len(domains), height=3.4, width=4, sharey=True)
     for ax, domain in zip(axes, domains):
         for variant in results["settings"]["variants"]:
             rounds = sorted(evaluation[variant])
@@ -234,36 +174,4 @@ def plot_head_error(results: dict, path: Path) -> None:
             ax.plot(rounds, errors, marker="o", ms=3, color=color(variant), label=variant)
         ax.set_title(f"length head abs(â - a*): {domain}")
         ax.set_xlabel("OPD round")
-    _finish(figure, axes, "mean abs(â - a*) per round", path)
-
-
-def plot_replay(results: dict, path: Path) -> None:
-    """Forgetting against the replay fraction: each domain's τ change at the last round (AdaFlash = fraction 0)."""
-    from matplotlib.figure import Figure
-
-    evaluation, goal = results["evaluation"], results["goals"]
-    fractions = {"adaflash": 0.0, **results["settings"].get("replay_fractions", {})}
-    arms = sorted((f, v) for v, f in fractions.items() if v in goal)
-    if len(arms) < 2:
-        return
-    start = next(iter(evaluation.values()))[0]
-    figure = Figure(figsize=(5, 3.6))
-    ax = figure.add_subplot()
-    for domain in start:
-        changes = [
-            goal[v]["new_domain_gain"]
-            if domain == goal["new_domain"]
-            else goal[v]["other_domain_change"][domain]
-            for _, v in arms
-        ]
-        ax.errorbar(
-            [f for f, _ in arms], [100 * c["value"] for c in changes], marker="o", capsize=3, label=domain,
-            yerr=[[100 * (c["value"] - c["low"]) for c in changes], [100 * (c["high"] - c["value"]) for c in changes]],
-        )  # fmt: skip
-    ax.axhline(-5, color="k", linestyle=":", linewidth=0.8)
-    ax.set_xlabel("replay fraction of each buffer")
-    ax.set_ylabel("τ change at the last round (%), 95% CI")
-    ax.set_title("replay against forgetting")
-    ax.legend(fontsize=7)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
+    save(figure, axes, "mean abs(â - a*) per round", path)

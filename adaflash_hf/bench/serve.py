@@ -24,9 +24,8 @@ from lookup (hybrid), with their own acceptance rate. ``lossless`` checks every 
 tokens against plain's (``exact``: the share of requests equal). The target runs in ``--dtype``, through
 ``adaflash_hf.prepare_target`` with ``--prepared`` (``adaflash_hf.bench.targets``); ``--plain-baselines`` time plain
 batched decoding of fp32 and bf16 copies as transformers runs them, and ``vs fastest plain`` is each mode's speed-up
-against the faster at that concurrency. Goals: AdaFlash ≥ 1.0x plain at every concurrency, and ≥ 1.2x fixed-length
-DFlash at concurrency ≥ 8; hybrid ahead of plain and AdaFlash at concurrency 8 and 16. Outputs in ``--output-dir``: ``results.json``, ``table.md`` and
-``speedup_vs_concurrency.png`` (and ``cost_curve.png``, the goodput cost model's measured target-forward seconds by
+against the faster at that concurrency (``experiments/goals.py serve`` grades the serving goals on ``results.json``).
+Outputs in ``--output-dir``: ``results.json``, ``table.md`` and ``speedup_vs_concurrency.png`` (and ``cost_curve.png``, the goodput cost model's measured target-forward seconds by
 tokens per running-request bucket). Exit status 1 when a mode is not lossless.
 """
 
@@ -34,29 +33,33 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
-import logging as std_logging
-import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
-import transformers
 from transformers.utils import logging
 
 from adaflash_hf import AdaFlashConfig, AdaFlashDrafter
-from adaflash_hf.bench.machine import cpu_flags, plot_cost_curve
-from adaflash_hf.bench.targets import add_target_options, benchmarked_target, plain_baselines
-from adaflash_hf.prepared.cpu import cpu_model
-from adaflash_hf.launch import CONFIG_HELP, int_at_least, number_in, parse_args_with_config
+from adaflash_hf.bench import report
+from adaflash_hf.bench.machine import plot_cost_curve
+from adaflash_hf.bench.report import line_plot, percent, table
+from adaflash_hf.bench.targets import (
+    add_run_options,
+    benchmarked_target,
+    default_drafter,
+    machine_settings,
+    parse_run_args,
+    plain_baselines,
+    run_settings,
+    start_run,
+)
+from adaflash_hf.launch import int_at_least, number_in
 from adaflash_hf.serving import AdaFlashEngine, AdmissionConfig, SamplingParams
 from adaflash_hf.stats import tau_of
 
 logger = logging.get_logger(__name__)
 
-DEFAULT_DRAFTER = Path(__file__).resolve().parents[2] / "examples" / "drafters" / "smollm2-135m-adaflash"
 DOMAINS = ("chat", "code", "math")
 QUICK = {"concurrency": [1, 2], "requests_per_level": 2, "max_new_tokens": 16, "repeats": 1}
 FULL = {"concurrency": [1, 2, 4, 8, 16, 32], "requests_per_level": 32, "max_new_tokens": 128, "repeats": 1}
@@ -71,6 +74,11 @@ ENGINE_SETTINGS = {
     "hybrid_goodput": ("hybrid", "goodput"),
 }
 MODES = tuple(ENGINE_SETTINGS)
+# The step stats (``StepStats``) a level's record sums over its steps.
+SUMMED_STATS = (
+    "verifies committed draft_tokens accepted lookup_verifies lookup_accepted zero_length_verifies".split()
+)
+SUMMED_STATS += ["skipped_drafter", "drafter_seconds", "target_seconds"]
 
 
 def run_level(
@@ -104,21 +112,13 @@ def run_level(
     seconds = time.perf_counter() - started
     stats = engine.stats
     outputs = [engine.requests[i].output for i in ids]
+    sums = {name: sum(getattr(s, name) for s in stats) for name in SUMMED_STATS}
     return {
         "seconds": seconds,
         "generated": sum(len(o) for o in outputs),
         "steps": len(stats),
-        "verifies": sum(s.verifies for s in stats),
-        "committed": sum(s.committed for s in stats),
-        "draft_tokens": sum(s.draft_tokens for s in stats),
-        "accepted": sum(s.accepted for s in stats),
-        "lookup_verifies": sum(s.lookup_verifies for s in stats),
-        "lookup_accepted": sum(s.lookup_accepted for s in stats),
-        "zero_length_verifies": sum(s.zero_length_verifies for s in stats),
-        "skipped_drafter": sum(s.skipped_drafter for s in stats),
         "mean_running": statistics.fmean(s.running for s in stats),
-        "drafter_seconds": sum(s.drafter_seconds for s in stats),
-        "target_seconds": sum(s.target_seconds for s in stats),
+        **sums,
     }, outputs
 
 
@@ -256,15 +256,10 @@ def run_benchmark(
             "block_size": None if drafter is None else drafter.config.block_size,
             "gamma": None if drafter is None else drafter.config.length_head_gamma,
             "lookup_min_prob": lookup_min_prob,
-            "threads": torch.get_num_threads(),
-            "cpu": cpu_flags(),
-            "cpu_model": cpu_model(),
             "plain_baselines": list(baselines),
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
+            **machine_settings(),
         },
         "ok": all(row["lossless"] for row in summary),
-        "goals": _goals(summary),
         "cost_curve": _cost_curves(target, concurrency) if {"goodput", "hybrid_goodput"} & set(modes) else {},
         "summary": summary,
     }
@@ -279,88 +274,60 @@ def _cost_curves(target, concurrency: list[int]) -> dict:
     return {level: curve for level, curve in curves.items() if curve}
 
 
-def _goals(summary: list[dict]) -> dict:
-    rows = {(r["concurrency"], r["mode"]): r for r in summary}
-    levels = sorted({r["concurrency"] for r in summary})
-    goals = {}
-    if all((c, "adaflash") in rows for c in levels):
-        goals["adaflash_at_least_plain_everywhere"] = all(
-            rows[c, "adaflash"]["speedup_vs_plain"] >= 1.0 for c in levels
-        )
-    high = [c for c in levels if c >= 8 and (c, "adaflash") in rows and (c, "dflash") in rows]
-    if high:
-        goals["adaflash_1.2x_dflash_at_8_plus"] = all(
-            rows[c, "adaflash"]["tokens_per_s"] >= 1.2 * rows[c, "dflash"]["tokens_per_s"] for c in high
-        )
-    if all((c, "goodput") in rows for c in levels):
-        # goodput: never slower than plain beyond noise
-        goals["goodput_at_least_0.97x_plain_everywhere"] = all(
-            rows[c, "goodput"]["speedup_vs_plain"] >= 0.97 for c in levels
-        )
-    both = [c for c in (8, 16) if all((c, m) in rows for m in ("plain", "adaflash", "hybrid"))]
-    if both:
-        goals["hybrid_ahead_of_plain_and_adaflash_at_8_16"] = all(
-            rows[c, "hybrid"]["tokens_per_s"] > max(rows[c, m]["tokens_per_s"] for m in ("plain", "adaflash"))
-            for c in both
-        )
-    return goals
-
-
 def markdown_table(results: dict) -> str:
-    lines = [
-        "| concurrency | mode | tokens/s | speed-up vs plain | vs fastest plain | τ | mean verify length | k=0 "
-        "verifies | drafter skipped | acceptance | lookup share | lossless | exact |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|---:|",
-    ]
-    for r in results["summary"]:
-        lines.append(
-            f"| {r['concurrency']} | {r['mode']} | {r['tokens_per_s']:.1f} | {r['speedup_vs_plain']:.2f}x | "
-            f"{r['speedup_vs_fastest_plain']:.2f}x ({r['fastest_plain']}) | "
-            f"{r['tau']:.2f} | {r['mean_verify_length']:.2f} | {100 * r.get('zero_length_share', 0):.0f}% | "
-            f"{100 * r.get('skipped_drafter_share', 0):.0f}% | {r['acceptance_rate']:.2f} | "
-            f"{100 * r['lookup_share']:.0f}% | {'yes' if r['lossless'] else 'NO'} | "
-            f"{100 * r['exact_rate']:.0f}% |"
-        )
-    goals = ", ".join(f"{name}: {'met' if met else 'NOT met'}" for name, met in results["goals"].items())
     settings = results["settings"]
-    lines += [
-        "",
-        f"Greedy, {settings['max_new_tokens']} new tokens per request, max(requests_per_level="
+    header = (
+        "concurrency|mode|tokens/s|speed-up vs plain|vs fastest plain|τ|mean verify length|k=0 verifies|"
+        "drafter skipped|acceptance|lookup share|lossless|exact"
+    ).split("|")
+    rows = [
+        [
+            r["concurrency"],
+            r["mode"],
+            f"{r['tokens_per_s']:.1f}",
+            f"{r['speedup_vs_plain']:.2f}x",
+            f"{r['speedup_vs_fastest_plain']:.2f}x ({r['fastest_plain']})",
+            f"{r['tau']:.2f}",
+            f"{r['mean_verify_length']:.2f}",
+            percent(r.get("zero_length_share", 0)),
+            percent(r.get("skipped_drafter_share", 0)),
+            f"{r['acceptance_rate']:.2f}",
+            percent(r["lookup_share"]),
+            "yes" if r["lossless"] else "NO",
+            percent(r["exact_rate"]),
+        ]
+        for r in results["summary"]
+    ]
+    return table(header, rows, "rl" + "r" * 9 + "cr") + (
+        f"\nGreedy, {settings['max_new_tokens']} new tokens per request, max(requests_per_level="
         f"{settings['requests_per_level']}, concurrency) requests per level, {settings['repeats']} repeat(s), "
-        f"{settings['threads']} thread(s). Goals: {goals or 'n/a'}.",
+        f"{settings['threads']} thread(s).\n"
         f"CPU: {settings['cpu_model']} ({settings['cpu']}); target {settings.get('target_dtype', '?')}, prepared: "
         f"{settings.get('prepared')}. vs fastest plain: against the fastest of {settings['plain_baselines']} plain "
-        "batched decoding at that concurrency (named in brackets).",
-    ]
-    return "\n".join(lines) + "\n"
-
-
-def plot_speedup(results: dict, path: Path) -> None:
-    from matplotlib.figure import Figure
-
-    figure = Figure(figsize=(6, 4))
-    axes = figure.subplots()
-    for mode in results["settings"]["modes"]:
-        rows = [r for r in results["summary"] if r["mode"] == mode]
-        axes.plot(
-            [r["concurrency"] for r in rows], [r["speedup_vs_plain"] for r in rows], marker="o", label=mode
-        )
-    axes.set_xscale("log", base=2)
-    axes.set_xlabel("concurrency (running requests)")
-    axes.set_ylabel("throughput speed-up vs plain batched decoding")
-    axes.axhline(1.0, color="gray", linewidth=0.8)
-    axes.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
+        "batched decoding at that concurrency (named in brackets).\n"
+    )
 
 
 def write_outputs(results: dict, output_dir: Path) -> None:
-    output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    (output_dir / "table.md").write_text(markdown_table(results))
-    plot_speedup(results, output_dir / "speedup_vs_concurrency.png")
+    modes = results["settings"]["modes"]
+    lines = {
+        m: [(r["concurrency"], r["speedup_vs_plain"]) for r in results["summary"] if r["mode"] == m]
+        for m in modes
+    }
+    figures = {
+        "speedup_vs_concurrency.png": lambda path: line_plot(
+            path,
+            {mode: tuple(zip(*points)) for mode, points in lines.items()},
+            "concurrency (running requests)",
+            "throughput speed-up vs plain batched decoding",
+            log2_x=True,
+            unit_line=True,
+        )
+    }
     if results.get("cost_curve"):
-        plot_cost_curve(results["cost_curve"], output_dir / "cost_curve.png", results["settings"].get("cpu"))
+        cpu = results["settings"].get("cpu")
+        figures["cost_curve.png"] = lambda path: plot_cost_curve(results["cost_curve"], path, cpu)
+    report.write_outputs(output_dir, results, markdown_table(results), figures)
 
 
 def heldout_prompts(tokenizer, count: int, max_prompt_tokens: int) -> list[torch.Tensor]:
@@ -390,48 +357,16 @@ def make_parser() -> argparse.ArgumentParser:
         description="Throughput of the batched engine (plain / fixed-length DFlash / AdaFlash / hybrid) under "
         "concurrency.",
     )
+    add_run_options(parser, "serve", QUICK, drafter=", or 'random' (untrained)")
+    parser.add_argument("--concurrency", type=int_at_least(1), nargs="+", help=f"levels ({FULL})")
+    parser.add_argument("--requests-per-level", type=int_at_least(1), help="at least the concurrency")
+    parser.add_argument("--max-new-tokens", type=int_at_least(2), help="per request")
     parser.add_argument(
-        "--target", default="smollm2-135m-instruct", help="target (adaflash_hf.assets.load_target)"
+        "--max-prompt-tokens", type=int_at_least(1), default=384, help="skip longer prompts (384)"
     )
-    parser.add_argument(
-        "--drafter",
-        help=f"AdaFlash drafter folder (default: {DEFAULT_DRAFTER}, when it exists), or 'random' (untrained)",
-    )
-    parser.add_argument(
-        "--concurrency", type=int_at_least(1), nargs="+", help=f"levels (default {FULL['concurrency']})"
-    )
-    parser.add_argument(
-        "--requests-per-level",
-        type=int_at_least(1),
-        help=f"requests per level, at least the concurrency (default {FULL['requests_per_level']})",
-    )
-    parser.add_argument(
-        "--max-new-tokens", type=int_at_least(2), help=f"per request (default {FULL['max_new_tokens']})"
-    )
-    parser.add_argument(
-        "--max-prompt-tokens", type=int_at_least(1), default=384, help="skip longer prompts (default 384)"
-    )
-    parser.add_argument(
-        "--repeats", type=int_at_least(1), help=f"timed runs per level and mode (default {FULL['repeats']})"
-    )
+    parser.add_argument("--repeats", type=int_at_least(1), help="timed runs per level and mode")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES, help="subset; needs plain")
-    parser.add_argument(
-        "--lookup-min-prob",
-        type=number_in(0, 1),
-        default=0.0,
-        help="the hybrid mode's lookup_min_prob (default 0)",
-    )
-    parser.add_argument(
-        "--threads", type=int_at_least(1), default=2, help="torch threads and OMP_NUM_THREADS (default 2)"
-    )
-    add_target_options(parser)
-    parser.add_argument("--output-dir", type=Path, default=Path("runs/bench_serve"), help="where outputs go")
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help=f"smoke run: defaults become {', '.join(f'{k}={v}' for k, v in QUICK.items())}",
-    )
-    parser.add_argument("--config", metavar="FILE", help=CONFIG_HELP)
+    parser.add_argument("--lookup-min-prob", type=number_in(0, 1), default=0.0, help="the hybrid mode's (0)")
     return parser
 
 
@@ -440,12 +375,7 @@ def _load_drafter(args, parser) -> AdaFlashDrafter | None:
     the target so that a bad folder fails in seconds."""
     if args.modes == ["plain"] or args.drafter == "random":
         return None
-    if args.drafter is None:
-        if not DEFAULT_DRAFTER.is_dir():
-            parser.error(
-                f"--drafter: expected a drafter folder (the default {DEFAULT_DRAFTER} does not exist)"
-            )
-        args.drafter = str(DEFAULT_DRAFTER)
+    default_drafter(parser, args)
     return AdaFlashDrafter.from_pretrained(args.drafter).eval()
 
 
@@ -456,15 +386,10 @@ def _random_drafter(target) -> AdaFlashDrafter:
 
 def main(argv: list[str] | None = None) -> int:
     parser = make_parser()
-    args = parse_args_with_config(parser, argv)
-    for name, value in (QUICK if args.quick else FULL).items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
+    args = parse_run_args(parser, argv, QUICK, FULL)
     if "plain" not in args.modes:
         parser.error(f"--modes: expected a list including plain (the reference), got {args.modes}")
-    std_logging.basicConfig(level=std_logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    os.environ["OMP_NUM_THREADS"] = str(args.threads)
-    torch.set_num_threads(args.threads)
+    start_run(args.threads)
 
     from adaflash_hf.assets import load_target
 
@@ -490,24 +415,10 @@ def main(argv: list[str] | None = None) -> int:
         lookup_min_prob=args.lookup_min_prob,
         baselines=plain_baselines(loaded, args.plain_baselines, target, prepared),
     )
-    results["settings"].update(
-        target=args.target,
-        target_dtype=str(next(target.parameters()).dtype).removeprefix("torch."),
-        prepared=prepared,
-        drafter=args.drafter,
-        command=" ".join(["adaflash bench serve", *(sys.argv[1:] if argv is None else argv)]),
-    )
+    results["settings"].update(run_settings(args, target, prepared, "serve", argv))
     write_outputs(results, args.output_dir)
-    print(markdown_table(results))
-    logger.info(f"wrote results.json, table.md and speedup_vs_concurrency.png to {args.output_dir}")
-    if not results["ok"]:
-        print(
-            "adaflash bench serve: error: lossless: expected every mode's tokens to equal plain's, got a "
-            f"difference: see {args.output_dir / 'results.json'}",
-            file=sys.stderr,
-        )
-        return 1
-    return 0
+    failure = "a mode's tokens differ from plain's"
+    return report.finish("serve", results, args.output_dir, markdown_table(results), failure)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""The target a benchmark runs, in the dtype and preparation its options ask for, and the plain decodings a user could
-run instead; shared by ``adaflash bench generate`` and ``adaflash bench serve``.
+"""The target a benchmark runs, in the dtype and preparation its options ask for, the plain decodings a user could
+run instead, and the options, start and record of a run; shared by ``adaflash bench generate`` and ``serve``.
 
 - ``--dtype {fp32,bf16,auto}``: the benchmarked target's dtype (``auto``: bf16 where this CPU reports a bf16 unit,
   ``adaflash_hf.prepared.prepare.choose_dtype``);
@@ -13,11 +13,89 @@ Each is a private copy of the loaded target (``load_target``'s object is shared 
 from __future__ import annotations
 
 import copy
+import logging as std_logging
+import os
+from pathlib import Path
 
 import torch
+import transformers
+
+from adaflash_hf.bench.machine import cpu_flags
+from adaflash_hf.bench.report import command
+from adaflash_hf.launch import CONFIG_HELP, int_at_least, parse_args_with_config
+from adaflash_hf.prepared.cpu import cpu_model
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DTYPE_CHOICES = (*DTYPES, "auto")
+DEFAULT_DRAFTER = Path(__file__).resolve().parents[2] / "examples" / "drafters" / "smollm2-135m-adaflash"
+
+
+def add_run_options(parser, name: str, quick: dict, drafter: str = "") -> None:
+    """The options of a run: the target and its dtype and preparation (``add_target_options``), the drafter
+    (``drafter``: what else ``--drafter`` takes), threads, outputs, ``--quick`` (the defaults in ``quick``) and
+    ``--config``."""
+    parser.add_argument("--target", default="smollm2-135m-instruct", help="adaflash_hf.assets.load_target's")
+    parser.add_argument(
+        "--drafter", help=f"drafter folder (default: {DEFAULT_DRAFTER}, when it exists){drafter}"
+    )
+    parser.add_argument(
+        "--threads", type=int_at_least(1), default=2, help="torch threads, OMP_NUM_THREADS (2)"
+    )
+    parser.add_argument(
+        "--output-dir", type=Path, default=Path(f"runs/bench_{name}"), help="where outputs go"
+    )
+    smoke = ", ".join(f"{k}={v}" for k, v in quick.items())
+    parser.add_argument("--quick", action="store_true", help=f"smoke run: defaults become {smoke}")
+    parser.add_argument("--config", metavar="FILE", help=CONFIG_HELP)
+    add_target_options(parser)
+
+
+def parse_run_args(parser, argv: list[str] | None, quick: dict, full: dict):
+    """The options, those left out taking ``quick``'s values under ``--quick`` and ``full``'s otherwise."""
+    args = parse_args_with_config(parser, argv)
+    for name, value in (quick if args.quick else full).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return args
+
+
+def default_drafter(parser, args) -> None:
+    """``--drafter`` left out: the shipped drafter, or a usage error in a checkout without it."""
+    if args.drafter is None:
+        if not DEFAULT_DRAFTER.is_dir():
+            parser.error(
+                f"--drafter: expected a drafter folder (the default {DEFAULT_DRAFTER} does not exist)"
+            )
+        args.drafter = str(DEFAULT_DRAFTER)
+
+
+def start_run(threads: int) -> None:
+    """Logging to the console, and ``threads`` torch and OpenMP threads."""
+    std_logging.basicConfig(level=std_logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+
+
+def machine_settings() -> dict:
+    """What a record says about where it ran: threads, the CPU and its bf16 units, the library versions."""
+    return {
+        "threads": torch.get_num_threads(),
+        "cpu": cpu_flags(),
+        "cpu_model": cpu_model(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
+
+
+def run_settings(args, target, prepared: dict | None, name: str, argv: list[str] | None) -> dict:
+    """What a record says about the run's target and drafter, and the command that started it."""
+    return {
+        "target": args.target,
+        "target_dtype": str(next(target.parameters()).dtype).removeprefix("torch."),
+        "prepared": prepared,
+        "drafter": None if args.drafter is None else str(args.drafter),
+        "command": command(name, argv),
+    }
 
 
 def add_target_options(parser) -> None:

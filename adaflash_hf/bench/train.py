@@ -35,6 +35,7 @@ import time
 import torch
 from transformers import LlamaConfig
 
+from adaflash_hf.bench.report import fmt, table, write_json
 from adaflash_hf.launch import CONFIG_HELP, int_at_least, parse_args_with_config
 from adaflash_hf.modeling import AdaFlashConfig, AdaFlashDrafter
 from adaflash_hf.modeling.configuration_adaflash import build_target_layer_ids
@@ -290,33 +291,32 @@ def run(args) -> dict:
     return {"settings": settings, "variants": entries}
 
 
-def _fmt(value, digits=1) -> str:
-    return "—" if value is None else f"{value:.{digits}f}"
-
-
 def format_table(results: dict) -> str:
     s = results["settings"]
-    lines = [
+    header = (
+        "variant|layout|anchors|blocks/step|bf16|draft vocab|layers|CE positions|soft KL weight|s/step|blocks/s|"
+        "speed-up vs today|peak RSS MiB|step MiB"
+    ).split("|")
+    rows = [
+        [e["variant"], e["error"], *[""] * 12]
+        if "error" in e
+        else [e["variant"], e["attention_layout"], e["num_anchors"], f"{e['blocks_per_step']:.0f}"]
+        + ["yes" if e["bf16"] else "no", e["draft_vocab_size"] or "full", e["drafter_layers"]]
+        + [
+            e.get("loss_positions") or "all",
+            f"{e.get('soft_target_weight') or 0:g}",
+            fmt(e["seconds_per_step"], ".3f"),
+        ]
+        + [fmt(e["blocks_per_s"], ".1f"), fmt(e["speedup_vs_today"]), fmt(e["peak_rss_mib"], ".0f")]
+        + [fmt(e["step_mib"], ".0f")]
+        for e in results["variants"]
+    ]
+    return (
         f"One drafter training step (forward, backward, clip, AdamW), {s['shape']} shapes: batch {s['batch']} x "
         f"{s['seq']} tokens, hidden {s['hidden_size']}, vocabulary {s['vocab_size']}, {s['context_layers']} context "
-        f"layers, block {s['block_size']}; {s['threads']} thread(s), median of {s['steps']} steps",
-        "",
-        "| variant | layout | anchors | blocks/step | bf16 | draft vocab | layers | CE positions | soft KL weight "
-        "| s/step | blocks/s | speed-up vs today | peak RSS MiB | step MiB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for e in results["variants"]:
-        if "error" in e:
-            lines.append(f"| {e['variant']} | {e['error']} |" + " |" * 12)
-            continue
-        lines.append(
-            f"| {e['variant']} | {e['attention_layout']} | {e['num_anchors']} | {e['blocks_per_step']:.0f} | "
-            f"{'yes' if e['bf16'] else 'no'} | {e['draft_vocab_size'] or 'full'} | {e['drafter_layers']} | "
-            f"{e.get('loss_positions') or 'all'} | {e.get('soft_target_weight') or 0:g} | "
-            f"{_fmt(e['seconds_per_step'], 3)} | {_fmt(e['blocks_per_s'])} | {_fmt(e['speedup_vs_today'], 2)} | "
-            f"{_fmt(e['peak_rss_mib'], 0)} | {_fmt(e['step_mib'], 0)} |"
-        )
-    return "\n".join(lines)
+        f"layers, block {s['block_size']}; {s['threads']} thread(s), median of {s['steps']} steps\n\n"
+        + table(header, rows)
+    )
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -354,8 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     results = run(args)
     print(format_table(results))
     if args.output:
-        with open(args.output, "w") as f:
-            json.dump(results, f, indent=2)
+        write_json(args.output, results)
     return 0
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import statistics
 import time
 from pathlib import Path
@@ -25,8 +24,9 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from adaflash_hf.prepared.cpu import cpu_record
+from adaflash_hf.bench.report import write_json
 from adaflash_hf.launch import CONFIG_HELP, int_at_least, parse_args_with_config
+from adaflash_hf.prepared.cpu import cpu_record
 
 ARMS = ("fp32", "bf16", "prepared-bf16", "prepared-fp32", "prepared")
 DEFAULT_ARMS = ("fp32", "bf16", "prepared-bf16", "prepared-fp32")
@@ -161,8 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     record = run_verify_cost(target, args.arms, args.max_tokens, args.context, args.repeats)
     print(markdown_table(record), end="")
     if args.output is not None:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps(record, indent=1) + "\n")
+        write_json(args.output, record)
     return 0
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Train the drafter recipe on one CUDA GPU within a time budget, resumable, in one command:
-#   examples/gpu/train_drafter.sh                                # 600 s of training (TIME_BUDGET), then stop
-#   TIME_BUDGET=3600 examples/gpu/train_drafter.sh --per_device_train_batch_size 32
+#   experiments/gpu/train_drafter.sh                                # 600 s of training (TIME_BUDGET), then stop
+#   TIME_BUDGET=3600 experiments/gpu/train_drafter.sh --per_device_train_batch_size 32
 # Recipe: examples/configs/train_smollm2_gpu.yaml (bf16, 16 sequences a step, the target's features computed on the
 # GPU from the committed corpus token ids). Training stops at max_steps or after TIME_BUDGET seconds of training,
 # whichever comes first, with a checkpoint, a log line and a held-out learning-curve point; model loading, held-out

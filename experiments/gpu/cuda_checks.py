@@ -1,7 +1,7 @@
 """Speculative decoding on a CUDA device, in one command: is it lossless there, is a forward batch-invariant there,
 and what does a verify forward cost there.
 
-    python -P examples/gpu/cuda_checks.py --output runs/cuda_checks.json
+    python -P experiments/gpu/cuda_checks.py --output runs/cuda_checks.json
 
 Random-weight targets, so the checks need no download: SmolLM2-135M's shape (Llama, 30 layers, hidden 576) with the
 shipped drafter (its acceptance on a random target is near 0, but lookup drafts of a random model's repetitive text
