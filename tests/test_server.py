@@ -204,6 +204,8 @@ BAD = [
     (b'{"model": "tiny", "prompt": ["w5", "w6"]}', "prompt"),
     (b'{"prompt": "w5"}', "model"),
     (b'{"model": "tiny", "prompt": "w5 \\ud800"}', "prompt"),
+    (b'{"model": "tiny", "prompt": "w5", "response_format": {"type": "json_object"}}', "response_format"),
+    (b'{"model": "tiny", "prompt": "w5", "seed": 1180591620717411303424}', "seed"),
 ]
 
 
@@ -215,6 +217,22 @@ def test_bad_input_answers_an_openai_error_naming_the_field_and_serving_goes_on(
     assert param is None or param in error["error"]["message"]
     ok = client(server).completions.create(model="tiny", prompt="w5", max_tokens=2, temperature=0)
     assert ok.choices[0].finish_reason == "length"
+
+
+def test_a_json_response_format_is_refused_naming_the_field_and_text_is_accepted(server):
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    with pytest.raises(openai.BadRequestError, match="response_format: not supported") as refused:
+        client(server).chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "w5"}], max_tokens=2, response_format=schema
+        )
+    assert refused.value.body["param"] == "response_format" and "json_schema" in refused.value.body["message"]
+    text = client(server).chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "w5"}],
+        max_tokens=2,
+        response_format={"type": "text"},
+    )
+    assert text.choices[0].finish_reason == "length"
 
 
 def test_bad_chat_messages_name_the_message_field(server):
@@ -358,6 +376,43 @@ def test_serve_refuses_bf16_with_learn_before_loading_anything(capsys):
     assert cli.main(["serve", "--learn", "--dtype", "bf16", "--target", "/nonexistent"]) == 1
     err = capsys.readouterr().err
     assert "--dtype: expected auto or fp32 with --learn" in err and "got bf16" in err
+
+
+@pytest.mark.parametrize(
+    "option", [["--train-threshold", "5"], ["--learn-dir", "runs/x"], ["--opd-config", "opd.yaml"]]
+)
+def test_a_learn_option_without_learn_is_a_usage_error_naming_both(capsys, option):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["serve", *option, "--target", "/nonexistent"])
+    assert exit_info.value.code == 2
+    assert f"error: {' '.join(option)}: expected together with --learn" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("option", [["--length-mode", "fixed"], ["--draft-source", "hybrid"]])
+def test_a_drafting_option_with_drafter_none_is_a_usage_error_naming_both(capsys, option):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["serve", "--drafter", "none", *option, "--target", "/nonexistent"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"error: {' '.join(option)}: expected a drafter to draft with, got --drafter none" in err
+
+
+def test_a_port_out_of_range_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["serve", "--port", "70000", "--target", "/nonexistent"])
+    assert exit_info.value.code == 2
+    assert (
+        "argument --port: expected an int in 0..65535 (0: a free one), got 70000" in capsys.readouterr().err
+    )
+
+
+def test_a_host_this_machine_cannot_listen_on_is_one_line_naming_host(capsys):
+    assert cli.main(["serve", "--host", "192.0.2.1", "--target", "/nonexistent"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(
+        "adaflash serve: error: --host: expected an address of this machine to listen on, got "
+    )
+    assert "'192.0.2.1'" in err and err.count("\n") == 1
 
 
 @pytest.mark.integration

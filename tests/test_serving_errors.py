@@ -33,7 +33,8 @@ BAD_REQUESTS = [
     ([1, 2], {"top_k": -1}, "top_k: expected an int >= 0"),
     ([1, 2], {"top_p": 0.0}, r"top_p: expected a number in \(0, 1\], got 0.0"),
     ([1, 2], {"eos_token_id": 512}, "eos_token_id: expected token ids in 0..511, got 512"),
-    ([1, 2], {"seed": "x"}, "seed: expected an int or None"),
+    ([1, 2], {"seed": "x"}, "seed: expected None or an int in "),
+    ([1, 2], {"seed": 2**70}, "seed: expected None or an int in .*, got 1180591620717411303424"),
 ]
 
 

@@ -3,7 +3,8 @@
 Requests are parsed with pydantic in strict mode (a string is not a number, a number is not a bool) and every bad
 value becomes an ``OpenAIError``: HTTP 400 with OpenAI's body ``{"error": {"message", "type", "param", "code"}}``,
 ``param`` naming the field (404 ``model_not_found`` for a model this server does not serve, as the OpenAI API
-answers). Fields the server cannot honour (``logprobs``, ``tools``, penalties, ``n`` > 1, ...) are refused when set to
+answers). Fields the server cannot honour (``logprobs``, ``tools``, penalties, ``n`` > 1, a ``response_format``
+other than text, ...) are refused when set to
 anything but their neutral value; other unknown fields are ignored, as the OpenAI API ignores ``user`` or
 ``metadata`` for a model that has no use for them. ``top_k`` is accepted as an extension (vLLM's).
 
@@ -20,7 +21,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from adaflash_hf.serving.requests import SamplingParams
+from adaflash_hf.serving.requests import SEED_MAX, SEED_MIN, SEED_RANGE, SamplingParams
 
 MAX_STOP_STRINGS = 4
 # field -> its neutral values: set to anything else, the request is refused (the server cannot honour it)
@@ -39,6 +40,7 @@ UNSUPPORTED = {
     "suffix": (None, ""),
     "audio": (None,),
     "modalities": (None, ["text"]),
+    "response_format": (None, {"type": "text"}),  # no constrained decoding: JSON modes would go unenforced
 }
 
 
@@ -196,6 +198,8 @@ def sampling_params(
         raise OpenAIError(f"top_p: expected a number in (0, 1], got {top_p}", param="top_p")
     if request.top_k is not None and request.top_k < 0:
         raise OpenAIError(f"top_k: expected an integer >= 0 (0 disables), got {request.top_k}", param="top_k")
+    if request.seed is not None and not SEED_MIN <= request.seed <= SEED_MAX:
+        raise OpenAIError(f"seed: expected an integer in {SEED_RANGE}, got {request.seed}", param="seed")
     return SamplingParams(
         max_new_tokens=max_tokens if max_tokens is not None else min(default_max_tokens, room),
         temperature=temperature,

@@ -18,6 +18,8 @@ from adaflash_hf.lookup import LookupIndex
 from adaflash_hf.policy import DraftState
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes
+SEED_RANGE = "-2**63..2**64-1"
 
 
 @dataclass(frozen=True)
@@ -53,8 +55,8 @@ class SamplingParams:
             raise bad("top_k", "an int >= 0 (0 disables)", self.top_k)
         if not (is_number(self.top_p) and 0 < self.top_p <= 1):
             raise bad("top_p", "a number in (0, 1]", self.top_p)
-        if self.seed is not None and not is_int(self.seed):
-            raise bad("seed", "an int or None", self.seed)
+        if self.seed is not None and not (is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX):
+            raise bad("seed", f"None or an int in {SEED_RANGE}", self.seed)
         eos = self.eos_token_id
         if eos is not None and not (
             is_int(eos) or (isinstance(eos, (tuple, list)) and all(map(is_int, eos)))

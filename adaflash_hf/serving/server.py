@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
 import signal
 import socket
@@ -299,13 +300,28 @@ def _number(value) -> str:
 
 
 # ------------------------------------------------------------------------------------------------------- running
-def bind(host: str, port: int) -> socket.socket:
-    """A listening socket (port 0: a free one), bound before the model loads are announced."""
+def bind(host: str, port: int, names: tuple[str, str] = ("host", "port")) -> socket.socket:
+    """A listening socket (port 0: a free one), bound before the model loads are announced. An address or port it
+    cannot listen on is one ``OSError`` naming ``names`` (the options they came from) and the value."""
+    host_name, port_name = names
+    if not (isinstance(port, int) and 0 <= port <= 65535):
+        raise ValueError(f"{port_name}: expected an int in 0..65535 (0: a free one), got {port!r}")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(128)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+    except (OSError, ValueError, TypeError) as error:  # a name IDNA cannot encode, a NUL in the name
+        sock.close()
+        reason = getattr(error, "strerror", None) or str(error)
+        if isinstance(error, OSError) and error.errno in (errno.EADDRINUSE, errno.EACCES):
+            raise OSError(
+                f"{port_name}: expected a port free for this process to listen on, got {port} ({reason})"
+            ) from None
+        raise OSError(
+            f"{host_name}: expected an address of this machine to listen on, got {host!r} ({reason})"
+        ) from None
     return sock
 
 
@@ -433,7 +449,7 @@ def serve(options, learner_factory=None) -> int:
             "--dtype: expected auto or fp32 with --learn (the trainer's drafter publishes weights in the serving "
             "dtype, and AdamW on bf16 weights loses its small updates), got bf16"
         )
-    sock = bind(options.host, options.port)
+    sock = bind(options.host, options.port, names=("--host", "--port"))
     engine, target, tokenizer = served_engine(
         options.target,
         options.drafter,
