@@ -8,11 +8,11 @@ The ``adaflash`` console script defers even the hook to the command it runs (``i
 imports neither torch nor transformers.
 """
 
-__version__ = "0.1.0"
-
 import importlib
 import sys
 from pathlib import Path
+
+from adaflash_hf.version import __version__ as __version__
 
 # public name -> the module that defines it, imported on first access (PEP 562)
 _PUBLIC = {

@@ -163,6 +163,11 @@ def _serve_usage_error(args) -> str | None:
         for dest in DRAFTER_ONLY:
             if getattr(args, dest) is not None:
                 return f"{given(dest)}: expected a drafter to draft with, got --drafter none (plain decoding)"
+    if args.token_budget is not None and args.token_budget < args.max_running:
+        return (
+            f"--token-budget {args.token_budget}: expected at least --max-running {args.max_running} (every running "
+            "request verifies at least one token per step)"
+        )
     return None
 
 
@@ -381,6 +386,12 @@ def _add_serve(commands) -> None:
         type=int_at_least(0),
         default=64,
         help="accepted requests waiting beyond those; more get 429 (default 64)",
+    )
+    serve.add_argument(
+        "--token-budget",
+        type=int_at_least(1),
+        help="the most tokens one step's target forward takes, prompts being prefilled and drafts being verified "
+        "together; a longer prompt is refused with a 400 (default: the model's context)",
     )
     serve.add_argument(
         "--default-max-tokens", type=int_at_least(1), default=256, help="max_tokens when a request has none"

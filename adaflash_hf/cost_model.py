@@ -146,9 +146,9 @@ class CostModel:
         more than three median deviations, or 1% of a median step, off; slopes clamped at 0). A packed step's cost
         is close to linear in these, and a fit over every step is far steadier than per-size medians that few
         steps reach. ``single`` (1 for a forward of one token, its coefficient of either sign) is the jump between
-        a one-row forward and any larger one: on a CPU a 1-token step runs matrix-vector kernels and a 2-token one
-        costs 1.5-1.7x it, which a line through the larger sizes would price at a few percent. Before that: the
-        per-size curve at verify + prefill tokens."""
+        a one-row forward and any larger one: on a CPU a 1-token step runs matrix-vector kernels and a larger one
+        matrix-matrix kernels, a jump that a line through the larger sizes would miss (BENCHMARKS.md, "Verify
+        cost"). Before that: the per-size curve at verify + prefill tokens."""
         coefficients = self._step_fit()
         if coefficients is None:
             curve = self.target_curve(running)
@@ -197,8 +197,8 @@ class CostModel:
         if not table:
             return None
         sizes = sorted(table)
-        # No monotone fit: on a CPU a larger forward can cost less (oneDNN's fp32 path for 2-3 rows is slower than
-        # its GEMM for 4-8 on some machines, measured 1.5-2.4x against 1.2-1.5x), and the choice should use that.
+        # No monotone fit: on a CPU a larger forward can cost less (a kernel for a few rows slower than the one for
+        # more; BENCHMARKS.md, "Verify cost"), and the choice should use that.
         values = [statistics.median(table[s]) for s in sizes]
         return functools.lru_cache(maxsize=None)(lambda n: _interpolate(sizes, values, n))
 

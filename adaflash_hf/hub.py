@@ -32,10 +32,10 @@ from safetensors import safe_open
 from transformers import PreTrainedConfig
 from transformers.utils import logging
 
-import adaflash_hf
 import adaflash_hf.modeling
 from adaflash_hf.interop import check_target_fingerprint, load_drafter, load_target_config
 from adaflash_hf.modeling import AdaFlashConfig, AdaFlashDrafter
+from adaflash_hf.version import __version__
 
 logger = logging.get_logger(__name__)
 
@@ -215,7 +215,7 @@ def render_model_card(
         results_setup=", ".join(f"{k}: {_format_value(v)}" for k, v in setup.items()) or None,
         training_command=training_command,
         datasets=list(datasets or ()),
-        adaflash_version=adaflash_hf.__version__,
+        adaflash_version=__version__,
     )
 
 
@@ -321,7 +321,7 @@ def push_drafter(
         ]
         if dry_run:
             return [(op.path_in_repo, Path(op.path_or_fileobj).stat().st_size) for op in operations]
-        api = api or HfApi(library_name="adaflash-hf", library_version=adaflash_hf.__version__)
+        api = api or HfApi(library_name="adaflash-hf", library_version=__version__)
         try:
             url = api.create_repo(repo_id, private=private, exist_ok=True, token=token, repo_type="model")
             repo_id = url.repo_id if isinstance(getattr(url, "repo_id", None), str) else repo_id
@@ -331,8 +331,7 @@ def push_drafter(
             return api.create_commit(
                 repo_id,
                 operations=operations,
-                commit_message=commit_message
-                or f"Upload AdaFlash drafter (adaflash-hf {adaflash_hf.__version__})",
+                commit_message=commit_message or f"Upload AdaFlash drafter (adaflash-hf {__version__})",
                 revision=revision,
                 create_pr=create_pr,
                 token=token,

@@ -38,8 +38,7 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, PreTrainedConfig
 from transformers.utils import logging
 
-import adaflash_hf
-from adaflash_hf.atomic import atomic_folder
+from adaflash_hf.atomic import atomic_folder, blocking_file, read_json
 from adaflash_hf.modeling import AdaFlashConfig, AdaFlashDrafter
 from adaflash_hf.modeling.configuration_adaflash import TARGET_FINGERPRINT
 from adaflash_hf.modeling.sidecar_adaflash import (
@@ -49,6 +48,7 @@ from adaflash_hf.modeling.sidecar_adaflash import (
     SIDECAR_FORMAT_VERSION,
     SIDECAR_WEIGHTS,
 )
+from adaflash_hf.version import __version__
 
 logger = logging.get_logger(__name__)
 
@@ -63,10 +63,11 @@ def load_target_config(target_config: PreTrainedConfig | str | os.PathLike) -> P
         return target_config
     path = Path(target_config)
     if path.is_file():
-        values = json.loads(path.read_text())
-        if "model_type" not in values:
+        values = read_json(path)
+        if not isinstance(values, dict) or "model_type" not in values:
             raise ValueError(
-                f"{path}: expected a transformers config with a 'model_type' key, got keys {sorted(values)}"
+                f"{path}: expected a transformers config with a 'model_type' key, got "
+                + (f"keys {sorted(values)}" if isinstance(values, dict) else type(values).__name__)
             )
         return AutoConfig.for_model(values.pop("model_type"), **values)
     try:
@@ -136,10 +137,13 @@ def check_out_folder(out: str | os.PathLike, overwrite: bool, hint: str = "overw
     """Raise unless ``out`` is new, an empty folder, or a folder and ``overwrite`` is set (``hint`` names that switch):
     a file is never replaced."""
     out = Path(out)
-    if out.exists() and not out.is_dir():
+    blocker = blocking_file(out)
+    if blocker == out:
         raise FileExistsError(
             f"out: expected a folder to write (new, empty, or with {hint} a folder), got the file {out}"
         )
+    if blocker is not None:
+        raise FileExistsError(f"out: expected a folder to write, got {out}, inside the file {blocker}")
     if not overwrite and out.exists() and any(out.iterdir()):
         raise FileExistsError(f"out: expected a new or empty folder (or {hint}), got the non-empty {out}")
 
@@ -259,7 +263,7 @@ def export_dflash(
             save_file(sidecar_tensors, staging / SIDECAR_WEIGHTS, metadata={"format": "pt"})
         meta = {
             "format_version": SIDECAR_FORMAT_VERSION,
-            "adaflash_hf_version": adaflash_hf.__version__,
+            "adaflash_hf_version": __version__,
             "export_format": format,
             "block_size": config.block_size,
             "mask_token_id": config.mask_token_id,

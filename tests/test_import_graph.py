@@ -52,6 +52,7 @@ LAYERS = [
             "adaflash_hf.data",
             "adaflash_hf.launch",
             "adaflash_hf.registration",
+            "adaflash_hf.version",
             "adaflash_hf.prepared.*",
         ),
     ),

@@ -85,6 +85,8 @@ class TimeBudget(TrainerCallback):
 class DrafterTrainer(Trainer):
     """Trains an ``AdaFlashDrafter`` against a frozen ``target``. See the module docstring for the hooks."""
 
+    _tag_names = ["trl", "adaflash", "dflash"]  # the model card's tags when the drafter is pushed to the Hub
+
     def __init__(self, model: AdaFlashDrafter, args, target, tokenizer=None, eval_prompts=None, **kwargs):
         target.eval().requires_grad_(False)
         pad = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
@@ -94,6 +96,7 @@ class DrafterTrainer(Trainer):
             # held-out corpus directly.
             kwargs.setdefault("eval_dataset", list(eval_prompts or [args.heldout_corpus_dir]))
         super().__init__(model=model, args=args, processing_class=tokenizer, **kwargs)
+        self.model.add_model_tags(self._tag_names)
         self.target = target.to(self.accelerator.device)
         check_draft_vocab(getattr(model, "draft_token_ids", None), args.draft_vocab_size)
         soft_topk = args.soft_target_topk if args.soft_target_weight > 0 else 0
