@@ -332,6 +332,40 @@ def test_models_health_and_metrics(server):
     assert values["adaflash_generated_tokens_total"] > 0
 
 
+def test_a_prompt_past_2048_tokens_is_served_when_the_context_holds_it(target_factory, word_tokenizer):
+    long_context = target_factory("llama", max_position_embeddings=4096)
+    with running_server(long_context, None, word_tokenizer) as long_server:
+        prompt = [5 + i % 500 for i in range(3000)]
+        response = client(long_server).completions.create(
+            model="tiny", prompt=prompt, max_tokens=2, temperature=0
+        )
+    assert (response.usage.prompt_tokens, response.choices[0].finish_reason) == (3000, "length")
+
+
+def test_the_token_budget_defaults_to_the_models_context(target_factory):
+    long_context = target_factory("llama", max_position_embeddings=8192)
+    assert build_engine(long_context, None).admission.config.token_budget == 8192
+
+
+def test_a_prompt_over_the_token_budget_is_a_400_naming_the_limit(target, word_tokenizer):
+    with running_server(target, None, word_tokenizer, token_budget=64) as small:
+        body = json.dumps({"model": "tiny", "prompt": list(range(5, 105)), "max_tokens": 2}).encode()
+        status, error = post(small, "/completions", body)
+    assert status == 400 and error["error"]["param"] == "prompt"
+    assert (
+        "prompt: expected a prompt of at most 64 tokens (the server's --token-budget"
+        in error["error"]["message"]
+    )
+    assert error["error"]["message"].endswith("got 100")
+
+
+def test_a_token_budget_below_max_running_is_a_usage_error_naming_both(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["serve", "--token-budget", "8", "--max-running", "16", "--target", "/nonexistent"])
+    assert exit_info.value.code == 2
+    assert "error: --token-budget 8: expected at least --max-running 16" in capsys.readouterr().err
+
+
 def test_overload_answers_429_with_retry_after_and_every_accepted_request_completes(target, word_tokenizer):
     with running_server(target, None, word_tokenizer, max_waiting=1, max_running=1) as busy:
         accepted = [

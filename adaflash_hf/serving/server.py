@@ -45,6 +45,7 @@ logger = logging.get_logger(__name__)
 DEFAULT_DRAFTER = Path(__file__).resolve().parents[2] / "examples" / "drafters" / "smollm2-135m-adaflash"
 DISCONNECT_POLL_S = 0.25
 SHUTDOWN_MARGIN_S = 5.0
+FALLBACK_TOKEN_BUDGET = 2048  # a target whose config states no context
 
 
 def build_engine(
@@ -55,15 +56,28 @@ def build_engine(
     length_mode: str = "auto",
     max_running: int = 16,
     seed: int = 0,
+    token_budget: int | None = None,
 ) -> AdaFlashEngine:
-    """The server's engine: plain decoding without a drafter, else AdaFlash with the given drafting settings."""
+    """The server's engine: plain decoding without a drafter, else AdaFlash with the given drafting settings.
+
+    ``token_budget`` (``--token-budget``): the most tokens one target forward takes, prompts being prefilled and
+    drafts being verified together; a prompt longer than it is refused. None: the model's context, so any prompt
+    the context holds is served (a long prompt's prefill then makes one long step for every running request)."""
     block = drafter.config.block_size if drafter is not None else 16
-    admission = AdmissionConfig(max_running=max_running, token_budget=max(2048, max_running * block))
+    if token_budget is None:
+        token_budget = max(context_tokens(target) or FALLBACK_TOKEN_BUDGET, max_running * block)
+    admission = AdmissionConfig(max_running=max_running, token_budget=token_budget)
     if drafter is None:
         return AdaFlashEngine(target, admission=admission, seed=seed)
     return AdaFlashEngine(
         target, drafter, admission=admission, draft_source=draft_source, length_mode=length_mode, seed=seed
     )
+
+
+def context_tokens(target) -> int | None:
+    """The target's context in tokens (its ``max_position_embeddings``), or None where its config has none."""
+    config = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
+    return getattr(config, "max_position_embeddings", None)
 
 
 def _error(error: api.OpenAIError, headers: dict | None = None) -> JSONResponse:
@@ -144,6 +158,14 @@ async def _complete(
     else:
         prompt_field, prompt = "prompt", api.completion_prompt_ids(tokenizer, body, engine.vocab_size)
     params = api.sampling_params(body, len(prompt), engine.max_positions, default_max_tokens, prompt_field)
+    budget = engine.admission.config.token_budget
+    # The context may hold a prompt that one step's forward cannot take (adaflash serve --token-budget).
+    if len(prompt) > budget:
+        raise api.OpenAIError(
+            f"{prompt_field}: expected a prompt of at most {budget} tokens (the server's --token-budget: the tokens "
+            f"one step's forward takes), got {len(prompt)}",
+            param=prompt_field,
+        )
     try:
         handle = worker.submit(prompt, params, stop, prefix="chatcmpl" if chat else "cmpl")
     except QueueFull as error:
@@ -420,6 +442,7 @@ def served_engine(
     draft_source: str = "auto",
     length_mode: str | None = None,
     max_running: int = 16,
+    token_budget: int | None = None,
 ):
     """``(engine, target, tokenizer)`` as ``adaflash serve`` builds them from its options: a private copy of the
     target prepared per ``--dtype``, the ``--drafter`` (None: the shipped one; "none": plain decoding), and
@@ -434,6 +457,7 @@ def served_engine(
         draft_source=draft_source,
         length_mode=length_mode or ("adaptive" if learn else "auto"),
         max_running=max_running,
+        token_budget=token_budget,
     )
     return engine, target, tokenizer
 
@@ -458,6 +482,7 @@ def serve(options, learner_factory=None) -> int:
         draft_source=options.draft_source,
         length_mode=options.length_mode,
         max_running=options.max_running,
+        token_budget=options.token_budget,
     )
     learner = learner_factory(engine, target, tokenizer) if learner_factory is not None else None
     worker = EngineWorker(engine, tokenizer, max_waiting=options.max_waiting, learner=learner)
