@@ -17,6 +17,7 @@ import torch
 
 from adaflash_hf import cli
 from adaflash_hf.prepared.prepare import is_prepared
+from adaflash_hf.serving import openai_api as api
 from adaflash_hf.serving.server import BackgroundServer, build_engine, create_app, prepare_served_target
 from adaflash_hf.serving.worker import EngineWorker
 
@@ -249,6 +250,18 @@ def test_a_lone_surrogate_in_a_message_is_a_400_naming_the_message_field(server)
     status, error = post(server, "/chat/completions", body)
     assert status == 400 and error["error"]["param"] == "messages.0.content"
     assert "expected valid Unicode text, got a lone surrogate '\\ud800'" in error["error"]["message"]
+
+
+def test_an_unexpected_server_error_is_a_500_in_the_openai_error_shape(server, monkeypatch):
+    def broken(tokenizer, request):
+        raise RuntimeError("template exploded")
+
+    monkeypatch.setattr(api, "chat_prompt_ids", broken)
+    status, error = post(
+        server, "/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "w5"}]}'
+    )
+    assert status == 500 and error["error"]["type"] == "server_error"
+    assert error["error"]["message"] == "server: unexpected RuntimeError: template exploded"
 
 
 def test_a_client_that_disconnects_mid_stream_frees_its_slot(server):

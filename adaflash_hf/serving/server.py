@@ -119,6 +119,12 @@ def create_app(
     async def openai_error(request, error: api.OpenAIError):
         return _error(error)
 
+    @app.exception_handler(Exception)
+    async def unexpected_error(request, error: Exception):
+        # A bug, not the client's input: the client still gets OpenAI's error body (not plain text it cannot
+        # parse), and the log keeps the traceback.
+        return _error(api.OpenAIError(f"server: unexpected {type(error).__name__}: {error}", status=500))
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         return await _complete(request, True, worker, tokenizer, model_name, default_max_tokens)
