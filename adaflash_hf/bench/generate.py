@@ -5,44 +5,37 @@
                             [--dtype fp32|bf16|auto] [--prepared] [--plain-baselines fp32 bf16]
     python -m adaflash_hf.bench.generate --quick --drafter DIR      # smoke run: 1 prompt, 16 tokens, 1 repeat
 
-Methods, run on the same held-out prompts (``adaflash_hf.data``, chat template) in one run:
-``plain`` generate; ``prompt_lookup`` (``prompt_lookup_num_tokens=10``); ``native_dflash`` (transformers'
-``speculation_type="dflash"`` with our weights, the AdaFlash hook switched off; it embeds ``mask_token_id`` with the
-target's embedding, so a drafter with a learned mask embedding drafts worse there); ``adaflash_fixed``
-(``block_size - 1`` drafts per round); ``adaflash_adaptive`` (the length head's k̂); ``adaflash_hybrid`` (adaptive,
-with ``adaflash_draft_source="hybrid"``: each round verifies the block or a lookup continuation, ``adaflash_hf.lookup``);
-``adaflash_goodput`` and ``adaflash_hybrid_goodput`` (``adaflash_length_mode="goodput"``: per round the k from 0 up
-with the most expected committed tokens per second on this machine, ``adaflash_hf.drafting``), both modes side by side
-in one run rather than behind a ``--length-mode`` switch, since the comparison is the point.
+Methods (``RUNNERS``), on the same held-out prompts (``adaflash_hf.data``, chat template): ``plain``;
+``prompt_lookup`` (10 tokens); ``native_dflash`` (transformers' ``speculation_type="dflash"`` with our weights, the
+hook off; it embeds ``mask_token_id`` with the target's embedding, so a learned mask embedding drafts worse there);
+``adaflash_fixed`` (``block_size - 1`` drafts); ``adaflash_adaptive`` (the length head's k̂); ``adaflash_hybrid``
+(adaptive, each round the block or a lookup continuation); ``adaflash_goodput`` and ``adaflash_hybrid_goodput``
+(``adaflash_length_mode="goodput"``), side by side in one run, since the comparison is the point.
 
-Every timed call's output must equal plain greedy's token for token (``lossless``); calls are interleaved per prompt
-and repeat (plain, lookup, native, fixed, adaptive, hybrid, then again) after one warm-up call per method, so machine noise
-hits all alike. A forward pre-hook on the target records each forward's query length and cache length; from them
-every method gets the same accounting: the forwards after the prefill are its rounds, a round verifies
-``query length - 1`` drafts and commits the growth of the cache up to the next forward. τ = tokens committed per
-round (plain: 1; prompt lookup also drafts inside its prefill, which this leaves out). For the AdaFlash methods the
-rounds must agree with ``drafter.last_stats`` (``stats_agree``). Speed-up = median plain seconds / median method
-seconds per prompt, geometric mean over a domain's prompts. Any lossless or stats_agree failure exits with status 1
-after the outputs are written; ``exact`` is the share of a method's prompts whose output equals plain's.
+Every timed call's output must equal plain greedy's token for token (``lossless``; ``exact``: the share of prompts
+that do); calls are interleaved per prompt and repeat after one warm-up call per method, so machine noise hits all
+alike. A forward pre-hook on the target records each forward's query and cache lengths, which give every method the
+same accounting: the forwards after the prefill are its rounds, a round verifies ``query length - 1`` drafts and
+commits the cache's growth up to the next forward. τ = tokens committed per round (prompt lookup's drafts inside its
+prefill are left out); for the AdaFlash methods the rounds must agree with ``drafter.last_stats`` (``stats_agree``).
+Speed-up = median plain seconds / median method seconds per prompt, geometric mean over a domain's prompts. A
+lossless or stats_agree failure exits with status 1 after the outputs are written.
 
-The target runs in ``--dtype``, through ``adaflash_hf.prepare_target`` with ``--prepared``
-(``adaflash_hf.bench.targets``): "plain" is then plain decoding of the prepared target, what lossless compares with.
-``--plain-baselines`` time plain decoding as transformers runs it in fp32 and bf16 beside the methods; the one with
-the most tokens/s over all prompts is the fastest plain decoding on this host (``settings["fastest_plain"]``), what a
-user would otherwise run, and ``speedup_vs_fastest_plain`` is every method's tokens/s over its tokens/s on the same
-prompt (a baseline's greedy text can end at another length than the target's).
+The target runs in ``--dtype``, through ``adaflash_hf.prepare_target`` with ``--prepared`` (``bench.targets``):
+"plain" is then plain decoding of the prepared target. ``--plain-baselines`` time plain decoding as transformers runs
+it in fp32 and bf16; the one with the most tokens/s is the fastest plain decoding here (``settings["fastest_plain"]``)
+and ``speedup_vs_fastest_plain`` every method's tokens/s over its own on the same prompt.
 
-Outputs in ``--output-dir``: ``results.json`` (``settings``, ``ok``, ``summary``: one row per domain and method,
-``records``: one per domain, prompt and method), ``table.md`` and three plots: ``acceptance_per_position.png``
-(P(draft j accepted | verified) per domain), ``acceptance_hist.png`` (per-round accepted / verified per domain) and
-``source_share.png`` (per domain, the share of rounds each draft source won, for the AdaFlash methods), and
-``cost_curve.png``: the target forward's measured seconds by tokens in it, relative to one token, as the goodput
-methods' cost model learnt it on this machine (``cost_curve`` in results.json).
+Outputs in ``--output-dir``: ``results.json`` (``settings``, ``ok``, ``summary`` per domain and method, ``records``
+per prompt too), ``table.md`` and the figures: P(draft j accepted | verified) per domain, the per-round accepted /
+verified histogram, the share of rounds each draft source won, the k̂ distribution, and the goodput cost model's
+measured verify-cost curve (``cost_curve``).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import statistics
 import time
@@ -74,23 +67,6 @@ from adaflash_hf.stats import tau_of
 
 logger = logging.get_logger(__name__)
 
-METHODS = (
-    "plain",
-    "prompt_lookup",
-    "native_dflash",
-    "adaflash_fixed",
-    "adaflash_adaptive",
-    "adaflash_hybrid",
-    "adaflash_goodput",
-    "adaflash_hybrid_goodput",
-)
-ADAFLASH_METHODS = (
-    "adaflash_fixed",
-    "adaflash_adaptive",
-    "adaflash_hybrid",
-    "adaflash_goodput",
-    "adaflash_hybrid_goodput",
-)
 PROMPT_LOOKUP_TOKENS = 10
 WARMUP_TOKENS = 16
 QUICK = {"prompts_per_domain": 1, "max_new_tokens": 16, "repeats": 1}
@@ -146,6 +122,8 @@ RUNNERS = {
     "adaflash_goodput": _adaflash("goodput"),
     "adaflash_hybrid_goodput": _adaflash("goodput", "hybrid"),
 }
+METHODS = tuple(RUNNERS)
+ADAFLASH_METHODS = tuple(m for m in METHODS if m.startswith("adaflash_"))
 
 
 # --------------------------------------------------------------------------------------------- forward accounting
@@ -234,21 +212,12 @@ def _run_prompts(
             call("plain", first_ids, min(WARMUP_TOKENS, max_new_tokens), model)
         total = sum(len(pairs) for pairs in prompts.values()) * repeats * (len(methods) + len(timed))
         with tqdm(total=total, desc="bench generate", disable=not progress) as bar:
+            bench = functools.partial(
+                _bench_prompt, call, recorder, drafter, methods, repeats, max_new_tokens, bar
+            )
             for domain, pairs in prompts.items():
                 for prompt_id, input_ids in pairs:
-                    records += _bench_prompt(
-                        call,
-                        recorder,
-                        drafter,
-                        methods,
-                        repeats,
-                        max_new_tokens,
-                        domain,
-                        prompt_id,
-                        input_ids,
-                        bar,
-                        timed,
-                    )
+                    records += bench(domain, prompt_id, input_ids, timed)
     finally:
         recorder.remove()
     return records
@@ -369,7 +338,7 @@ def _settings(drafter, prompts, methods, max_new_tokens: int, repeats: int, gamm
 
 
 def _bench_prompt(
-    call, recorder, drafter, methods, repeats, max_new_tokens, domain, prompt_id, input_ids, bar, baselines
+    call, recorder, drafter, methods, repeats, max_new_tokens, bar, domain, prompt_id, input_ids, baselines
 ) -> list[dict]:
     """One record per method for one prompt: ``repeats`` passes over the methods in turn, then the ``baselines``' plain
     decoding (name -> model), each method's output checked against the first plain one; forward accounting and stats
@@ -377,16 +346,8 @@ def _bench_prompt(
     ``plain_baseline_tokens``)."""
     baseline_seconds = {name: [] for name in baselines}
     baseline_tokens = {}
-    records = {
-        method: {
-            "domain": domain,
-            "prompt_id": prompt_id,
-            "method": method,
-            "seconds": [],
-            "first_mismatch": None,
-        }
-        for method in methods
-    }
+    new = {"domain": domain, "prompt_id": prompt_id, "seconds": [], "first_mismatch": None}
+    records = {method: {**new, "method": method, "seconds": []} for method in methods}
     prompt_length = input_ids.shape[1]
     reference = None
     for repeat in range(repeats):
@@ -542,43 +503,40 @@ def length_head_figures(stats: list[dict]) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------------- outputs
+# The table's columns: header -> the cell of a summary row.
+COLUMNS = {
+    "domain": lambda r: r["domain"],
+    "method": lambda r: r["method"],
+    "τ": lambda r: fmt(r["tau"]),
+    "τ (stats)": lambda r: fmt(r["tau_stats"]),
+    "tokens/s": lambda r: fmt(r["tokens_per_s"], ".1f"),
+    "speed-up": lambda r: fmt(r["speedup"], ".2f", "x"),
+    "vs fastest plain": lambda r: fmt(r["speedup_vs_fastest_plain"], ".2f", "x"),
+    "mean verify len": lambda r: fmt(r["mean_verify_length"]),
+    "k=0 rounds": lambda r: percent(r.get("zero_length_share")),
+    "drafter skipped": lambda r: percent(r.get("skipped_drafter_share")),
+    "acceptance": lambda r: fmt(r["acceptance_rate"]),
+    "lookup rounds": lambda r: percent(r["lookup_share"]),
+    "lookup acceptance": lambda r: fmt(r["lookup_acceptance"]),
+    "length head mean abs(â - a*)": lambda r: fmt(r.get("head_abs_error")),
+    "lossless": lambda r: "yes" if r["lossless"] else "NO",
+    "exact": lambda r: percent(r["exact_rate"]),
+}
+
+
 def markdown_table(results: dict) -> str:
     """One row per (domain, method)."""
     settings = results["settings"]
     fastest = settings["fastest_plain"]
     rates = ", ".join(f"{k} {v:.1f}" for k, v in sorted(fastest["tokens_per_s"].items()))
-    header = (
-        "domain|method|τ|τ (stats)|tokens/s|speed-up|vs fastest plain|mean verify len|k=0 rounds|drafter skipped|"
-        "acceptance|lookup rounds|lookup acceptance|length head mean abs(â - a*)|lossless|exact"
-    ).split("|")
-    rows = [
-        [
-            row["domain"],
-            row["method"],
-            fmt(row["tau"]),
-            fmt(row["tau_stats"]),
-            fmt(row["tokens_per_s"], ".1f"),
-            fmt(row["speedup"], ".2f", "x"),
-            fmt(row["speedup_vs_fastest_plain"], ".2f", "x"),
-            fmt(row["mean_verify_length"]),
-            percent(row.get("zero_length_share")),
-            percent(row.get("skipped_drafter_share")),
-            fmt(row["acceptance_rate"]),
-            percent(row["lookup_share"]),
-            fmt(row["lookup_acceptance"]),
-            fmt(row.get("head_abs_error")),
-            "yes" if row["lossless"] else "NO",
-            percent(row["exact_rate"]),
-        ]
-        for row in results["summary"]
-    ]
+    rows = [[cell(row) for cell in COLUMNS.values()] for row in results["summary"]]
     return (
         f"Greedy, {settings['max_new_tokens']} new tokens, median of {settings['repeats']} repeats, "
         f"{settings['threads']} threads; prompts per domain: {settings['prompts_per_domain']}.\n"
         f"CPU: {settings['cpu_model']} ({settings['cpu']}); target {settings.get('target_dtype', '?')}, "
         f"prepared: {settings.get('prepared')}. Speed-up: against plain decoding of this target; vs fastest plain: "
         f"against {fastest['name']} plain decoding, the fastest of {sorted(fastest['tokens_per_s'])} here "
-        f"(tokens/s: {rates}).\n\n" + table(header, rows, "ll" + "r" * 12 + "lr")
+        f"(tokens/s: {rates}).\n\n" + table(list(COLUMNS), rows, "ll" + "r" * 12 + "lr")
     )
 
 

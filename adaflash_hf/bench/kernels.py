@@ -10,15 +10,13 @@ each variant runs in a fresh subprocess and reports its RSS high-water mark minu
 """
 
 import argparse
-import json
-import resource
 import statistics
-import subprocess
 import sys
 import time
 
 import torch
 
+from adaflash_hf.bench.machine import in_fresh_process, json_result, peak_rss_bytes, rss_bytes
 from adaflash_hf.bench.report import fmt, table, write_json
 from adaflash_hf.kernels.clipped_kl import clipped_distill_loss_reference, fused_clipped_distill_loss
 from adaflash_hf.kernels.verify_accept import verify_accept
@@ -49,11 +47,6 @@ def _loss_step(variant: str, h, weight, target) -> None:
     h.grad = weight.grad = None
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize()
-
-
 def measure_loss(
     variant: str, rows: int, hidden: int, vocab: int, device: str, repeats: int, threads: int
 ) -> dict:
@@ -67,7 +60,7 @@ def measure_loss(
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
     else:
-        base = _rss_bytes()
+        base = rss_bytes()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -77,7 +70,7 @@ def measure_loss(
     if device == "cuda":
         peak = torch.cuda.max_memory_allocated() - base
     else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
+        peak = peak_rss_bytes() - base
     return {"ms": statistics.median(times), "peak_mib": peak / 2**20}
 
 
@@ -89,11 +82,10 @@ def _measure_loss_isolated(variant, rows, hidden, vocab, device, repeats, thread
         except torch.OutOfMemoryError:
             torch.cuda.empty_cache()
             return {"ms": None, "peak_mib": None, "error": "OOM"}
-    spec = json.dumps([variant, rows, hidden, vocab, device, repeats, threads])
-    code = f"import json; from adaflash_hf.bench.kernels import measure_loss; print(json.dumps(measure_loss(*json.loads({spec!r}))))"
-    # -P: the repository root must not shadow Hugging Face's own ``kernels`` package.
-    result = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, check=True)
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    spec = [variant, rows, hidden, vocab, device, repeats, threads]
+    process = in_fresh_process("adaflash_hf.bench.kernels", "measure_loss", spec, threads)
+    process.check_returncode()
+    return json_result(process)
 
 
 def measure_accept(impl: str, batch: int, vocab: int, device: str, repeats: int, draft_len: int = 16) -> dict:

@@ -335,19 +335,8 @@ def run_variant(config_path: Path, config: dict, variant: str, output_dir: Path,
     from adaflash_hf.launch import launch_command, trainer_script
 
     launcher = argparse.Namespace(accelerate_config=None, num_processes=1)
-    command = launch_command(
-        trainer_script("opd.py"),
-        launcher,
-        [
-            "--config",
-            str(config_path),
-            "--output_dir",
-            str(run_dir),
-            "--resume",
-            "false",
-            *flags,
-        ],
-    )
+    arguments = ["--config", str(config_path), "--output_dir", str(run_dir), "--resume", "false", *flags]
+    command = launch_command(trainer_script("opd.py"), launcher, arguments)
     command[3:3] = ["--cpu", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
     output_dir.mkdir(parents=True, exist_ok=True)
     logger.info(f"{variant}: {' '.join(command)} (log: {output_dir / f'{variant}.log'})")
@@ -395,16 +384,14 @@ def make_parser() -> argparse.ArgumentParser:
         prog="adaflash bench opd",
         description="Online distillation experiment: τ per domain over OPD rounds for four loss variants.",
     )
+    variants = (
+        "; ".join(f"{k}: {v[0]}" for k, v in VARIANTS.items()) + f" (default: {' '.join(DEFAULT_VARIANTS)})"
+    )
     parser.add_argument(
         "--config", type=Path, default=DEFAULT_CONFIG, help=f"OPD YAML (default {DEFAULT_CONFIG})"
     )
     parser.add_argument(
-        "--variants",
-        nargs="+",
-        default=list(DEFAULT_VARIANTS),
-        choices=list(VARIANTS),
-        help="; ".join(f"{k}: {v[0]}" for k, v in VARIANTS.items())
-        + f" (default: {' '.join(DEFAULT_VARIANTS)})",
+        "--variants", nargs="+", default=list(DEFAULT_VARIANTS), choices=list(VARIANTS), help=variants
     )
     parser.add_argument(
         "--replay-fraction",
@@ -420,25 +407,16 @@ def make_parser() -> argparse.ArgumentParser:
         help="the replay variant's replay domains: traffic domains other than the new one, served before it "
         "(default: the config's replay_domains)",
     )
+    parser.add_argument("--eval-prompts-per-domain", type=int_at_least(1), default=16, help="per domain (16)")
     parser.add_argument(
-        "--eval-prompts-per-domain",
-        type=int_at_least(1),
-        default=16,
-        help="evaluation prompts per domain (default 16)",
+        "--eval-max-new-tokens", type=int_at_least(1), help="default: the config's max_new_tokens"
     )
     parser.add_argument(
-        "--eval-max-new-tokens",
-        type=int_at_least(1),
-        help="tokens per evaluation request (default: the config's)",
-    )
-    parser.add_argument(
-        "--threads", type=int_at_least(1), default=2, help="torch threads for the evaluation (default 2)"
+        "--threads", type=int_at_least(1), default=2, help="torch threads for the evaluation (2)"
     )
     parser.add_argument("--output-dir", type=Path, default=Path("runs/bench_opd"), help="where outputs go")
     parser.add_argument(
-        "--launch-args",
-        default="",
-        help="extra trainers/opd.py arguments for every variant, one string (e.g. '--learning_rate 1e-4')",
+        "--launch-args", default="", help="more trainers/opd.py arguments for every run, one string"
     )
     parser.add_argument(
         "--skip-training", action="store_true", help="evaluate existing runs only; launch nothing"

@@ -274,31 +274,28 @@ def _cost_curves(target, concurrency: list[int]) -> dict:
     return {level: curve for level, curve in curves.items() if curve}
 
 
+# The table's columns: header -> the cell of a summary row.
+COLUMNS = {
+    "concurrency": lambda r: r["concurrency"],
+    "mode": lambda r: r["mode"],
+    "tokens/s": lambda r: f"{r['tokens_per_s']:.1f}",
+    "speed-up vs plain": lambda r: f"{r['speedup_vs_plain']:.2f}x",
+    "vs fastest plain": lambda r: f"{r['speedup_vs_fastest_plain']:.2f}x ({r['fastest_plain']})",
+    "τ": lambda r: f"{r['tau']:.2f}",
+    "mean verify length": lambda r: f"{r['mean_verify_length']:.2f}",
+    "k=0 verifies": lambda r: percent(r.get("zero_length_share", 0)),
+    "drafter skipped": lambda r: percent(r.get("skipped_drafter_share", 0)),
+    "acceptance": lambda r: f"{r['acceptance_rate']:.2f}",
+    "lookup share": lambda r: percent(r["lookup_share"]),
+    "lossless": lambda r: "yes" if r["lossless"] else "NO",
+    "exact": lambda r: percent(r["exact_rate"]),
+}
+
+
 def markdown_table(results: dict) -> str:
     settings = results["settings"]
-    header = (
-        "concurrency|mode|tokens/s|speed-up vs plain|vs fastest plain|τ|mean verify length|k=0 verifies|"
-        "drafter skipped|acceptance|lookup share|lossless|exact"
-    ).split("|")
-    rows = [
-        [
-            r["concurrency"],
-            r["mode"],
-            f"{r['tokens_per_s']:.1f}",
-            f"{r['speedup_vs_plain']:.2f}x",
-            f"{r['speedup_vs_fastest_plain']:.2f}x ({r['fastest_plain']})",
-            f"{r['tau']:.2f}",
-            f"{r['mean_verify_length']:.2f}",
-            percent(r.get("zero_length_share", 0)),
-            percent(r.get("skipped_drafter_share", 0)),
-            f"{r['acceptance_rate']:.2f}",
-            percent(r["lookup_share"]),
-            "yes" if r["lossless"] else "NO",
-            percent(r["exact_rate"]),
-        ]
-        for r in results["summary"]
-    ]
-    return table(header, rows, "rl" + "r" * 9 + "cr") + (
+    rows = [[cell(r) for cell in COLUMNS.values()] for r in results["summary"]]
+    return table(list(COLUMNS), rows, "rl" + "r" * 9 + "cr") + (
         f"\nGreedy, {settings['max_new_tokens']} new tokens per request, max(requests_per_level="
         f"{settings['requests_per_level']}, concurrency) requests per level, {settings['repeats']} repeat(s), "
         f"{settings['threads']} thread(s).\n"

@@ -25,16 +25,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import resource
 import statistics
-import subprocess
 import sys
 import time
 
 import torch
 from transformers import LlamaConfig
 
+from adaflash_hf.bench.machine import in_fresh_process, json_result, peak_rss_bytes, rss_bytes
 from adaflash_hf.bench.report import fmt, table, write_json
 from adaflash_hf.launch import CONFIG_HELP, int_at_least, parse_args_with_config
 from adaflash_hf.modeling import AdaFlashConfig, AdaFlashDrafter
@@ -118,11 +116,6 @@ SHAPES = {
     },
 }
 BLOCK = 16
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize()
 
 
 def top_label_vocab(
@@ -221,7 +214,7 @@ def measure_variant(
         optimizer.zero_grad(set_to_none=True)
         return metrics["blocks"]
 
-    base = _rss_bytes()
+    base = rss_bytes()
     for _ in range(warmup):
         step()
     seconds, rates, blocks = [], [], []
@@ -232,7 +225,7 @@ def measure_variant(
         seconds.append(elapsed)
         rates.append(trained / elapsed)
         blocks.append(trained)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = peak_rss_bytes()
     return {
         "variant": variant,
         "attention_layout": spec["attention_layout"],
@@ -252,19 +245,13 @@ def measure_variant(
 
 def _measure_isolated(variant, quick, steps, warmup, threads, context_layers) -> dict:
     """One fresh process per variant, so the RSS high-water mark belongs to that variant alone."""
-    spec = json.dumps([variant, quick, steps, warmup, threads, context_layers])
-    code = (
-        "import json; from adaflash_hf.bench.train import measure_variant; "
-        f"print(json.dumps(measure_variant(*json.loads({spec!r}))))"
-    )
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    # -P: the repository root must not shadow Hugging Face's own ``kernels`` package.
-    result = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, env=env)
+    spec = [variant, quick, steps, warmup, threads, context_layers]
+    result = in_fresh_process("adaflash_hf.bench.train", "measure_variant", spec, threads)
     if result.returncode != 0:
         # A variant killed for memory (SIGKILL, -9) is a result too: report it and go on with the others.
         reason = "killed (out of memory?)" if result.returncode == -9 else result.stderr.strip()[-300:]
         return {"variant": variant, "error": f"exit {result.returncode}: {reason}"}
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return json_result(result)
 
 
 def run(args) -> dict:
