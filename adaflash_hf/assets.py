@@ -69,6 +69,29 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrai
     return model, tokenizer
 
 
+def looks_like_a_missing_folder(name_or_path: str) -> bool:
+    """True when ``name_or_path`` can only be a local path (absolute, ``./``, ``../``, ``~``, more than one ``/`` or a
+    trailing one: never a Hub id) and nothing is there. Loading it would otherwise fail with the Hub's "Repo id must
+    be in the form ..." instead of saying the folder does not exist."""
+    if Path(name_or_path).expanduser().exists():
+        return False
+    return (
+        Path(name_or_path).is_absolute()
+        or name_or_path.startswith(("./", "../", "~", ".\\"))
+        or name_or_path.count("/") > 1
+        or name_or_path.endswith("/")
+    )
+
+
+def check_target_path(name_or_path: str, option: str = "target") -> None:
+    """Refuse, naming ``option``, a target that is a local folder path where no folder exists."""
+    if not name_or_path.endswith(".gguf") and looks_like_a_missing_folder(name_or_path):
+        raise FileNotFoundError(
+            f"{option}: expected an existing model folder, a .gguf file, {DEFAULT_TARGET!r} or a Hub id, got "
+            f"{name_or_path!r}, a folder that does not exist"
+        )
+
+
 @functools.lru_cache(maxsize=4)
 def _load_cached(name_or_path: str, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     if name_or_path == DEFAULT_TARGET:
@@ -90,34 +113,40 @@ def _load_cached(name_or_path: str, dtype: torch.dtype) -> tuple[PreTrainedModel
     return model.eval(), tokenizer
 
 
-def load_target_config(name_or_path: str = DEFAULT_TARGET):
-    """The target's config alone (a few seconds, no weights): for checks that must fail before the model loads."""
+def load_target_config(name_or_path: str = DEFAULT_TARGET, option: str = "target"):
+    """The target's config alone (a few seconds, no weights): for checks that must fail before the model loads.
+    Errors name ``option`` (the command's option or field that gave the target)."""
     from transformers import AutoConfig
 
     if name_or_path == DEFAULT_TARGET or name_or_path.endswith(".gguf"):
         path = smollm2_gguf_path() if name_or_path == DEFAULT_TARGET else Path(name_or_path)
         if not path.is_file():
-            raise FileNotFoundError(f"name_or_path: expected an existing .gguf file, got {name_or_path!r}")
+            raise FileNotFoundError(f"{option}: expected an existing .gguf file, got {name_or_path!r}")
         return AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    check_target_path(name_or_path, option)
     try:
         return AutoConfig.from_pretrained(name_or_path)
-    except OSError as error:
+    except (OSError, ValueError) as error:  # the Hub's validator raises ValueError for a name it cannot be
         raise OSError(
-            f"target {name_or_path!r}: expected a local model folder, a .gguf file, {DEFAULT_TARGET!r} or a Hub id "
-            f"reachable from here, found none ({str(error).splitlines()[0]})"
+            f"{option} {name_or_path!r}: expected a local model folder (there is none at {name_or_path}), a .gguf "
+            f"file, {DEFAULT_TARGET!r} or a Hub id reachable from here, found none ({str(error).splitlines()[0]})"
         ) from None
 
 
 def load_target(
-    name_or_path: str = DEFAULT_TARGET, dtype: torch.dtype = torch.float32, fresh: bool = False
+    name_or_path: str = DEFAULT_TARGET,
+    dtype: torch.dtype = torch.float32,
+    fresh: bool = False,
+    option: str = "target",
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a target causal LM and its tokenizer, in eval mode.
 
     ``name_or_path``: ``"smollm2-135m-instruct"`` (the offline GGUF), a path to a ``.gguf`` file, or anything
     ``AutoModelForCausalLM.from_pretrained`` accepts. Results are cached per process and the SAME objects are
     returned on every call: callers must not mutate them (train, move, cast, patch). Pass ``fresh=True`` for
-    a private copy that is not cached.
+    a private copy that is not cached. A local folder path where no folder exists is an error naming ``option``.
     """
+    check_target_path(name_or_path, option)
     if fresh:
         return _load_cached.__wrapped__(name_or_path, dtype)
     return _load_cached(name_or_path, dtype)

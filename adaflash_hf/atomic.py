@@ -1,10 +1,11 @@
 """Atomic files and folders: a reader sees the old version or the whole new one, never half of either.
 
 ``atomic_write(path, write)`` has ``write`` fill a temporary sibling of ``path``, fsyncs it and renames it over
-``path``; ``atomic_write_json`` does that for a JSON document. ``atomic_folder(out)`` is the same for a folder: the
-``with`` block writes into a fresh staging sibling, and only once it ends without error are the files fsynced and the
-folder renamed into place (an existing ``out`` is renamed aside first and deleted after). A failure anywhere leaves
-``out`` as it was and no staging folder behind.
+``path``; ``atomic_write_json`` does that for a JSON document, and ``read_json`` reads one back (a damaged file is an
+error naming it). ``atomic_folder(out)`` is the same for a folder: the ``with`` block writes into a fresh staging
+sibling, and only once it ends without error are the files fsynced and the folder renamed into place (an existing
+``out`` is renamed aside first and deleted after). A failure anywhere leaves ``out`` as it was and no staging folder
+behind. ``blocking_file(out)`` finds a file where a folder is to be made, before anything is written.
 
 Used by the online weights and checkpoints (``online/weights.py``), the export and import of drafters
 (``interop.py``), the online loop's metrics file and the corpus's feature files.
@@ -54,6 +55,26 @@ def atomic_write(path: str | Path, write: Callable[[Path], None], durable: bool 
 
 def atomic_write_json(path: str | Path, data: dict) -> None:
     atomic_write(path, lambda tmp: tmp.write_text(json.dumps(data, indent=1)))
+
+
+def read_json(path: str | Path):
+    """The JSON document in ``path``; a damaged one is a ValueError that names the file (``json`` names only the
+    line and column)."""
+    try:
+        return json.loads(Path(path).read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(
+            f"{path}: expected valid JSON, got {error.msg} at line {error.lineno}, column {error.colno}"
+        ) from None
+
+
+def blocking_file(path: str | Path) -> Path | None:
+    """The file at ``path`` or at one of its parents that keeps a folder from being made at ``path``, or None: a
+    check before anything loads, so the error names the option and the file, not a bare "File exists"."""
+    for candidate in (Path(path), *Path(path).parents):
+        if candidate.exists():
+            return None if candidate.is_dir() else candidate
+    return None
 
 
 @contextmanager

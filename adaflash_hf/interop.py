@@ -38,6 +38,7 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, PreTrainedConfig
 from transformers.utils import logging
 
+from adaflash_hf.assets import looks_like_a_missing_folder
 from adaflash_hf.atomic import atomic_folder, blocking_file, read_json
 from adaflash_hf.modeling import AdaFlashConfig, AdaFlashDrafter
 from adaflash_hf.modeling.configuration_adaflash import TARGET_FINGERPRINT
@@ -62,6 +63,11 @@ def load_target_config(target_config: PreTrainedConfig | str | os.PathLike) -> P
     if isinstance(target_config, PreTrainedConfig):
         return target_config
     path = Path(target_config)
+    if looks_like_a_missing_folder(str(target_config)):
+        raise FileNotFoundError(
+            f"target_config: expected a config.json file, a model folder or a cached Hub repo id, got "
+            f"{str(target_config)!r}, a path where nothing exists"
+        )
     if path.is_file():
         values = read_json(path)
         if not isinstance(values, dict) or "model_type" not in values:

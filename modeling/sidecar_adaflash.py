@@ -78,8 +78,15 @@ def read_sidecar(pretrained, kwargs: dict) -> tuple[dict, dict[str, torch.Tensor
     tensors: dict[str, torch.Tensor] = {}
     meta_file = _optional_file(pretrained, SIDECAR_CONFIG, kwargs)
     if meta_file is not None:
-        with open(meta_file) as handle:
-            meta = json.load(handle)
+        try:
+            with open(meta_file) as handle:
+                meta = json.load(handle)
+        except json.JSONDecodeError as error:
+            raise ValueError(
+                f"{meta_file}: expected valid JSON, got {error.msg} at line {error.lineno}, column {error.colno}"
+            ) from None
+        if not isinstance(meta, dict):
+            raise ValueError(f"{meta_file}: expected a JSON object, got {type(meta).__name__}")
         if meta.get("format_version") != SIDECAR_FORMAT_VERSION:
             raise ValueError(
                 f"{SIDECAR_CONFIG}: format_version expected {SIDECAR_FORMAT_VERSION}, got {meta.get('format_version')!r}"

@@ -234,6 +234,29 @@ def test_an_out_dir_that_is_a_file_is_refused_before_anything_loads(monkeypatch,
         corpus.main(["--out-dir", str(tmp_path / "file")])
 
 
+@pytest.mark.parametrize("option", ["--out-dir", "--features-dir"])
+def test_a_folder_option_inside_a_file_is_refused_naming_the_option_and_the_file(
+    monkeypatch, tmp_path, option
+):
+    monkeypatch.setattr(corpus, "load_domain", lambda *a, **k: pytest.fail("loaded the prompts"))
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(
+        ValueError,
+        match=rf"{option}: expected a folder \(or a new path\), got .*, inside the file {tmp_path / 'file'}",
+    ):
+        corpus.main([option, str(tmp_path / "file" / "sub")])
+
+
+def test_a_missing_target_folder_is_named_with_its_option_before_the_prompts_load(monkeypatch, tmp_path):
+    monkeypatch.setattr(corpus, "load_target", lambda *a, **k: pytest.fail("loaded the target"))
+    missing = tmp_path / "no-model"
+    with pytest.raises(
+        FileNotFoundError,
+        match=rf"--target: expected an existing model folder.*got '{missing}', a folder that does not exist",
+    ):
+        corpus.main(["--target", str(missing), "--chat", "1", "--code", "0", "--math", "0"])
+
+
 def test_the_default_out_dir_writes_under_runs_not_over_the_committed_corpus():
     assert corpus.make_parser().parse_args([]).out_dir == "runs/corpus"
 

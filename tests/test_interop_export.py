@@ -131,6 +131,26 @@ def test_truncated_sidecar_names_the_file(drafter, tmp_path):
         AdaFlashDrafter.from_pretrained(out)
 
 
+def test_a_damaged_sidecar_json_names_the_file(drafter, tmp_path):
+    out = export_dflash(drafter, tmp_path / "dflash")
+    (out / SIDECAR_CONFIG).write_text('{"format_version": 1,')
+    with pytest.raises(ValueError, match=rf"{SIDECAR_CONFIG}: expected valid JSON, got .* at line 1, column"):
+        AdaFlashDrafter.from_pretrained(out)
+
+
+def test_a_damaged_target_config_json_names_the_file(drafter, tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3"')
+    with pytest.raises(ValueError, match=r"config.json: expected valid JSON, got .* at line 1, column"):
+        export_dflash(drafter, tmp_path / "dflash", target_config=tmp_path / "config.json")
+
+
+def test_a_missing_target_config_folder_is_named_as_missing(drafter, tmp_path):
+    with pytest.raises(
+        FileNotFoundError, match=rf"target_config: .*got '{tmp_path / 'nope'}', a path where nothing"
+    ):
+        export_dflash(drafter, tmp_path / "dflash", target_config=tmp_path / "nope")
+
+
 def test_learned_mask_embedding_goes_to_mask_embedding_pt_with_a_warning(
     target_factory, drafter_factory, tmp_path, caplog
 ):
@@ -297,3 +317,16 @@ def test_overwrite_replaces_a_folder_never_a_file(drafter, tmp_path, capsys, com
     assert main([command, str(tmp_path / "drafter"), str(out), "--overwrite"]) == 1
     assert "got the file" in capsys.readouterr().err
     assert out.read_text() == "not a folder"
+
+
+@pytest.mark.parametrize("command", ["export", "import"])
+def test_an_out_path_inside_a_file_names_the_file(drafter, tmp_path, capsys, command):
+    from adaflash_hf.cli import main
+
+    drafter.save_pretrained(tmp_path / "drafter")
+    (tmp_path / "file").write_text("not a folder")
+    out = tmp_path / "file" / "out"
+    assert main([command, str(tmp_path / "drafter"), str(out)]) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"adaflash {command}: error: out: expected a folder to write, got {out}, inside the file {tmp_path / 'file'}"
+    )

@@ -783,6 +783,16 @@ def test_resuming_or_overwriting_may_use_an_output_dir_that_holds_a_run(tmp_path
         main(args)
 
 
+def test_a_missing_target_model_folder_is_named_with_its_field(tmp_path):
+    from adaflash_hf.assets import load_target
+
+    missing = str(tmp_path / "no-model")
+    with pytest.raises(
+        FileNotFoundError, match=rf"target_model: expected an existing model folder.*got '{missing}'"
+    ):
+        load_target(missing, option="target_model")
+
+
 def test_the_script_needs_a_corpus_and_says_how_to_build_one(tmp_path):
     from adaflash_hf.trainers.train_drafter import main
 

@@ -338,7 +338,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     drafter = AdaFlashDrafter.from_pretrained(args.drafter)
-    target, tokenizer = load_target(args.target)
+    target, tokenizer = load_target(args.target, option="--target")
     drafter = drafter.to(next(target.parameters()).dtype)  # a bf16 checkpoint is fitted in the target's dtype
     drafter.check_target(target)
     references = {}

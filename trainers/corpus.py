@@ -33,6 +33,7 @@ from transformers import DynamicCache
 from transformers.utils import logging
 
 from adaflash_hf.assets import DEFAULT_TARGET, load_target, load_target_config
+from adaflash_hf.atomic import blocking_file
 from adaflash_hf.data import load_domain, prompt_ids
 from adaflash_hf.launch import CONFIG_HELP, parse_args_with_config
 from adaflash_hf.trainers.corpus_format import (
@@ -436,9 +437,15 @@ def _check_args(args) -> None:
             raise ValueError(f"--{name.replace('_', '-')}: expected an int >= 1, got {getattr(args, name)}")
     for name in ("out_dir", "features_dir"):
         path = getattr(args, name)
-        if path is not None and Path(path).exists() and not Path(path).is_dir():
+        blocker = blocking_file(path) if path is not None else None
+        if blocker is not None and blocker == Path(path):
             raise ValueError(
                 f"--{name.replace('_', '-')}: expected a folder (or a new path), got the file {path}"
+            )
+        if blocker is not None:
+            raise ValueError(
+                f"--{name.replace('_', '-')}: expected a folder (or a new path), got {path}, inside the file "
+                f"{blocker}"
             )
     if any(i < 0 for i in args.layer_ids):
         raise ValueError(f"--layer-ids: expected layer indices >= 0, got {args.layer_ids}")
@@ -456,12 +463,12 @@ def main(argv: list[str] | None = None) -> dict:
         if n
         for row in load_domain(domain, args.split, n=n, seed=args.seed)
     ]
-    layers = load_target_config(args.target).get_text_config().num_hidden_layers
+    layers = load_target_config(args.target, option="--target").get_text_config().num_hidden_layers
     if max(args.layer_ids) >= layers:
         raise ValueError(
             f"--layer-ids: expected decoder layers of {args.target} in 0..{layers - 1}, got {args.layer_ids}"
         )
-    target, tokenizer = load_target(args.target, dtype=getattr(torch, args.dtype))
+    target, tokenizer = load_target(args.target, dtype=getattr(torch, args.dtype), option="--target")
     return build_corpus(
         target,
         tokenizer,

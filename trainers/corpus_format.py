@@ -25,7 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers.utils import logging
 
-from adaflash_hf.atomic import atomic_write
+from adaflash_hf.atomic import atomic_write, read_json
 
 logger = logging.get_logger(__name__)
 
@@ -112,7 +112,7 @@ def check_settings(out_dir: str | Path, settings: dict, rebuild: bool = False) -
     A corpus written before settings were recorded adopts ``settings`` (with a warning). A different target, dtype or
     ``max_new_tokens`` is an error naming the setting, unless ``rebuild`` (then the caller starts afresh)."""
     path = Path(out_dir) / SETTINGS_FILE
-    recorded = json.loads(path.read_text()) if path.is_file() else None
+    recorded = read_json(path) if path.is_file() else None
     if recorded is None and any(Path(out_dir).glob("*.jsonl.gz")):
         logger.warning(
             f"{out_dir}: no {SETTINGS_FILE} (a corpus from before settings were kept); recording {settings}"

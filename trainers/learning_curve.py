@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from adaflash_hf.atomic import read_json
 from adaflash_hf.draft_vocab import draft_tokens
 from adaflash_hf.modeling.length_head_adaflash import length_head_error, realised_acceptance
 from adaflash_hf.stats import tau_of
@@ -148,7 +149,7 @@ class LearningCurve:
         self.png_path = Path(out_dir) / f"{name}.png"
         self.data = {"meta": meta or {}, "points": []}
         if self.json_path.is_file():
-            self.data = json.loads(self.json_path.read_text())
+            self.data = read_json(self.json_path)
         self.claimed = False
 
     def claim(self, run: str | Path, resumed: bool) -> None:
@@ -185,7 +186,7 @@ def plot_learning_curve(json_path: str | Path, png_path: str | Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    data = json.loads(Path(json_path).read_text())
+    data = read_json(json_path)
     points = [p for p in data["points"] if p["blocks_seen"] > 0]
     domains = sorted({d for p in points for d in p["metrics"] if d != "all"})
     panels = [

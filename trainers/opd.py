@@ -127,7 +127,7 @@ def main(
     _check_launch(state, script_args, training_args)
     warn_if_cpu_threads_idle(logger, state.device, command="adaflash opd")
     output_dir = Path(training_args.output_dir)
-    target, tokenizer = load_target(script_args.target_model)
+    target, tokenizer = load_target(script_args.target_model, option="target_model")
     target = target.to(state.device)
     drafter = build_drafter(script_args, target)
     serving_drafter = copy.deepcopy(drafter).eval()

@@ -75,7 +75,7 @@ def main(args: DrafterTrainingConfig) -> AdaFlashDrafter:
         )
     # Read first: a missing domain file fails before the target loads.
     records = read_corpus(args.corpus_dir, args.domains)
-    target, tokenizer = load_target(args.target_model)
+    target, tokenizer = load_target(args.target_model, option="target_model")
     if args.drop_heldout_twins:
         records = _without_heldout_twins(records, tokenizer, args.heldout_domains)
     if args.max_train_sequences is not None:

@@ -30,6 +30,8 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 from transformers.utils import logging
 
+from adaflash_hf.atomic import read_json
+
 logger = logging.get_logger(__name__)
 
 STATE = "trainer_state.json"
@@ -107,7 +109,7 @@ def save_weights_only(
                 f"source: expected {source / STATE} (a Trainer checkpoint), or the run's place given as "
                 "--step/--blocks-seen/--max-steps"
             )
-        state = json.loads((source / STATE).read_text(encoding="utf-8"))
+        state = read_json(source / STATE)
     step = state.get("global_step")
     if not isinstance(step, int) or step < 1:
         raise ValueError(f"trainer state global_step: expected an integer >= 1, got {step!r}")
