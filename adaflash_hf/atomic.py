@@ -68,6 +68,14 @@ def read_json(path: str | Path):
         ) from None
 
 
+def check_folder_path(path: str | Path, option: str) -> None:
+    """Raise ``FileExistsError`` naming ``option`` when a file stands where the folder ``path`` is to be made."""
+    blocker = blocking_file(path)
+    if blocker is not None:
+        where = "the file" if blocker == Path(path) else f"{path}, inside the file"
+        raise FileExistsError(f"{option}: expected a folder to write, got {where} {blocker}")
+
+
 def blocking_file(path: str | Path) -> Path | None:
     """The file at ``path`` or at one of its parents that keeps a folder from being made at ``path``, or None: a
     check before anything loads, so the error names the option and the file, not a bare "File exists"."""

@@ -101,6 +101,17 @@ def test_a_restart_serves_the_trainers_weights_under_a_version_above_any_left_on
     assert all(torch.equal(served[name], trained[name]) for name in trained)
 
 
+def test_a_learn_dir_inside_a_file_is_refused_naming_the_option_and_the_file(
+    target, drafter_factory, tmp_path
+):
+    (tmp_path / "file").write_text("x")
+    engine = build_engine(target, drafter_factory(target), length_mode="adaptive")
+    with pytest.raises(
+        FileExistsError, match=r"--learn-dir: expected a folder to write, got .*, inside the file"
+    ):
+        live_learner(engine, target, None, tmp_path / "file" / "learn")
+
+
 def test_a_misspelt_opd_config_key_is_refused_naming_the_nearest_key(tmp_path):
     (tmp_path / "opd.yaml").write_text("learning_ratee: 0.1\n")
     with pytest.raises(ValueError, match=r"got 'learning_ratee' \(did you mean 'learning_rate'\?\)"):

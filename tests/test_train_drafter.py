@@ -793,6 +793,18 @@ def test_a_missing_target_model_folder_is_named_with_its_field(tmp_path):
         load_target(missing, option="target_model")
 
 
+def test_an_output_dir_inside_a_file_is_refused_naming_the_field_and_the_file(tmp_path):
+    from adaflash_hf.trainers.train_drafter import main
+
+    (tmp_path / "file").write_text("x")
+    args = DrafterTrainingConfig(output_dir=str(tmp_path / "file" / "run"), report_to="none")
+    with pytest.raises(
+        FileExistsError,
+        match=rf"output_dir: expected a folder to write, got .*run, inside the file {tmp_path / 'file'}",
+    ):
+        main(args)
+
+
 def test_the_script_needs_a_corpus_and_says_how_to_build_one(tmp_path):
     from adaflash_hf.trainers.train_drafter import main
 

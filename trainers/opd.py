@@ -25,6 +25,7 @@ from transformers.utils import logging
 from trl import ModelConfig, TrlParser
 
 from adaflash_hf.assets import load_target
+from adaflash_hf.atomic import check_folder_path
 from adaflash_hf.launch import run_command, warn_if_cpu_threads_idle
 from adaflash_hf.online.config import OnlineConfig
 from adaflash_hf.online.loop import MetricsLogger, TrafficSource, run_online
@@ -127,6 +128,7 @@ def main(
     _check_launch(state, script_args, training_args)
     warn_if_cpu_threads_idle(logger, state.device, command="adaflash opd")
     output_dir = Path(training_args.output_dir)
+    check_folder_path(output_dir, "output_dir")
     target, tokenizer = load_target(script_args.target_model, option="target_model")
     target = target.to(state.device)
     drafter = build_drafter(script_args, target)

@@ -22,6 +22,7 @@ import torch
 from transformers.utils import logging
 from trl import ModelConfig, TrlParser
 
+from adaflash_hf.atomic import check_folder_path
 from adaflash_hf.launch import load_yaml_mapping
 from adaflash_hf.online.config import OnlineConfig
 from adaflash_hf.online.live import LiveLearner
@@ -81,6 +82,7 @@ def live_learner(
     engine, target, tokenizer, learn_dir: str | Path, opd_config: str | None = None, **overrides
 ) -> LiveLearner:
     """The server's learner; ``overrides`` (e.g. ``train_threshold``) win over ``opd_config``."""
+    check_folder_path(learn_dir, "--learn-dir")
     training, online = learn_configs(learn_dir, opd_config, **overrides)
     drafter = copy.deepcopy(base_drafter(engine.drafter))
     trainer = OPDTrainer(drafter, copy.deepcopy(target), training, processing_class=tokenizer)

@@ -23,6 +23,7 @@ from transformers.utils import logging
 from trl import TrlParser
 
 from adaflash_hf.assets import load_target
+from adaflash_hf.atomic import check_folder_path
 from adaflash_hf.data import load_domain, prompt_ids
 from adaflash_hf.launch import run_command, warn_if_cpu_threads_idle
 from adaflash_hf.modeling import AdaFlashDrafter
@@ -47,6 +48,7 @@ def check_output_dir(args: DrafterTrainingConfig) -> None:
     (``resume_from_checkpoint``) or replaces it (``overwrite_output_dir``): a second run would otherwise mix its
     checkpoints with the first's and replace its drafter without a word."""
     output_dir = Path(args.output_dir)
+    check_folder_path(output_dir, "output_dir")
     if args.resume_from_checkpoint is not None or args.overwrite_output_dir or not output_dir.is_dir():
         return
     entries = sorted(p.name for p in output_dir.iterdir())
