@@ -16,15 +16,18 @@ export of ``--drafter``, default the shipped one) and ``<out>/prompts.json`` (ch
 ``run`` loads the target alone and with ``speculative_config={"method": "dflash", "model": <out>/drafter,
 "num_speculative_tokens": 15}`` (fixed-length DFlash: vLLM has no length head), in fp32 and bf16, generates greedily
 every prompt in waves of each ``--concurrency`` (64 tokens each by default), and writes ``<out>/vllm.json``: tokens/s
-per engine, dtype and concurrency, and whether DFlash's text equals plain's. The same prompts and levels in
-``adaflash bench serve --concurrency 1 4 16 --requests-per-level 16 --max-new-tokens 64`` (its held-out prompts are
-these) give ours beside them.
+per engine, dtype and concurrency, and whether DFlash's text equals plain's. An engine vLLM cannot start is recorded
+with its error; when none starts, ``run`` says so and exits with status 1. ``--gpu-memory-utilization`` is passed to
+vLLM (on a GPU build that finds less free memory than its default 0.9 asks for, e.g. a 24 GB card). The same prompts
+and levels in ``adaflash bench serve --concurrency 1 4 16 --requests-per-level 16 --max-new-tokens 64`` (its held-out
+prompts are these) give ours beside them.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -61,8 +64,14 @@ def _timed(llm, prompts: list[list[int]], max_tokens: int, concurrency: int) -> 
 
 
 def run(
-    out: Path, concurrency: list[int], max_tokens: int, speculative_tokens: int, dtypes: list[str]
-) -> None:
+    out: Path,
+    concurrency: list[int],
+    max_tokens: int,
+    speculative_tokens: int,
+    dtypes: list[str],
+    gpu_memory_utilization: float | None = None,
+) -> int:
+    """Exit status 0 when at least one engine ran, 1 when none did (each engine's error is printed and recorded)."""
     from vllm import LLM
 
     prompts = json.loads((out / "prompts.json").read_text())
@@ -78,12 +87,15 @@ def run(
             }
         },
     }
+    memory = {} if gpu_memory_utilization is None else {"gpu_memory_utilization": gpu_memory_utilization}
     texts: dict[str, dict[int, list]] = {}
     for dtype in dtypes:
         for name, options in engines.items():
             label = f"{name}_{dtype}"
             try:
-                llm = LLM(model=str(out / "target"), dtype=dtype, max_model_len=2048, seed=0, **options)
+                llm = LLM(
+                    model=str(out / "target"), dtype=dtype, max_model_len=2048, seed=0, **memory, **options
+                )
             except Exception as error:  # noqa: BLE001 - a method this vLLM build lacks is a result to record
                 results["rows"].append({"engine": label, "error": f"{type(error).__name__}: {error}"[:500]})
                 print(f"{label}: {type(error).__name__}: {str(error)[:300]}")
@@ -102,10 +114,29 @@ def run(
         if f"vllm_dflash_{dtype}" in texts and f"vllm_plain_{dtype}" in texts
     }
     (out / "vllm.json").write_text(json.dumps(results, indent=1) + "\n")
+    if not texts:
+        failed = "; ".join(f"{row['engine']}: {row['error']}" for row in results["rows"])
+        print(
+            f"check_vllm run: error: expected at least one vLLM engine to run, got none of {len(results['rows'])} "
+            f"({failed}); {out / 'vllm.json'} records the errors",
+            file=sys.stderr,
+        )
+        return 1
     print(json.dumps(results["dflash_equals_plain"]))
+    return 0
 
 
-def main() -> None:
+def _memory_fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {value:g}")
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     first = commands.add_parser("prepare", help="in the project's venv: target folder, export, prompts")
@@ -121,12 +152,24 @@ def main() -> None:
         "--dtype", nargs="+", default=["float32", "bfloat16"], help="vLLM's dtype for the target"
     )
     second.add_argument("--num-speculative-tokens", type=int, default=15)
-    args = parser.parse_args()
+    second.add_argument(
+        "--gpu-memory-utilization",
+        type=_memory_fraction,
+        help="vLLM's gpu_memory_utilization for every engine (default: vLLM's, 0.9)",
+    )
+    args = parser.parse_args(argv)
     if args.command == "prepare":
         prepare(args.out, args.drafter, args.prompts, args.max_prompt_tokens)
-    else:
-        run(args.out, args.concurrency, args.max_tokens, args.num_speculative_tokens, args.dtype)
+        return 0
+    return run(
+        args.out,
+        args.concurrency,
+        args.max_tokens,
+        args.num_speculative_tokens,
+        args.dtype,
+        args.gpu_memory_utilization,
+    )
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

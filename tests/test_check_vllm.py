@@ -1,0 +1,105 @@
+"""examples/vllm/check_vllm.py run, without vLLM: a stand-in ``vllm`` module on PYTHONPATH records the engine options
+it is given and starts, or refuses to start like a GPU build short of memory."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "examples" / "vllm" / "check_vllm.py"
+
+FAKE_VLLM = """
+import json, os
+
+
+class SamplingParams:
+    def __init__(self, **options):
+        self.options = options
+
+
+class TokensPrompt(dict):
+    pass
+
+
+class _Output:
+    def __init__(self, ids):
+        self.outputs = [type("Completion", (), {"token_ids": ids})()]
+
+
+class LLM:
+    def __init__(self, **options):
+        with open(os.environ["FAKE_VLLM_LOG"], "a") as handle:
+            handle.write(json.dumps(options) + "\\n")
+        if os.environ.get("FAKE_VLLM_FAIL"):
+            raise ValueError("Free memory on device (20.1/23.6 GiB) is less than desired GPU memory utilization")
+
+    def generate(self, prompts, params, use_tqdm=False):
+        return [_Output(list(range(params.options["max_tokens"]))) for _ in prompts]
+"""
+
+
+def run_script(tmp_path, *args, fail=False):
+    (tmp_path / "fake").mkdir(exist_ok=True)
+    (tmp_path / "fake" / "vllm.py").write_text(FAKE_VLLM)
+    out = tmp_path / "check"
+    out.mkdir(exist_ok=True)
+    (out / "prompts.json").write_text(json.dumps([[1, 2, 3], [4, 5]]))
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(tmp_path / "fake"),
+        "FAKE_VLLM_LOG": str(tmp_path / "engines.jsonl"),
+    }
+    if fail:
+        env["FAKE_VLLM_FAIL"] = "1"
+    command = [
+        sys.executable,
+        str(SCRIPT),
+        "run",
+        "--out",
+        str(out),
+        "--concurrency",
+        "1",
+        "--max-tokens",
+        "4",
+    ]
+    result = subprocess.run([*command, *args], capture_output=True, text=True, env=env, timeout=60)
+    engines = [json.loads(line) for line in (tmp_path / "engines.jsonl").read_text().splitlines()]
+    return result, engines
+
+
+def test_gpu_memory_utilization_reaches_every_engine(tmp_path):
+    result, engines = run_script(tmp_path, "--dtype", "bfloat16", "--gpu-memory-utilization", "0.6")
+    assert result.returncode == 0, result.stderr
+    assert len(engines) == 2 and all(e["gpu_memory_utilization"] == 0.6 for e in engines)
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == {"bfloat16@1": True}
+
+
+def test_without_gpu_memory_utilization_vllm_keeps_its_default(tmp_path):
+    result, engines = run_script(tmp_path, "--dtype", "bfloat16")
+    assert result.returncode == 0, result.stderr
+    assert not any("gpu_memory_utilization" in e for e in engines)
+
+
+@pytest.mark.parametrize("value", ["0", "1.5", "most"])
+def test_gpu_memory_utilization_outside_zero_one_is_a_usage_error(tmp_path, value):
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "run", "--gpu-memory-utilization", value],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert "argument --gpu-memory-utilization: expected a fraction in (0, 1]" in result.stderr
+
+
+def test_no_engine_starting_is_an_error_naming_each_engines_failure(tmp_path):
+    result, engines = run_script(tmp_path, "--dtype", "bfloat16", fail=True)
+    assert result.returncode == 1 and len(engines) == 2
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith("check_vllm run: error: expected at least one vLLM engine to run, got none of 2")
+    assert "vllm_plain_bfloat16: ValueError: Free memory on device" in line and "vllm_dflash_bfloat16" in line
+    assert "{}" not in result.stdout
