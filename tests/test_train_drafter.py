@@ -805,6 +805,19 @@ def test_an_output_dir_inside_a_file_is_refused_naming_the_field_and_the_file(tm
         main(args)
 
 
+@pytest.mark.parametrize("script", ["train_drafter", "opd"])
+def test_a_misspelt_key_in_the_scripts_config_is_refused_naming_the_nearest_option(script, tmp_path):
+    import importlib
+
+    from adaflash_hf.trainers.drafter_setup import parse_script_args
+
+    config = tmp_path / "run.yaml"
+    config.write_text("learning_ratee: 0.1\n")
+    parser = importlib.import_module(f"adaflash_hf.trainers.{script}").make_parser()
+    with pytest.raises(ValueError, match=r"got 'learning_ratee' \(did you mean 'learning_rate'\?\)"):
+        parse_script_args(parser, ["--config", str(config)])
+
+
 def test_the_script_needs_a_corpus_and_says_how_to_build_one(tmp_path):
     from adaflash_hf.trainers.train_drafter import main
 

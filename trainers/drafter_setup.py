@@ -4,6 +4,7 @@ its final-norm initialisation, optional draft vocabulary (``build_drafter``) and
 last layers (``init_from_target``)."""
 
 import argparse
+import difflib
 import sys
 from dataclasses import dataclass, field
 
@@ -84,14 +85,26 @@ def add_config_option(parser):
 def parse_script_args(parser, argv: list[str] | None = None) -> tuple:
     """``parser.parse_args_and_config(argv)`` (a training script's TrlParser) with its ``--config FILE`` read first
     as ``adaflash``'s commands read theirs: a YAML syntax error is one line naming the file, the line and the column,
-    not the YAML scanner's traceback."""
+    not the YAML scanner's traceback, and a key that is no option of the script names the nearest one."""
     args = sys.argv[1:] if argv is None else list(argv)
     for i, arg in enumerate(args):
-        if arg == "--config" and i + 1 < len(args):
-            load_yaml_mapping(args[i + 1])
-        elif arg.startswith("--config="):
-            load_yaml_mapping(arg.split("=", 1)[1])
+        path = args[i + 1] if arg == "--config" and i + 1 < len(args) else None
+        path = arg.split("=", 1)[1] if arg.startswith("--config=") else path
+        if path is not None:
+            _check_config_keys(path, load_yaml_mapping(path), parser)
     return parser.parse_args_and_config(argv)
+
+
+def _check_config_keys(path: str, values: dict, parser) -> None:
+    """Refuse a key no option of the script has, naming the nearest one (TRL's own error names neither)."""
+    options = {a.dest for a in parser._actions if a.option_strings and a.dest != "config"} | {"env"}
+    for key in values:
+        if str(key) not in options:
+            closest = difflib.get_close_matches(str(key), sorted(options), n=1)
+            raise ValueError(
+                f"--config {path}: expected option names of this script, got {key!r}"
+                + (f" (did you mean {closest[0]!r}?)" if closest else "")
+            )
 
 
 def build_drafter(args, target, records: list[dict] | None = None) -> AdaFlashDrafter:
