@@ -136,7 +136,8 @@ def validate_adaflash_generation(
 def _warn_unless_fp32(target) -> None:
     """Once per target: the token-for-token promise holds in float32, and on a target whose forward is batch-invariant
     (``adaflash_hf.prepare_target``) in any dtype."""
-    from adaflash_hf.prepared.prepare import is_prepared  # its kernels load with the first call, not with the package
+    # its kernels load with the first call, not with the package
+    from adaflash_hf.prepared.prepare import is_prepared
 
     dtype = next(target.parameters()).dtype
     preparation = is_prepared(target)

@@ -53,8 +53,8 @@ def test_bf16_units_are_read_from_the_cpu_flags():
     assert cpu_model(CPUINFO.format("")) == "AMD EPYC 9R14"
 
 
-def test_auto_casts_to_bf16_where_the_cpu_has_a_bf16_unit(target_factory):
-    target = prepare_target(target_factory("llama"), bf16_units=["avx512_bf16"], rows=4)
+def test_auto_from_the_flags_alone_casts_to_bf16_where_the_cpu_has_a_bf16_unit(target_factory):
+    target = prepare_target(target_factory("llama"), bf16_units=["avx512_bf16"], rows=4, measure=False)
     settings = is_prepared(target)
     assert (settings.dtype, settings.invariant, settings.bf16_units) == (
         torch.bfloat16,
@@ -156,10 +156,77 @@ def test_auto_keeps_fp32_where_a_bf16_linear_finds_no_tile(target_factory, monke
 
     monkeypatch.setattr(prepare, "linear_tiles", lambda *args: RowByRow())
     with caplog.at_level(logging.WARNING):
-        target = prepare_target(target_factory("qwen3"), bf16_units=["avx512_bf16"], rows=4)
+        target = prepare_target(target_factory("qwen3"), bf16_units=["avx512_bf16"], rows=4, measure=False)
     settings = is_prepared(target)
     assert settings.dtype == torch.float32 and not settings.invariant
     assert "one row per call" in settings.reason and "one row per call" in caplog.text
+
+
+def curves(fp32: dict, bf16: dict, calls: list):
+    """A timer that answers fixed curves by the dtype of the model it times, and records each call."""
+
+    def timer(model):
+        dtype = next(model.parameters()).dtype
+        calls.append(dtype)
+        return fp32 if dtype == torch.float32 else bf16
+
+    return timer
+
+
+@pytest.mark.parametrize(
+    "bf16, expected",
+    [
+        ({1: 1.0, 4: 1.0, 16: 1.1}, torch.bfloat16),  # verifies cheaply, decodes as fast: bf16
+        ({1: 1.02, 4: 1.0, 16: 1.1}, torch.bfloat16),  # within timing noise of fp32's step
+        (
+            {1: 1.3, 4: 1.3, 16: 1.4},
+            torch.float32,
+        ),  # verifies cheaply but decodes slower: never slower than fp32
+    ],
+)
+def test_auto_takes_the_measured_faster_forward_that_decodes_no_slower_than_fp32(
+    bf16, expected, target_factory
+):
+    calls = []
+    timer = curves({1: 1.0, 4: 1.6, 16: 2.0}, bf16, calls)
+    target = prepare_target(target_factory("qwen3"), bf16_units=["avx512_bf16"], rows=4, timer=timer)
+    settings = is_prepared(target)
+    assert settings.dtype == expected and settings.invariant == (expected == torch.bfloat16)
+    assert "measured" in settings.reason and "1-token step 1000.0 ms" in settings.reason
+    assert calls == [torch.float32, torch.bfloat16]
+
+
+def test_auto_measures_nothing_without_a_bf16_unit(target_factory):
+    calls = []
+    prepare_target(target_factory("qwen3"), bf16_units=[], timer=curves({1: 1.0}, {1: 0.5}, calls))
+    assert calls == []
+
+
+def test_the_measured_choice_is_kept_for_the_next_process_on_this_machine(
+    target_factory, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("ADAFLASH_CACHE", str(tmp_path))
+    calls = []
+    timer = curves({1: 1.0, 16: 2.0}, {1: 1.0, 16: 1.0}, calls)
+    first = prepare_target(target_factory("qwen3"), bf16_units=["avx512_bf16"], rows=4, timer=timer)
+    second = prepare_target(target_factory("qwen3"), bf16_units=["avx512_bf16"], rows=4, timer=timer)
+    assert calls == [torch.float32, torch.bfloat16]  # timed once
+    assert is_prepared(first).dtype == is_prepared(second).dtype == torch.bfloat16
+    assert "kept from an earlier run" in is_prepared(second).reason
+    kept = next(tmp_path.glob("dtype/*.json"))
+    kept.write_text("{not json")
+    third = prepare_target(target_factory("qwen3"), bf16_units=["avx512_bf16"], rows=4, timer=timer)
+    assert len(calls) == 4 and is_prepared(third).dtype == torch.bfloat16  # an unreadable file is timed again
+
+
+def test_the_default_timer_times_every_verify_size_on_a_copy(target_factory):
+    from adaflash_hf.prepared.choice import forward_timer
+
+    target = target_factory("qwen3")
+    before = {name: p.clone() for name, p in target.state_dict().items()}
+    seconds = forward_timer(target, sizes=(1, 3), context=9, repeats=1)
+    assert set(seconds) == {1, 3} and all(s > 0 for s in seconds.values())
+    assert all(torch.equal(before[name], p) for name, p in target.state_dict().items())
 
 
 def test_plain_generate_of_the_prepared_target_runs_the_invariant_attention(target_factory, monkeypatch):

@@ -69,7 +69,13 @@ def test_the_layout_table_names_every_module_of_the_package():
     named: dict[str, set[str]] = {}
     for folder, files in layout_rows():
         named.setdefault(folder, set()).update(files)
-    folders = ("adaflash_hf/", "adaflash_hf/bench/", "adaflash_hf/online/", "adaflash_hf/serving/")
+    folders = (
+        "adaflash_hf/",
+        "adaflash_hf/bench/",
+        "adaflash_hf/online/",
+        "adaflash_hf/prepared/",
+        "adaflash_hf/serving/",
+    )
     expected = {
         folder: {p.name for p in (REPO / folder).glob("*.py") if p.name != "__init__.py"}
         for folder in (*folders, "modeling/", "kernels/", "trainers/")

@@ -419,6 +419,21 @@ def test_the_served_targets_dtype(target_factory, dtype, learn, expected):
     assert preparation is None or preparation.invariant
 
 
+def test_auto_times_the_engines_packed_forward_to_choose_the_served_dtype(target_factory, monkeypatch):
+    import adaflash_hf.prepared.prepare as prepare
+    import adaflash_hf.serving.server as server_module
+
+    timed = []
+    monkeypatch.setattr(prepare, "detect_bf16_units", lambda: ("avx512_bf16",))
+    real = server_module.packed_forward_timer
+    monkeypatch.setattr(
+        server_module, "packed_forward_timer", lambda m: timed.append(m) or real(m, sizes=(1, 2))
+    )
+    target = target_factory("llama")
+    prepare_served_target(target, "auto", learn=False)
+    assert len(timed) == 2 and "measured fastest" in is_prepared(target).reason
+
+
 def test_serve_refuses_bf16_with_learn_before_loading_anything(capsys):
     assert cli.main(["serve", "--learn", "--dtype", "bf16", "--target", "/nonexistent"]) == 1
     err = capsys.readouterr().err

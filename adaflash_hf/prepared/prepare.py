@@ -16,9 +16,14 @@ prepared target runs it too, so "lossless" compares like with like.
 
 Settings:
 
-- ``dtype``: ``"auto"`` (bf16 where the CPU reports a bf16 unit, torch has oneDNN and every linear of the target
-  found a tile; else fp32 with one logged line saying why), ``"bf16"``/``torch.bfloat16`` or
-  ``"fp32"``/``torch.float32``. Rotary frequencies stay fp32.
+- ``dtype``: ``"auto"``, ``"bf16"``/``torch.bfloat16`` or ``"fp32"``/``torch.float32``. ``"auto"`` keeps fp32 where
+  the CPU reports no bf16 unit or torch has no oneDNN; elsewhere it times eager fp32 against the invariant bf16
+  forward on copies of the target and takes the one with the most tokens per second that decodes no slower than
+  fp32 (``adaflash_hf.prepared.choice``; the timings are kept per machine); bf16 also needs every linear of the target
+  to find a tile. One logged line says why. Rotary frequencies stay fp32.
+- ``measure``: ``False`` makes ``"auto"`` decide from the CPU's flags alone (bf16 wherever it has a bf16 unit).
+- ``timer``: what ``"auto"`` times (``timer(model) -> {n: seconds}``); default: a forward of n = 1, 4, 8, 16 new
+  tokens after a prompt, as ``generate`` verifies. ``adaflash serve`` times the engine's packed forward instead.
 - ``invariant``: the invariant forward; default on for bf16 and off for fp32 (an fp32 forward's row-count effects
   are ~1e-7 relative and have not flipped a greedy token in any benchmark; pass ``invariant=True`` to make fp32
   equality a guarantee too).
@@ -42,6 +47,7 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.utils import logging
 
 from adaflash_hf.prepared.attention import KEY_BLOCK
+from adaflash_hf.prepared.choice import Timer, choose, forward_timer, timings_once
 from adaflash_hf.prepared.cpu import BF16_UNITS, cpu_model
 from adaflash_hf.prepared.cpu import bf16_units as detect_bf16_units
 from adaflash_hf.prepared.forward import install_invariant_forward, rotary_modules, runs_invariant_forward
@@ -123,15 +129,23 @@ def prepare_target(
     rows: int = 16,
     check: bool = True,
     bf16_units: Iterable[str] | None = None,
+    measure: bool = True,
+    timer: Timer | None = None,
 ) -> PreTrainedModel:
     """Cast ``target`` in place to the chosen dtype, install the batch-invariant forward and check it (module
     docstring); returns ``target``. Settings are checked before anything changes; a target already prepared with
     other settings is refused (its weights may have lost precision: prepare a fresh copy)."""
     requested, units = _check_settings(target, dtype, invariant, rows, check, bf16_units)
+    if not isinstance(measure, bool):
+        raise TypeError(f"measure: expected a bool, got {measure!r}")
+    if timer is not None and not callable(timer):
+        raise TypeError(f"timer: expected a callable timer(model) -> {{n: seconds}} or None, got {timer!r}")
     units = detect_bf16_units() if units is None else units
     device = next(target.parameters()).device
     if requested is None:
         chosen, reason = choose_dtype(device, units)
+        if chosen == torch.bfloat16 and measure:
+            chosen, reason = _measured_choice(target, timer or forward_timer)
         slow = _row_by_row_linears(target, chosen) if chosen == torch.bfloat16 else []
         if slow:
             chosen, reason = (
@@ -163,6 +177,20 @@ def prepare_target(
     settings = TargetPreparation(chosen, invariant, reason, units, rows if invariant and check else 0)
     setattr(target, _ATTRIBUTE, settings)
     return target
+
+
+def _measured_choice(target, timer: Timer) -> tuple[torch.dtype, str]:
+    """Eager fp32 or the invariant bf16 forward, whichever ``adaflash_hf.prepared.choice`` finds faster here."""
+
+    def prepare_bf16(copied):
+        _cast(copied, torch.bfloat16)
+        install_invariant_forward(copied)
+        return copied
+
+    timings, source = timings_once(target, timer, prepare_bf16)
+    best, why = choose(timings)
+    kept = " (timings kept from an earlier run on this machine)" if source == "kept" else ""
+    return (torch.bfloat16 if best == "bf16" else torch.float32), why + kept
 
 
 def _row_by_row_linears(target, dtype: torch.dtype) -> list[str]:

@@ -33,9 +33,9 @@ import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache
 
-from adaflash_hf.prepared.attention import slot_invariant_attention
 from adaflash_hf.kernels.verify_attention import slot_verify_attention
 from adaflash_hf.kernels.verify_packing import SlotPacking
+from adaflash_hf.prepared.attention import slot_invariant_attention
 from adaflash_hf.prepared.prepare import is_prepared
 
 ATTENTION_NAME = "ada_ragged"
@@ -224,3 +224,33 @@ class DrafterSlotCache(Cache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         # Positions and the mask are always given explicitly; the drafter reads this only for its defaults.
         return 0
+
+
+@torch.inference_mode()
+def packed_forward_timer(
+    target, requests: int = 16, sizes=(1, 4, 8), context: int = 64, repeats: int = 2
+) -> dict[int, float]:
+    """Median seconds of the engine's packed forward of ``requests`` requests with n new tokens each, after a prompt of
+    ``context`` tokens per request, for each n of ``sizes``: what ``adaflash serve --dtype auto`` compares its
+    candidates by (``adaflash_hf.prepared.choice``)."""
+    import statistics
+    import time
+
+    device = next(target.parameters()).device
+    vocab = target.get_input_embeddings().weight.shape[0]
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (requests, context + max(sizes)), generator=generator).to(device)
+    store = SlotKVStore(target.config.get_text_config().num_hidden_layers)
+    store.reserve(requests, context + max(sizes))
+    slots = list(range(requests))
+    prompts = RaggedBatch.build(store, slots, [0] * requests, [context] * requests, max(sizes), device)
+    packed_target_forward(target, ids[:, :context].reshape(1, -1), prompts, logits_to_keep=1)
+    seconds: dict[int, list[float]] = {n: [] for n in sizes}
+    for repeat in range(repeats + 1):
+        for n in sizes:
+            batch = RaggedBatch.build(store, slots, [context] * requests, [n] * requests, max(sizes), device)
+            start = time.perf_counter()
+            packed_target_forward(target, ids[:, context : context + n].reshape(1, -1), batch)
+            if repeat:  # the first round warms up (tiles, packed weights)
+                seconds[n].append(time.perf_counter() - start)
+    return {n: statistics.median(values) for n, values in seconds.items()}
