@@ -31,9 +31,11 @@ import adaflash_hf
 from adaflash_hf.launch import (
     CONFIG_HELP,
     LAUNCHER_ENV,
+    config_files_in,
     error_line,
     int_at_least,
     launch_command,
+    load_yaml_mapping,
     number_in,
     parse_args_with_config,
     show_tracebacks,
@@ -246,6 +248,8 @@ def _run_trainer(name: str, launcher_args: argparse.Namespace, script_args: list
     if launcher_args.dry_run:
         print(" ".join(command))
         return 0
+    for path in config_files_in(script_args):  # a broken file is one line here, before accelerate starts
+        load_yaml_mapping(path)
     from transformers.utils import logging
 
     logging.get_logger(__name__).info(f"Running {' '.join(command)}")

@@ -90,6 +90,17 @@ def load_yaml_mapping(path: str, option: str = "--config") -> dict:
     return values
 
 
+def config_files_in(argv: list[str]) -> list[str]:
+    """The files ``--config FILE`` / ``--config=FILE`` name in ``argv`` (a TRL script's arguments)."""
+    files = []
+    for i, arg in enumerate(argv):
+        if arg == "--config" and i + 1 < len(argv):
+            files.append(argv[i + 1])
+        elif arg.startswith("--config="):
+            files.append(arg.split("=", 1)[1])
+    return files
+
+
 def _expected_value(action: argparse.Action) -> str:
     if action.choices is not None:
         return "one of " + ", ".join(map(repr, action.choices))

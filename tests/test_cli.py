@@ -132,6 +132,8 @@ def test_missing_bench_module_is_not_available(monkeypatch, capsys):
 def test_train_launches_the_script_through_accelerate(monkeypatch, tmp_path):
     script = tmp_path / "train_drafter.py"
     script.write_text("")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "run.yaml").write_text("max_steps: 3\n")
     launched = []
     monkeypatch.setattr(cli, "trainer_script", lambda filename: script)
     monkeypatch.setattr(cli.subprocess, "call", lambda command, env: launched.append(command) or 0)
@@ -327,6 +329,20 @@ def test_a_cpu_launch_uses_every_usable_core_unless_the_user_chose(monkeypatch, 
         script, argparse.Namespace(accelerate_config="acc.yaml", num_processes=None), []
     )
     assert "--num_cpu_threads_per_process" not in configured
+
+
+@pytest.mark.parametrize("name", ["train", "opd"])
+def test_a_yaml_syntax_error_in_the_scripts_config_is_one_line_before_accelerate_starts(
+    monkeypatch, tmp_path, capsys, name
+):
+    config = tmp_path / "run.yaml"
+    config.write_text("max_steps: 3\noutput_dir: [runs/x\n")
+    monkeypatch.setattr(cli.subprocess, "call", lambda command, env: pytest.fail("launched accelerate"))
+    assert cli.main([name, "--config", str(config)]) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        f"adaflash {name}: error: --config {config}: expected valid YAML, got expected ',' or ']', but got "
+        "'<stream end>' at line 3, column 1"
+    ]
 
 
 @pytest.mark.parametrize("name", ["train", "opd"])

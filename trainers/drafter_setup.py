@@ -12,7 +12,7 @@ import torch
 from transformers.utils import logging
 
 from adaflash_hf.draft_vocab import build_draft_vocab
-from adaflash_hf.launch import config_help, load_yaml_mapping
+from adaflash_hf.launch import config_files_in, config_help, load_yaml_mapping
 from adaflash_hf.modeling import AdaFlashConfig, AdaFlashDrafter
 from adaflash_hf.modeling.configuration_adaflash import build_target_layer_ids
 
@@ -86,12 +86,8 @@ def parse_script_args(parser, argv: list[str] | None = None) -> tuple:
     """``parser.parse_args_and_config(argv)`` (a training script's TrlParser) with its ``--config FILE`` read first
     as ``adaflash``'s commands read theirs: a YAML syntax error is one line naming the file, the line and the column,
     not the YAML scanner's traceback, and a key that is no option of the script names the nearest one."""
-    args = sys.argv[1:] if argv is None else list(argv)
-    for i, arg in enumerate(args):
-        path = args[i + 1] if arg == "--config" and i + 1 < len(args) else None
-        path = arg.split("=", 1)[1] if arg.startswith("--config=") else path
-        if path is not None:
-            _check_config_keys(path, load_yaml_mapping(path), parser)
+    for path in config_files_in(sys.argv[1:] if argv is None else list(argv)):
+        _check_config_keys(path, load_yaml_mapping(path), parser)
     return parser.parse_args_and_config(argv)
 
 
