@@ -277,22 +277,27 @@ def greedy_reference(target, prompt, max_new_tokens):
     ].tolist()
 
 
+def finished_requests(outputs) -> dict:
+    """The requests that the final ones of ``outputs`` (an engine's step or stream) carry, by request id."""
+    return {out.request_id: out.request for out in outputs if out.finished}
+
+
 def run_with_churn(engine, prompts, params, seed, aborts=2, on_add=None):
     """Requests arrive at random steps, ``aborts`` of them are aborted at a random later step."""
     rng = random.Random(seed)
     arrivals = {i: rng.randint(0, 8) for i in range(len(prompts))}
     abort_at = {i: arrivals[i] + rng.randint(0, 4) for i in rng.sample(range(len(prompts)), aborts)}
-    ids, step = {}, 0
+    ids, step, finished = {}, 0, {}
     while len(ids) < len(prompts) or engine.has_unfinished():
         for i in [i for i, s in arrivals.items() if s == step]:
             ids[i] = engine.add_request(prompts[i], params[i])
             if on_add is not None:
                 on_add(ids[i], i)
-        for i in [i for i, s in abort_at.items() if s == step and i in ids]:
+        for i in [i for i, s in abort_at.items() if s == step and ids.get(i) in engine.requests]:
             engine.abort(ids[i])
-        engine.step()
+        finished |= finished_requests(engine.step())
         step += 1
-    return {i: engine.requests[rid] for i, rid in ids.items()}, set(abort_at)
+    return {i: finished[rid] for i, rid in ids.items()}, set(abort_at)
 
 
 def assert_outputs_equal_references(results, aborted, expected):

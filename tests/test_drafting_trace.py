@@ -21,6 +21,7 @@ import torch
 from adaflash_hf.cost_model import CostModel, use_cost_model
 from adaflash_hf.drafting import DraftingSettings
 from adaflash_hf.serving import AdaFlashEngine, SamplingParams
+from tests.conftest import finished_requests
 
 TRACES = Path(__file__).parent / "data" / "drafting_traces.json"
 
@@ -105,10 +106,9 @@ def _engine_scenario(factories, curve, settings: DraftingSettings | None, temper
         engine.add_request(p, SamplingParams(max_new_tokens=24, temperature=t, seed=i))
         for i, (p, t) in enumerate(zip(prompts, temperatures))
     ]
-    for _ in engine.stream():
-        pass
+    finished = finished_requests(engine.stream())
     return {
-        "outputs": [engine.requests[i].output for i in ids],
+        "outputs": [finished[i].output for i in ids],
         "rounds": [rounds.get(i, []) for i in ids],
         "steps": [[s.draft_tokens, s.skipped_drafter, s.lookup_verifies] for s in engine.stats],
     }

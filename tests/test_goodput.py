@@ -12,6 +12,7 @@ from adaflash_hf.drafting import DraftingSettings, SkipGate, draft_surplus, plan
 from adaflash_hf.lookup import LookupProposal
 from adaflash_hf.policy import Step
 from adaflash_hf.serving import AdaFlashEngine, SamplingParams
+from tests.conftest import finished_requests
 
 BLOCK = 16
 
@@ -557,13 +558,13 @@ def test_the_engine_in_auto_mode_drafts_by_goodput_only_in_steps_where_no_reques
     prompts = [torch.randint(0, 500, (n,), generator=g) for n in (6, 9)]
     expected = engine.generate(prompts, SamplingParams(max_new_tokens=12))
     assert sum(s.draft_tokens for s in engine.stats) == 0  # greedy only: goodput, and no draft pays here
-    before = len(engine.stats)
+    before = engine.step_count
     greedy_id = engine.add_request(prompts[0], SamplingParams(max_new_tokens=12))
     engine.add_request(prompts[1], SamplingParams(max_new_tokens=12, temperature=1.0, seed=3))
-    for _ in engine.stream():
-        pass
-    assert sum(s.draft_tokens for s in engine.stats[before:]) > 0  # a sampling request: the adaptive rule
-    assert engine.requests[greedy_id].output == expected[0]
+    finished = finished_requests(engine.stream())
+    steps = list(engine.stats)[before - engine.step_count :]
+    assert sum(s.draft_tokens for s in steps) > 0  # a sampling request: the adaptive rule
+    assert finished[greedy_id].output == expected[0]
 
 
 @pytest.mark.parametrize(

@@ -23,6 +23,7 @@ from tests.conftest import (
     VOCAB,
     assert_outputs_equal_references,
     exact_marginals,
+    finished_requests,
     greedy_reference,
     make_batched_oracle,
     min_p_value,
@@ -472,11 +473,10 @@ def test_engine_history_lets_a_repeated_request_copy_an_earlier_output(
     first_lookups = sum(s.lookup_verifies for s in engine.stats)
     assert first_lookups == 0  # its own sequence never repeats
     again = engine.add_request(prompt, SamplingParams(max_new_tokens=8))
-    for _ in engine.stream():
-        pass
+    request = finished_requests(engine.stream())[again]
     # The first output token matches the stored output's first token, whose continuation is the whole answer.
-    assert engine.requests[again].output == expected
-    assert engine.requests[again].verify_rounds == 1
+    assert request.output == expected
+    assert request.verify_rounds == 1
     assert sum(s.lookup_accepted for s in engine.stats) == len(expected) - 2
 
 

@@ -9,6 +9,7 @@ from transformers import GenerationConfig
 
 from adaflash_hf.online.buffer import EngineRecorder, ReplayBuffer, Trajectory, record_generate
 from adaflash_hf.serving import AdaFlashEngine, SamplingParams
+from tests.conftest import finished_requests
 
 
 def trajectory(version=0, domain="math", prompt=(5, 6, 7)):
@@ -161,12 +162,11 @@ def test_engine_records_each_finished_request_with_its_rounds(target_factory, dr
     ids = [engine.add_request(p, SamplingParams(max_new_tokens=12)) for p in prompts]
     for request_id, domain in zip(ids, ("chat", "code", "math")):
         recorder.domains[request_id] = domain
-    while engine.has_unfinished():
-        engine.step()
+    finished = finished_requests(engine.stream())
     batch = buffer.take(current_version=7, timeout=0)
     assert sorted(t.domain for t in batch) == ["chat", "code", "math"]
     for t in batch:
-        request = engine.requests[ids[("chat", "code", "math").index(t.domain)]]
+        request = finished[ids[("chat", "code", "math").index(t.domain)]]
         assert t.prompt == request.prompt and t.committed == request.output
         assert t.drafter_version == 7
         # Rounds tile the output: each commits accepted + 1 tokens after its anchor.

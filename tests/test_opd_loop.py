@@ -95,13 +95,13 @@ class SlowTraining(TrainerCallback):
         self.engine, self.served_during_training = engine, []
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self.begin = len(self.engine.stats)
+        self.begin = self.engine.step_count
 
     def on_step_end(self, args, state, control, **kwargs):
         time.sleep(0.1)
 
     def on_train_end(self, args, state, control, **kwargs):
-        self.served_during_training.append(len(self.engine.stats) - self.begin)
+        self.served_during_training.append(self.engine.step_count - self.begin)
 
 
 def test_the_buffer_settings_are_the_loops_with_the_papers_threshold():

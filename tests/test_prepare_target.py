@@ -17,6 +17,7 @@ from adaflash_hf.prepared.prepare import is_prepared
 from adaflash_hf.serving import AdaFlashEngine, AdmissionConfig, SamplingParams
 from tests.conftest import (
     assert_outputs_equal_references,
+    finished_requests,
     greedy_reference,
     make_batched_oracle,
     random_prompts,
@@ -297,9 +298,8 @@ def test_engine_batched_equals_serial_equals_plain_on_the_prepared_bf16_target(
         oracle.arm(engine, references, weight)
         ids = {i: engine.add_request(prompts[i], SamplingParams(max_new_tokens=16)) for i in indices}
         references.update({rid: prompts[i].tolist() + expected[i] for i, rid in ids.items()})
-        while engine.has_unfinished():
-            engine.step()
-        return engine, [engine.requests[ids[i]].output for i in indices]
+        finished = finished_requests(engine.stream())
+        return engine, [finished[ids[i]].output for i in indices]
 
     engine, batched = run(range(len(prompts)))
     assert batched == expected
@@ -336,16 +336,16 @@ def test_sixteen_requests_at_once_equal_each_request_served_alone_on_a_prepared_
     batched, references = engine()
     arrivals = {i: 0 if i < 12 else 2 * i - 21 for i in range(16)}  # twelve at once, four joining later
     aborts = {4: 3, 9: 13}  # step -> request: one leaves early, one right after it joined
-    ids, step = {}, 0
+    ids, step, finished = {}, 0, {}
     while len(ids) < len(prompts) or batched.has_unfinished():
         for i in [i for i, at in arrivals.items() if at == step]:
             ids[i] = batched.add_request(prompts[i], params[i])
             references[ids[i]] = prompts[i].tolist() + expected[i]
-        if step in aborts:
+        if step in aborts and ids[aborts[step]] in batched.requests:
             batched.abort(ids[aborts[step]])
-        batched.step()
+        finished |= finished_requests(batched.step())
         step += 1
-    results = {i: batched.requests[rid] for i, rid in ids.items()}
+    results = {i: finished[rid] for i, rid in ids.items()}
     assert_outputs_equal_references(results, set(aborts.values()), expected)
     assert max(s.running for s in batched.stats) >= 12
     assert any(s.zero_length_verifies and s.draft_tokens for s in batched.stats), (
@@ -355,6 +355,4 @@ def test_sixteen_requests_at_once_equal_each_request_served_alone_on_a_prepared_
         alone, references = engine()
         rid = alone.add_request(prompt, params[i])
         references[rid] = prompt.tolist() + expected[i]
-        while alone.has_unfinished():
-            alone.step()
-        assert alone.requests[rid].output == expected[i], f"request {i} served alone"
+        assert finished_requests(alone.stream())[rid].output == expected[i], f"request {i} served alone"

@@ -7,6 +7,7 @@ import torch
 from adaflash_hf.serving import AdaFlashEngine, AdmissionConfig, SamplingParams
 from adaflash_hf.serving.admission import AdmissionController
 from adaflash_hf.serving.requests import Request
+from tests.conftest import finished_requests
 
 MODE_LENGTH = {
     "dflash": "fixed"
@@ -32,8 +33,10 @@ def test_tight_budget_defers_requests_and_all_finish_exactly(target_factory, dra
     engine = AdaFlashEngine(
         target, None if mode == "plain" else drafter, admission=config, length_mode=MODE_LENGTH.get(mode)
     )
-    assert engine.generate(prompts, SamplingParams(max_new_tokens=10)) == expected
-    assert all(r.finish_reason == "length" for r in engine.requests.values())
+    ids = [engine.add_request(p, SamplingParams(max_new_tokens=10)) for p in prompts]
+    finished = finished_requests(engine.stream())
+    assert [finished[i].output for i in ids] == expected
+    assert all(finished[i].finish_reason == "length" for i in ids)
     stats = engine.stats
     assert max(s.waiting for s in stats) > 0, "the budget must have deferred someone"
     assert all(s.running <= 3 and s.prefill_tokens + s.verify_tokens <= 24 for s in stats)

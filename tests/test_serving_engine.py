@@ -7,10 +7,12 @@ import random
 import pytest
 import torch
 
+import adaflash_hf.serving.engine as engine_module
 from adaflash_hf.cost_model import CostModel, use_cost_model
 from adaflash_hf.serving import AdaFlashEngine, AdmissionConfig, DraftingSettings, SamplingParams
 from tests.conftest import (
     assert_outputs_equal_references,
+    finished_requests,
     greedy_reference,
     make_batched_oracle,
     random_prompts,
@@ -118,9 +120,7 @@ def test_seeded_sampling_request_does_not_depend_on_the_batch(setup):
     rid = engine.add_request(prompt, params)
     for p, s in zip(others[3:], mixed[3:]):
         engine.add_request(p, s)
-    for _ in engine.stream():
-        pass
-    assert engine.requests[rid].output == alone
+    assert finished_requests(engine.stream())[rid].output == alone
     assert len(set(alone)) > 1
 
 
@@ -134,9 +134,11 @@ def test_eos_stops_a_request_inside_a_block(setup):
     engine = AdaFlashEngine(target, oracle, length_mode="fixed")
     oracle.arm(engine, {"r": prompt.tolist() + reference}, weight)
     engine.add_request(prompt, SamplingParams(max_new_tokens=24, eos_token_id=eos), request_id="r")
-    streamed = [t for out in engine.stream() for t in out.new_tokens]
-    assert engine.requests["r"].output == streamed == reference[:stop]
-    assert engine.requests["r"].finish_reason == "stop"
+    outputs = list(engine.stream())
+    streamed = [t for out in outputs for t in out.new_tokens]
+    request = finished_requests(outputs)["r"]
+    assert request.output == streamed == reference[:stop]
+    assert request.finish_reason == "stop"
 
 
 def test_stream_deltas_and_step_stats(setup):
@@ -145,14 +147,14 @@ def test_stream_deltas_and_step_stats(setup):
     engine = AdaFlashEngine(target, drafter)
     ids = [engine.add_request(p, SamplingParams(max_new_tokens=7)) for p in prompts]
     pieces = {i: [] for i in ids}
-    finished = set()
+    finished = {}
     for out in engine.stream():
         assert out.request_id not in finished
         pieces[out.request_id] += out.new_tokens
         if out.finished:
-            finished.add(out.request_id)
-    assert finished == set(ids)
-    assert all(pieces[i] == engine.requests[i].output and len(pieces[i]) == 7 for i in ids)
+            finished[out.request_id] = out.request
+    assert set(finished) == set(ids)
+    assert all(pieces[i] == finished[i].output and len(pieces[i]) == 7 for i in ids)
     first, second = engine.stats[0], engine.stats[1]
     assert (first.admitted, first.prefill_tokens, first.verifies) == (3, sum(len(p) for p in prompts), 0)
     assert second.verifies == 3 and second.verify_tokens == second.draft_tokens + 3
@@ -183,6 +185,32 @@ def test_abort_of_the_last_request_still_yields_its_final_output(setup):
     rid = engine.add_request(random_prompts(1, seed=6)[0], SamplingParams(max_new_tokens=12))
     engine.abort(rid)
     assert [(o.request_id, o.finished, o.finish_reason) for o in engine.stream()] == [(rid, True, "abort")]
+
+
+def test_a_request_leaves_the_engine_with_its_final_output(setup):
+    target, drafter = setup
+    engine = AdaFlashEngine(target, drafter)
+    ids = [engine.add_request(p, SamplingParams(max_new_tokens=5)) for p in random_prompts(3, seed=8)]
+    engine.step()
+    engine.abort(ids[2])
+    assert set(engine.requests) == set(ids)  # an aborted request stays until its final output
+    finished = {}
+    for out in engine.stream():
+        if out.finished:
+            assert out.request_id not in engine.requests
+            finished[out.request_id] = out.request
+    assert not engine.requests and set(finished) == set(ids)
+    assert finished[ids[2]].finish_reason == "abort" and len(finished[ids[0]].output) == 5
+
+
+def test_step_stats_are_kept_for_the_last_steps_and_every_step_is_counted(setup, monkeypatch):
+    target, _ = setup
+    monkeypatch.setattr(engine_module, "STEP_WINDOW", 3)
+    engine = AdaFlashEngine(target)  # plain decoding: a step per token
+    engine.generate(random_prompts(1, seed=9), SamplingParams(max_new_tokens=8))
+    assert engine.step_count > 3 and [s.step for s in engine.stats] == [
+        engine.step_count - n for n in (3, 2, 1)
+    ]
 
 
 def test_round_records_carry_the_length_head_estimate_that_chose_each_draft_length(setup):

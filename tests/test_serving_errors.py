@@ -10,6 +10,7 @@ import torch
 from adaflash_hf.serving import AdaFlashEngine, AdmissionConfig, SamplingParams
 from adaflash_hf.serving.admission import default_kv_budget, kv_bytes_per_position
 from tests.conftest import SHORT_PROMPT as PROMPT
+from tests.conftest import finished_requests
 
 
 @pytest.fixture(scope="module")
@@ -47,10 +48,9 @@ def test_bad_request_is_refused_and_others_are_untouched(setup, prompt, params, 
     engine.step()
     with pytest.raises(ValueError, match=message):
         engine.add_request(torch.tensor(prompt, dtype=torch.long), SamplingParams(**params))
-    for _ in engine.stream():
-        pass
-    assert engine.requests[first].output == reference(target, good, 6)
-    assert list(engine.requests) == [first]
+    finished = finished_requests(engine.stream())
+    assert finished[first].output == reference(target, good, 6)
+    assert list(finished) == [first]
 
 
 def test_duplicate_request_id_and_wrong_params_type(setup):
@@ -59,7 +59,10 @@ def test_duplicate_request_id_and_wrong_params_type(setup):
     engine.add_request([1, 2], SamplingParams(max_new_tokens=4), request_id="a")
     with pytest.raises(ValueError, match="request_id: expected a new id, got 'a'"):
         engine.add_request([3], SamplingParams(max_new_tokens=4), request_id="a")
-    with pytest.raises(ValueError, match="request_id: expected one added to this engine, got 'b'"):
+    with pytest.raises(
+        ValueError,
+        match="request_id: expected one added to this engine whose final output is still to come, got 'b'",
+    ):
         engine.abort("b")
     with pytest.raises(TypeError, match="params: expected SamplingParams, got dict"):
         engine.add_request([3], {"max_new_tokens": 3})
@@ -125,10 +128,9 @@ def test_nan_from_the_drafter_falls_back_to_no_drafts_for_that_request_only(setu
         return out
 
     monkeypatch.setattr(type(drafter), "forward", nan_for_one_request)
-    for _ in engine.stream():
-        pass
-    assert [engine.requests[i].output for i in ids] == [reference(target, p, 12) for p in prompts]
-    assert poisoned.drafted == 0 and engine.requests[ids[0]].drafted > 0
+    finished = finished_requests(engine.stream())
+    assert [finished[i].output for i in ids] == [reference(target, p, 12) for p in prompts]
+    assert poisoned.drafted == 0 and finished[ids[0]].drafted > 0
     assert sum(s.drafter_fallbacks for s in engine.stats) == poisoned.verify_rounds > 1
     assert poisoned.drafter_fallbacks == poisoned.verify_rounds
     # One warning for the request, not one per step.
@@ -231,7 +233,7 @@ def test_a_bad_entry_queues_none_and_the_next_call_runs_only_its_own(engine, pro
         engine.generate(prompts, params)
     assert not engine.requests and not engine.waiting
     assert len(engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))) == 1
-    assert len(engine.requests) == 1
+    assert max(s.running for s in engine.stats) == 1
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,7 @@ from transformers.generation.logits_process import (
 
 import adaflash_hf.serving.engine as engine_module
 from adaflash_hf.serving import AdaFlashEngine, AdmissionConfig, SamplingParams
-from tests.conftest import make_batched_oracle
+from tests.conftest import finished_requests, make_batched_oracle
 
 VOCAB, SCALE, POSITIONS, NUM_REQUESTS = 16, 12.0, 3, 1000
 TEMPERATURE, TOP_K, TOP_P = 0.6, 6, 0.95
@@ -76,10 +76,8 @@ def sampled_counts(target, drafter, reference) -> tuple[torch.Tensor, AdaFlashEn
             max_new_tokens=POSITIONS, temperature=TEMPERATURE, top_k=TOP_K, top_p=TOP_P, seed=seed
         )
         references[engine.add_request(PROMPT, params)] = reference
-    for _ in engine.stream():
-        pass
     counts = torch.zeros(POSITIONS, VOCAB)
-    for request in engine.requests.values():
+    for request in finished_requests(engine.stream()).values():
         counts[torch.arange(POSITIONS), torch.tensor(request.output)] += 1
     return counts, engine
 
@@ -113,6 +111,4 @@ def test_a_tiny_positive_temperature_samples_the_greedy_text(setup, temperature)
     engine = AdaFlashEngine(target, drafter, length_mode="fixed")
     params = SamplingParams(max_new_tokens=12, temperature=temperature, seed=3)
     request_id = engine.add_request(PROMPT, params)
-    for _ in engine.stream():
-        pass
-    assert engine.requests[request_id].output == reference[len(PROMPT) : len(PROMPT) + 12]
+    assert finished_requests(engine.stream())[request_id].output == reference[len(PROMPT) : len(PROMPT) + 12]

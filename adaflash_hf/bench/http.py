@@ -20,8 +20,8 @@ requests served for the first server, with a 95% bootstrap interval per window o
 
 ``--in-process LABEL=DRAFTER`` adds an engine built in this process the way ``adaflash serve`` builds it with default
 flags and ``--drafter DRAFTER`` (``default``: the shipped drafter; ``none``: plain decoding; or a folder), driven
-with the same prompts, levels and closed loop but no HTTP, streaming or detokenizing: its rows beside a server's
-show what serving over HTTP costs.
+with the same prompts, levels and closed loop through the server's engine thread but no HTTP: its rows beside a
+server's show what serving over HTTP costs.
 
 Only loopback servers are driven (127.0.0.0/8, ::1, localhost). Outputs in ``--output-dir``: ``results.json``,
 ``table.md``, ``tokens_per_s.png`` and, with ``--learning-curve``, ``tau_vs_requests.png``.
@@ -189,50 +189,51 @@ def build_in_process(drafter: str):
 def run_in_process(
     engine, tokenizer, prompts: list[str], concurrency: int, max_tokens: int, duration_s: float, **_
 ) -> tuple[list[dict], float]:
-    """``run_level`` without HTTP: the same chat prompts, greedy, ``concurrency`` in flight, straight into
-    ``engine`` in this process; a record's chunk times are the steps that committed tokens to it."""
+    """``run_level`` without HTTP: the same chat prompts, greedy, ``concurrency`` in flight, through the server's
+    engine thread (``EngineWorker``) over ``engine`` in this process; a record's chunk times are its text events."""
     from adaflash_hf.serving.requests import SamplingParams
+    from adaflash_hf.serving.worker import EngineWorker
 
     queue = deque(enumerate(prompts))
-    flights: dict[str, dict] = {}
     records: list[dict] = []
     started = time.perf_counter()
 
-    def admit():
-        while queue and len(flights) < concurrency and time.perf_counter() - started < duration_s:
-            index, prompt = queue.popleft()
-            encoded = tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}],
-                add_generation_prompt=True,
-                tokenize=True,
-                return_dict=True,
-            )
-            params = SamplingParams(max_new_tokens=max_tokens, temperature=0.0)
-            request_id = engine.add_request(list(encoded["input_ids"]), params)
-            flights[request_id] = {"status": "ok", "chunk_times": [], "tokens": 0, "finish_reason": None}
-            flights[request_id] |= {"adaflash": None, "index": index, "started": time.perf_counter()}
+    async def one(worker: EngineWorker, index: int, prompt: str) -> dict:
+        encoded = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=True
+        )
+        record = {"status": "ok", "chunk_times": [], "tokens": 0, "finish_reason": None, "adaflash": None}
+        begun = time.perf_counter()
+        params = SamplingParams(max_new_tokens=max_tokens, temperature=0.0)
+        handle = worker.submit(list(encoded["input_ids"]), params)
+        while (event := await handle.queue.get()).kind not in ("finished", "failed"):
+            if event.kind == "text":
+                record["chunk_times"].append(time.perf_counter() - begun)
+        if event.kind == "failed":
+            record["status"], record["error"] = "error", repr(event.error)[:200]
+        else:
+            counts = {key: event.extra[key] for key in ("verify_rounds", "accepted_drafts")}
+            record |= {
+                "tokens": event.completion_tokens,
+                "finish_reason": event.finish_reason,
+                "adaflash": counts,
+            }
+        return record | {"index": index, "seconds": time.perf_counter() - begun}
 
-    admit()
-    while flights:
-        outputs = engine.step()
-        engine.stats.clear()  # read by nobody here; the server's worker clears them each step too
-        for output in outputs:
-            record = flights.get(output.request_id)
-            if record is None:
-                continue
-            if output.new_tokens:
-                record["chunk_times"].append(time.perf_counter() - record["started"])
-                record["tokens"] += len(output.new_tokens)
-            if output.finished:
-                request = engine.requests.pop(output.request_id)  # as the server's worker does
-                record["finish_reason"] = output.finish_reason
-                record["adaflash"] = {
-                    "verify_rounds": request.verify_rounds,
-                    "accepted_drafts": request.accepted,
-                }
-                record["seconds"] = time.perf_counter() - record.pop("started")
-                records.append(flights.pop(output.request_id))
-        admit()
+    async def level() -> None:
+        worker = EngineWorker(engine, tokenizer, capacity=concurrency)
+        worker.start()
+
+        async def client():
+            while queue and time.perf_counter() - started < duration_s:
+                records.append(await one(worker, *queue.popleft()))
+
+        try:
+            await asyncio.gather(*(client() for _ in range(concurrency)))
+        finally:
+            await asyncio.to_thread(worker.shutdown, 0.0)
+
+    asyncio.run(level())
     return sorted(records, key=lambda r: r["index"]), time.perf_counter() - started
 
 

@@ -229,13 +229,12 @@ def evaluate_drafter(
     params = SamplingParams(max_new_tokens=max_new_tokens)
     try:
         ids = {domain: [engine.add_request(p, params) for p in ps] for domain, ps in prompts.items()}
-        for _ in engine.stream():
-            pass
+        finished = {output.request_id: output.request for output in engine.stream() if output.finished}
     finally:
         engine.round_recorder, engine.record_full_drafts = previous
     summary, outputs = {}, {}
     for domain, request_ids in ids.items():
-        requests = [engine.requests[r] for r in request_ids]
+        requests = [finished[r] for r in request_ids]
         outputs[domain] = [list(request.output) for request in requests]
         summary[domain] = _domain_summary([_request_counts(r, rounds[r.request_id], block) for r in requests])
     return summary, outputs

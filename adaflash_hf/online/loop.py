@@ -3,14 +3,17 @@
     rows = run_online(trainer, engine, TrafficSource(phases), OnlineConfig(max_rounds=10), weights_dir=...,
                       checkpoint_dir=..., metrics=MetricsLogger("metrics.csv"))
 
-Serving thread (``ServingWorker``): keeps ``concurrency`` requests in the engine, steps it, polls the hot reloader
-between steps, and records every finished request's trajectory into the replay buffer. It never waits for training.
-Trainer (the calling thread): waits for a full buffer, trains on it (``trainer.train_round``), publishes the new
-drafter version atomically and writes an atomic checkpoint (``weights``). One such cycle is a round; after each round
-a metrics row (τ per domain, acceptance, verify length, tokens/s, the round's mean losses, buffer and reload counters)
-goes to the CSV and to the ``report_to`` trackers with the round as the step.
+It is ``adaflash serve --learn`` with a traffic source for clients. Serving is the server's engine thread
+(``serving.worker.EngineWorker``): it steps the engine and hot-reloads between steps, and never waits for training; a
+feeder thread submits the traffic's prompts to it, ``concurrency`` in flight. Learning is ``online.live.LiveLearner``:
+every finished request's trajectory goes to the replay buffer, and its train cycle runs in the calling thread (wait
+for a full buffer, train on it with ``trainer.train_round``, publish the new drafter version atomically, write an
+atomic checkpoint). One such cycle is a round; after each round a metrics row (τ per domain, acceptance, verify
+length, tokens/s, the round's mean losses, buffer and reload counters) goes to the CSV and to the ``report_to``
+trackers with the round as the step.
 
-The trainer is given by the caller (``OPDTrainer`` in ``trainers/opd.py``) and is used only through ``OnlineLearner``.
+The trainer is given by the caller (``OPDTrainer`` in ``trainers/opd.py``) and is used only through
+``online.live.OnlineLearner``.
 
 The traffic source streams held-out prompts phase by phase (e.g. chat, then code, then math) and starts over after the
 last phase, so the drafter meets domain shifts.
@@ -19,53 +22,25 @@ last phase, so the drafter meets domain shifts.
 from __future__ import annotations
 
 import csv
+import itertools
 import math
 import threading
 import time
-from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Protocol
 
-import torch
 from tqdm.auto import tqdm
 from transformers.utils import logging
 
 from adaflash_hf.atomic import atomic_write
-from adaflash_hf.online.buffer import EngineRecorder, ReplayBuffer, Trajectory, check_replay_domains
+from adaflash_hf.online.buffer import ReplayBuffer, check_replay_domains
 from adaflash_hf.online.config import OnlineConfig
-from adaflash_hf.online.weights import (
-    HotReloader,
-    LearnerState,
-    latest_checkpoint,
-    load_online_checkpoint,
-    newest_published_version,
-    publish_weights,
-    save_online_checkpoint,
-)
+from adaflash_hf.online.live import LiveLearner, OnlineLearner
 from adaflash_hf.serving import AdaFlashEngine, SamplingParams
+from adaflash_hf.serving.worker import EngineWorker, Event, QueueFull, ShuttingDown
 from adaflash_hf.stats import tau_of
 
 logger = logging.get_logger(__name__)
-
-
-class OnlineLearner(Protocol):
-    """What the loop uses of its trainer (``OPDTrainer`` is one)."""
-
-    weights_version: int  # the version of the weights it holds: 0 at the start, +1 per successful round
-
-    def train_round(self, trajectories: list[Trajectory]) -> dict[str, float]:
-        """Train on one buffer; on success take the next version and return the round's metrics, else return
-        ``{"diverged": 1}`` (training stopped on non-finite steps; the version is unchanged)."""
-
-    def publishable_state(self) -> dict[str, torch.Tensor]:
-        """The tensors that are published and hot-reloaded."""
-
-    def learner_state(self) -> LearnerState:
-        """Everything a checkpoint keeps of the trainer."""
-
-    def restore(self, state: LearnerState) -> None:
-        """Continue from a checkpoint's ``LearnerState``."""
 
 
 class TrafficSource:
@@ -127,114 +102,6 @@ class TrafficSource:
         return domain, prompt
 
 
-class ServingMetrics:
-    """Serving counters since the last ``snapshot``: per-domain rounds from finished trajectories, tokens from steps."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._reset()
-
-    def _reset(self) -> None:
-        self.domains: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
-        self.tokens = self.steps = 0
-        self.started = time.perf_counter()
-
-    def add_trajectory(self, trajectory: Trajectory) -> None:
-        with self._lock:
-            counts = self.domains[trajectory.domain]
-            counts["trajectories"] += 1
-            counts["rounds"] += len(trajectory.accepted)
-            counts["accepted"] += sum(trajectory.accepted)
-            counts["drafted"] += sum(trajectory.draft_lengths)
-
-    def add_step(self, stats) -> None:
-        with self._lock:
-            self.steps += 1
-            self.tokens += stats.committed + stats.admitted  # a prefill commits the first token
-
-    def snapshot(self) -> dict[str, float]:
-        with self._lock:
-            seconds = time.perf_counter() - self.started
-            total = defaultdict(int)
-            row: dict[str, float] = {}
-            for domain, counts in sorted(self.domains.items()):
-                for key, value in counts.items():
-                    total[key] += value
-                row[f"tau/{domain}"] = _tau(counts)
-            row.update(
-                tau=_tau(total),
-                acceptance=total["accepted"] / total["drafted"] if total["drafted"] else 0.0,
-                verify_len=total["drafted"] / total["rounds"] if total["rounds"] else 0.0,
-                tokens_per_s=self.tokens / seconds if seconds > 0 else 0.0,
-                trajectories=total["trajectories"],
-                serving_steps=self.steps,
-            )
-            self._reset()
-            return row
-
-
-def _tau(counts) -> float:
-    return tau_of(counts["accepted"] + counts["rounds"], counts["rounds"])
-
-
-class ServingWorker(threading.Thread):
-    """The serving loop (see the module docstring). ``stop()`` ends it after the current step; ``error`` holds an
-    exception that ended it early, and ``done`` is set however it ends."""
-
-    def __init__(
-        self,
-        engine: AdaFlashEngine,
-        traffic: TrafficSource,
-        buffer: ReplayBuffer,
-        reloader: HotReloader,
-        concurrency: int,
-        params: SamplingParams,
-        backpressure: bool = False,
-    ):
-        super().__init__(name="adaflash-serving", daemon=True)
-        if concurrency < 1:
-            raise ValueError(f"concurrency: expected >= 1, got {concurrency}")
-        self.engine, self.traffic, self.reloader = engine, traffic, reloader
-        self.concurrency, self.params = concurrency, params
-        self.buffer, self.backpressure = buffer, backpressure
-        self.recorder = EngineRecorder(buffer)
-        engine.round_recorder = self.recorder
-        self.metrics = ServingMetrics()
-        buffer.listeners.append(self.metrics.add_trajectory)
-        self._stop_requested = threading.Event()
-        self.done = threading.Event()
-        self.error: BaseException | None = None
-
-    def stop(self) -> None:
-        self._stop_requested.set()
-
-    def _admitting(self) -> bool:
-        """New traffic is admitted unless ``backpressure`` is on and a full buffer waits for the trainer."""
-        return not (self.backpressure and len(self.buffer) >= self.buffer.fresh_per_buffer)
-
-    def run(self) -> None:
-        engine = self.engine
-        try:
-            while not self._stop_requested.is_set():
-                self.reloader.poll()  # between steps: no request ever sees weights change inside a step
-                while self._admitting() and len(engine.running) + len(engine.waiting) < self.concurrency:
-                    domain, prompt = next(self.traffic)
-                    request_id = engine.add_request(prompt, self.params)
-                    self.recorder.domains[request_id] = domain
-                if not engine.running and not engine.waiting:
-                    time.sleep(0.02)  # paused by backpressure with nothing in flight
-                    continue
-                seen = len(engine.stats)
-                engine.step()
-                for stats in engine.stats[seen:]:
-                    self.metrics.add_step(stats)
-        except BaseException as error:  # surfaced by run_online in the main thread
-            logger.error(f"serving loop failed: {error!r}")
-            self.error = error
-        finally:
-            self.done.set()
-
-
 class MetricsLogger:
     """One row per round to a CSV (rewritten atomically, so columns may grow) and to accelerate trackers."""
 
@@ -284,36 +151,6 @@ class MetricsLogger:
             tracker.finish()
 
 
-def _resume(trainer: OnlineLearner, checkpoint_dir, weights_dir, resume: bool = True) -> int:
-    """Restore the newest complete checkpoint (with ``resume``, if any), publish the trainer's weights, and return the
-    rounds the checkpoint had done.
-
-    Versions only rise across restarts, whatever is left on disk: when ``weights_dir`` already holds a newer version
-    than the trainer's (checkpoints deleted or corrupt, ``resume`` off, or a publish after the last checkpoint), the
-    trainer's weights are published as the version after it and numbering goes on from there. Otherwise a reloader
-    would keep serving the old version while every new one, numbered lower, is published and never loaded."""
-    checkpoint = latest_checkpoint(checkpoint_dir) if resume else None
-    rounds = 0
-    if checkpoint is not None:
-        state, loop_state = load_online_checkpoint(checkpoint)
-        trainer.restore(state)
-        rounds = int(loop_state.get("round", 0))
-    published = newest_published_version(weights_dir)
-    if published > trainer.weights_version:
-        if checkpoint is not None:
-            held, why = f"checkpoint {checkpoint.name}", f"version {trainer.weights_version}"
-        else:
-            held, why = "the starting drafter", "no complete checkpoint" if resume else "resume: false"
-        logger.warning(
-            f"{weights_dir} holds version {published}, newer than {held} ({why}): publishing {held} as version "
-            f"{published + 1}; the versions it trains follow from there"
-        )
-        trainer.weights_version = published + 1
-    if checkpoint is not None or published > 0:
-        publish_weights(weights_dir, trainer.publishable_state(), trainer.weights_version)
-    return rounds
-
-
 def _replay_buffer(config: OnlineConfig, traffic: TrafficSource) -> ReplayBuffer:
     """The loop's buffer; its replay domains are checked against the traffic's first, before anything is served."""
     check_replay_domains(config.replay_fraction, config.replay_domains, [d for d, _ in traffic.phases])
@@ -349,56 +186,142 @@ def run_online(
     A replay mix (``config.replay_fraction``) draws part of every buffer from recent served samples of
     ``config.replay_domains``, which must be traffic domains, not all of them (checked before anything is served).
     """
+    if config.concurrency < 1:
+        raise ValueError(f"concurrency: expected >= 1, got {config.concurrency}")
     buffer = _replay_buffer(config, traffic)
-    reloader = HotReloader(engine.drafter, weights_dir)
-    start = _resume(trainer, checkpoint_dir, weights_dir, config.resume)
-    worker = ServingWorker(
+    rows: list[dict] = []
+    learner = LiveLearner(
+        trainer,
         engine,
-        traffic,
-        buffer,
-        reloader,
-        config.concurrency,
-        params or SamplingParams(),
-        backpressure=config.serving_backpressure,
+        weights_dir,
+        checkpoint_dir,
+        config,
+        buffer=buffer,
+        max_rounds=config.max_rounds,
+        updates=config.online_updates,
+    )
+    worker = EngineWorker(engine, None, learner=learner, capacity=config.concurrency)
+    buffer.listeners.append(worker.stats.add_trajectory)
+    progress = tqdm(total=config.max_rounds, initial=learner.rounds, desc="OPD rounds", disable=disable_tqdm)
+    counted, since = worker.stats.totals(), time.perf_counter()
+
+    def log_round(done: int, training: dict[str, float]) -> None:
+        nonlocal counted, since
+        totals, now = worker.stats.totals(), time.perf_counter()
+        serving = _serving_columns(totals - counted, now - since)
+        counted, since = totals, now
+        if training.get("diverged"):
+            metrics.log({"round": done, "diverged": 1, **serving}, step=done)
+            return
+        row = {
+            "round": done,
+            "version": trainer.weights_version,
+            "served_version": learner.reloader.version,
+            **serving,
+            **training,
+            **{f"buffer/{k}": v for k, v in buffer.stats().items()},
+            "reload_swaps": learner.reloader.swaps,
+            "reload_rejected": sum(learner.reloader.rejected.values()),
+            "domain": traffic.domain,
+        }
+        metrics.log(row, step=done)
+        rows.append(row)
+        progress.update()
+        logger.info(
+            f"round {done}: version {row['version']}, tau {row['tau']:.2f}, "
+            f"loss {row.get('loss', float('nan')):.4f}, {row['tokens_per_s']:.1f} tok/s"
+        )
+
+    learner.on_round = log_round
+    failures: list[BaseException] = []
+    stop = threading.Event()
+    feeder = threading.Thread(
+        target=_feed,
+        args=(
+            worker,
+            traffic,
+            learner,
+            params or SamplingParams(),
+            config.serving_backpressure,
+            stop,
+            failures,
+        ),
+        name="adaflash-traffic",
+        daemon=True,
     )
     worker.start()
-    rows = []
+    feeder.start()
     try:
-        for round_index in tqdm(range(start, config.max_rounds), desc="OPD rounds", disable=disable_tqdm):
-            batch = buffer.take(trainer.weights_version, stop=worker.done)
-            if batch is None:
-                break
-            done = round_index + 1
-            training = trainer.train_round(batch) if config.online_updates else {}
-            if training.get("diverged"):
-                logger.error(f"round {done}: training diverged; nothing published, stopping")
-                metrics.log({"round": done, "diverged": 1, **worker.metrics.snapshot()}, step=done)
-                break
-            if config.online_updates:
-                publish_weights(weights_dir, trainer.publishable_state(), trainer.weights_version)
-                if config.checkpoint_every and done % config.checkpoint_every == 0:
-                    save_online_checkpoint(checkpoint_dir, trainer.learner_state(), {"round": done})
-            row = {
-                "round": done,
-                "version": trainer.weights_version,
-                "served_version": reloader.version,
-                **worker.metrics.snapshot(),
-                **training,
-                **{f"buffer/{k}": v for k, v in buffer.stats().items()},
-                "reload_swaps": reloader.swaps,
-                "reload_rejected": sum(reloader.rejected.values()),
-                "domain": traffic.domain,
-            }
-            metrics.log(row, step=done)
-            rows.append(row)
-            logger.info(
-                f"round {done}: version {row['version']}, tau {row['tau']:.2f}, "
-                f"loss {row.get('loss', float('nan')):.4f}, {row['tokens_per_s']:.1f} tok/s"
-            )
+        learner.train()
     finally:
-        worker.stop()
-        worker.join()
+        stop.set()
+        feeder.join()
+        worker.shutdown(0.0)
+        progress.close()
         metrics.finish()
-    if worker.error is not None:
-        raise RuntimeError("the serving loop failed") from worker.error
+    error = worker.error or (failures[0] if failures else None)
+    if error is not None:
+        raise RuntimeError("the serving loop failed") from error
     return rows
+
+
+def _feed(
+    worker: EngineWorker, traffic, learner: LiveLearner, params, backpressure: bool, stop, failures
+) -> None:
+    """Submit the traffic's prompts to ``worker`` until ``stop``: as many in flight as it takes (``QueueFull`` makes
+    the next one wait), none while ``backpressure`` holds and a full buffer waits for the trainer. A request the
+    engine refuses, or the engine thread failing, goes to ``failures`` and stops the learner."""
+    buffer = learner.buffer
+
+    def on_event(event: Event) -> None:
+        if event.kind == "failed" and not isinstance(event.error, ShuttingDown):
+            failures.append(event.error)
+            learner.stop()
+
+    ids = itertools.count()
+    pending = None
+    try:
+        while not stop.is_set() and not failures:
+            if not worker.is_alive():
+                learner.stop()
+                return
+            if backpressure and len(buffer) >= buffer.fresh_per_buffer:
+                stop.wait(0.02)
+                continue
+            if pending is None:
+                domain, prompt = next(traffic)
+                pending = f"opd-{next(ids)}", prompt
+                learner.recorder.domains[pending[0]] = domain  # before it is served: its trajectory is tagged
+            try:
+                worker.submit(pending[1], params, request_id=pending[0], on_event=on_event)
+                pending = None
+            except QueueFull:
+                stop.wait(0.005)
+            except ShuttingDown:
+                learner.stop()
+                return
+    except BaseException as error:
+        failures.append(error)
+        learner.stop()
+
+
+def _serving_columns(counts, seconds: float) -> dict[str, float]:
+    """A round's serving columns from what ``ServingStats`` counted during it: τ per domain and over all (from the
+    recorded trajectories), acceptance, verify length, tokens/s and engine steps."""
+    domains = sorted(key.split("/", 1)[1] for key in counts if key.startswith("trajectories/"))
+    total = {
+        key: sum(counts[f"{key}/{d}"] for d in domains)
+        for key in ("trajectories", "rounds", "accepted", "drafted")
+    }
+    columns = {
+        f"tau/{d}": tau_of(counts[f"accepted/{d}"] + counts[f"rounds/{d}"], counts[f"rounds/{d}"])
+        for d in domains
+    }
+    return columns | {
+        "tau": tau_of(total["accepted"] + total["rounds"], total["rounds"]),
+        "acceptance": total["accepted"] / total["drafted"] if total["drafted"] else 0.0,
+        "verify_len": total["drafted"] / total["rounds"] if total["rounds"] else 0.0,
+        "tokens_per_s": counts["tokens"] / seconds if seconds > 0 else 0.0,
+        "trajectories": total["trajectories"],
+        "serving_steps": counts["steps"],
+    }

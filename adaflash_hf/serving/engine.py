@@ -28,6 +28,11 @@ no drafts that step (counted in the step stats and the request's ``drafter_fallb
 ``abort(request_id)`` ends a request between steps; the next ``step()`` yields its final output, with no new tokens
 and ``finish_reason="abort"``, so a client sees one final event per request.
 
+The engine keeps nothing a long run would pile up: ``engine.requests`` holds the unfinished requests (aborted ones
+until their final output), and a request leaves it when ``step()`` yields its final output, which carries it
+(``output.request``: its tokens, ``finish_reason`` and drafting counts); ``generate`` returns the outputs itself.
+``engine.stats`` keeps the ``StepStats`` of the last ``STEP_WINDOW`` steps, ``engine.step_count`` counts them all.
+
 Online learning: ``engine.round_recorder`` (a callable) receives ``(request, RoundRecord)`` after each verify round,
 once the request's state is updated (``finish_reason`` is set on its last round): the anchor position, k, the
 accepted count, ``drafter.weights_version``, the verified block's â (NaN where no block was verified) and the k
@@ -88,6 +93,8 @@ from adaflash_hf.stats import RoundRecord, StepStats
 logger = logging.get_logger(__name__)
 
 MODES = ("plain", "dflash", "adaflash")
+# The StepStats kept in ``engine.stats``: about 3.4 MB of them, so a server's memory stays flat however long it runs.
+STEP_WINDOW = 4096
 
 
 def _check_engine_target(target):
@@ -237,9 +244,10 @@ class AdaFlashEngine:
         self.seeds = torch.Generator().manual_seed(seed)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.requests: dict[str, Request] = {}
+        self.requests: dict[str, Request] = {}  # unfinished, until step() yields the final output
         self.aborted: list[RequestOutput] = []  # final outputs of aborted requests, yielded by the next step
-        self.stats: list[StepStats] = []
+        self.stats: deque[StepStats] = deque(maxlen=STEP_WINDOW)
+        self.step_count = 0
         self.round_recorder = None
         self.record_full_drafts = False
         self.free_slots: list[int] = []
@@ -328,10 +336,13 @@ class AdaFlashEngine:
         params.validate(self.vocab_size)
 
     def abort(self, request_id: str) -> bool:
-        """Stop a request now (between steps); returns False if it had already finished."""
+        """Stop a request now (between steps); returns False if it had already ended and its final output is still
+        to come. A request whose final output was yielded is no longer the engine's: its id is refused."""
         request = self.requests.get(request_id)
         if request is None:
-            raise ValueError(f"request_id: expected one added to this engine, got {request_id!r}")
+            raise ValueError(
+                f"request_id: expected one added to this engine whose final output is still to come, got {request_id!r}"
+            )
         if request.status == FINISHED:
             return False
         if request.status == WAITING:
@@ -340,7 +351,7 @@ class AdaFlashEngine:
             self.running.remove(request)
         request.finish_reason = "abort"
         self._release(request)
-        self.aborted.append(RequestOutput(request_id, [], True, "abort"))
+        self.aborted.append(RequestOutput(request_id, [], True, "abort", request))
         return True
 
     def has_unfinished(self) -> bool:
@@ -386,10 +397,8 @@ class AdaFlashEngine:
                 raise type(error)(f"prompts[{i}]: {error}") from None
         for request in requests:
             self._queue(request)
-        ids = [r.request_id for r in requests]
-        for _ in self.stream():
-            pass
-        return [self.requests[i].output for i in ids]
+        finished = {o.request_id: o.request for o in self.stream() if o.finished}
+        return [finished[r.request_id].output for r in requests]
 
     def _release(self, request: Request) -> None:
         if self.lookup_history is not None and request.finish_reason != "abort" and request.output:
@@ -422,7 +431,7 @@ class AdaFlashEngine:
             self._assign_slot(request)
         decoding = list(self.running)
         if not decoding and not admitted:
-            return aborted
+            return self._forget(aborted)
         self.running.extend(admitted)
         prefill_tokens = sum(len(r.prompt) for r in admitted)
         gamma = (self.settings.gamma or 1.0) * self.admission.gamma_scale()
@@ -461,14 +470,21 @@ class AdaFlashEngine:
         self._record_step(
             admitted, decoding, drafted, lengths, accepted[len(admitted) :], committed, gamma, timings
         )
-        return aborted + outputs
+        return self._forget(aborted + outputs)
+
+    def _forget(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """``outputs``, once every request they finish has left ``requests`` (each final output carries its own)."""
+        for output in outputs:
+            if output.finished:
+                del self.requests[output.request_id]
+        return outputs
 
     def _record_step(self, admitted, decoding, drafted, lengths, verified, committed, gamma, timings) -> None:
         started, drafter_seconds, target_seconds = timings
         sources = ["diffusion" if lookup is None else "lookup" for lookup in drafted.lookups]
         self.stats.append(
             StepStats(
-                step=len(self.stats),
+                step=self.step_count,
                 running=len(decoding) + len(admitted),
                 waiting=len(self.waiting),
                 admitted=len(admitted),
@@ -491,6 +507,7 @@ class AdaFlashEngine:
                 zero_length_verifies=lengths.count(0),
             )
         )
+        self.step_count += 1
 
     def _draft(self, policy: DraftingPolicy, decoding: list[Request], shape: Step) -> _Drafted:
         """The step's drafting: ``policy.start`` says who runs the drafter; ONE batched drafter forward over them
@@ -725,7 +742,10 @@ class AdaFlashEngine:
                     source=source,
                 )
                 self.round_recorder(request, record)
+            finished = request.status == FINISHED
             outputs.append(
-                RequestOutput(request.request_id, kept, request.status == FINISHED, request.finish_reason)
+                RequestOutput(
+                    request.request_id, kept, finished, request.finish_reason, request if finished else None
+                )
             )
         return outputs, committed

@@ -123,12 +123,14 @@ class Request:
 
 @dataclass(frozen=True)
 class RequestOutput:
-    """What one step produced for one request: the newly committed tokens, and whether it is done."""
+    """What one step produced for one request: the newly committed tokens, and whether it is done; a final output
+    carries the request (the engine has forgotten it)."""
 
     request_id: str
     new_tokens: list[int]
     finished: bool
     finish_reason: str | None = None
+    request: Request | None = field(default=None, repr=False, compare=False)
 
 
 def filter_logits(rows: torch.Tensor, params: SamplingParams) -> torch.Tensor:

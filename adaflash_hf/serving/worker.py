@@ -1,5 +1,6 @@
-"""The engine thread of ``adaflash serve``: one thread owns the ``AdaFlashEngine`` and steps it; the HTTP side only
-submits requests and reads their events.
+"""The engine thread of ``adaflash serve`` and of the online loop (``online.loop.run_online``): one thread owns the
+``AdaFlashEngine`` and steps it; the HTTP side (or the loop's traffic source) only submits requests and reads their
+events.
 
     worker = EngineWorker(engine, tokenizer, max_waiting=64)
     worker.start()
@@ -15,9 +16,13 @@ so no request ever sees the drafter's weights change inside a step. Events reach
 ends the request at once (aborted in the engine, ``finish_reason="stop"``), and tokens a step committed past it are
 dropped.
 
-Bounded: at most ``max_running`` (the engine's admission) + ``max_waiting`` requests are accepted at once; past that
-``submit`` raises ``QueueFull`` without queueing anything. Finished requests leave ``engine.requests`` and step stats
-leave ``engine.stats`` once read (``ServingStats`` keeps windows of them), so memory stays flat however long it serves.
+Bounded: at most ``max_running`` (the engine's admission) + ``max_waiting`` requests (or ``capacity``) are accepted
+at once; past that ``submit`` raises ``QueueFull`` without queueing anything. The engine forgets a request once it
+yields its final output and keeps a bounded window of step stats, and ``ServingStats`` keeps windows and counters,
+so memory stays flat however long it serves.
+
+Without a tokenizer (the online loop) nothing is detokenized: no "text" events, and stop strings are not supported.
+A caller without an asyncio loop hands ``submit`` an ``on_event`` callable, called on the engine thread.
 
 A learner (``--learn``) is any object with ``between_steps()`` and ``request_ended(request)``; the second is called for
 every request that ends, aborted ones included (their rounds were never pushed by the engine's round recorder).
@@ -31,6 +36,7 @@ import threading
 import time
 import uuid
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from transformers.utils import logging
@@ -73,18 +79,27 @@ class Event:
 @dataclass
 class Handle:
     request_id: str
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+    loop: asyncio.AbstractEventLoop | None
+    queue: asyncio.Queue | None
+    on_event: Callable[[Event], None] | None = None  # instead of the queue, on the engine thread
 
     def emit(self, event: Event) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        if self.on_event is not None:
+            self.on_event(event)
+        else:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
 
 
 @dataclass
 class _Live:
     handle: Handle
-    text: IncrementalText
+    text: IncrementalText | None  # None: no tokenizer, tokens are only counted
     prompt_tokens: int
+    tokens: int = 0  # without ``text``
+
+    @property
+    def tokens_used(self) -> int:
+        return self.tokens if self.text is None else self.text.tokens_used
 
 
 class ServingStats:
@@ -110,9 +125,23 @@ class ServingStats:
             if rounds:
                 self.requests.append((rounds, accepted))
 
+    def add_trajectory(self, trajectory) -> None:
+        """Count a recorded trajectory's drafting rounds under its domain (a ``ReplayBuffer`` listener)."""
+        with self.lock:
+            domain = trajectory.domain
+            self.counters[f"trajectories/{domain}"] += 1
+            self.counters[f"rounds/{domain}"] += len(trajectory.accepted)
+            self.counters[f"accepted/{domain}"] += sum(trajectory.accepted)
+            self.counters[f"drafted/{domain}"] += sum(trajectory.draft_lengths)
+
     def count(self, name: str) -> None:
         with self.lock:
             self.counters[name] += 1
+
+    def totals(self) -> Counter[str]:
+        """A copy of the counters (totals since the start)."""
+        with self.lock:
+            return Counter(self.counters)
 
     def snapshot(self) -> dict[str, float]:
         with self.lock:
@@ -142,12 +171,22 @@ def _percentile(ordered: list[float], q: float) -> float:
 class EngineWorker(threading.Thread):
     """See the module docstring."""
 
-    def __init__(self, engine, tokenizer, max_waiting: int = 64, learner=None, retry_after: int = 1):
+    def __init__(
+        self,
+        engine,
+        tokenizer,
+        max_waiting: int = 64,
+        learner=None,
+        retry_after: int = 1,
+        capacity: int | None = None,
+    ):
         super().__init__(name="adaflash-engine", daemon=True)
         if not (isinstance(max_waiting, int) and max_waiting >= 0):
             raise ValueError(f"max_waiting: expected an int >= 0, got {max_waiting!r}")
+        if capacity is not None and not (isinstance(capacity, int) and capacity >= 1):
+            raise ValueError(f"capacity: expected an int >= 1, got {capacity!r}")
         self.engine, self.tokenizer, self.learner = engine, tokenizer, learner
-        self.capacity = engine.admission.config.max_running + max_waiting
+        self.capacity = capacity or engine.admission.config.max_running + max_waiting
         self.retry_after = retry_after
         self.stats = ServingStats()
         self.error: BaseException | None = None
@@ -167,9 +206,22 @@ class EngineWorker(threading.Thread):
             return self._accepted
 
     def submit(
-        self, prompt_ids: list[int], params: SamplingParams, stop=(), loop=None, prefix: str = "cmpl"
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        stop=(),
+        loop=None,
+        prefix: str = "cmpl",
+        request_id: str | None = None,
+        on_event: Callable[[Event], None] | None = None,
     ) -> Handle:
-        """Queue a request for the engine thread; raises ``QueueFull`` or ``ShuttingDown`` instead of queueing."""
+        """Queue a request for the engine thread; raises ``QueueFull`` or ``ShuttingDown`` instead of queueing.
+        Its events go to ``on_event`` if given, else to ``handle.queue`` on ``loop`` (default: the running asyncio
+        loop); its id is ``request_id`` or a new ``{prefix}-...``."""
+        if stop and self.tokenizer is None:
+            raise ValueError(
+                f"stop: expected none without a tokenizer to find it in the text, got {list(stop)}"
+            )
         with self._lock:
             if self._closing or not self.is_alive():
                 raise ShuttingDown("server: expected to be running, got shutting down")
@@ -177,8 +229,11 @@ class EngineWorker(threading.Thread):
                 self.stats.count("rejected_busy")
                 raise QueueFull(self._accepted, self.retry_after)
             self._accepted += 1
-        loop = loop or asyncio.get_running_loop()
-        handle = Handle(f"{prefix}-{uuid.uuid4().hex[:24]}", loop, asyncio.Queue())
+        request_id = request_id or f"{prefix}-{uuid.uuid4().hex[:24]}"
+        if on_event is not None:
+            handle = Handle(request_id, None, None, on_event)
+        else:
+            handle = Handle(request_id, loop or asyncio.get_running_loop(), asyncio.Queue())
         self._inbox.put(("add", handle, list(prompt_ids), params, tuple(stop)))
         return handle
 
@@ -216,12 +271,10 @@ class EngineWorker(threading.Thread):
                 self._busy = True
                 if self.learner is not None:
                     self.learner.between_steps()
-                started = time.perf_counter()
+                steps, started = engine.step_count, time.perf_counter()
                 outputs = engine.step()
-                seconds = time.perf_counter() - started
-                if engine.stats:
-                    self.stats.add_step(engine.stats[-1], seconds)
-                    engine.stats.clear()  # read once; the windows above keep what /metrics shows
+                if engine.step_count > steps:  # a step that only ended aborted requests records none
+                    self.stats.add_step(engine.stats[-1], time.perf_counter() - started)
                 for output in outputs:
                     self._deliver(output)
         except BaseException as error:  # every waiting client gets it as a failure
@@ -268,13 +321,18 @@ class EngineWorker(threading.Thread):
                 self._release_slot()
                 handle.emit(Event("failed", error=error))
                 return
-            self._live[handle.request_id] = _Live(handle, IncrementalText(self.tokenizer, stop), len(prompt))
+            text = IncrementalText(self.tokenizer, stop) if self.tokenizer is not None else None
+            self._live[handle.request_id] = _Live(handle, text, len(prompt))
             handle.emit(Event("accepted", prompt_tokens=len(prompt)))
 
     def _deliver(self, output) -> None:
         live = self._live.get(output.request_id)
         if live is None:  # ended already (stop string, abort): its final engine output carries nothing new
-            self.engine.requests.pop(output.request_id, None)
+            return
+        if live.text is None:  # nothing to detokenize: tokens are only counted
+            live.tokens += len(output.new_tokens)
+            if output.finished:
+                self._end(output.request_id, output.finish_reason, output.request)
             return
         pieces = []
         for token in output.new_tokens:
@@ -291,15 +349,15 @@ class EngineWorker(threading.Thread):
         if any(pieces):
             live.handle.emit(Event("text", text="".join(pieces)))
         if reason is not None:
-            self._end(output.request_id, reason)
+            self._end(output.request_id, reason, output.request)
 
-    def _end(self, request_id: str, reason: str, cut: bool = False) -> None:
-        """Close a live request: abort it in the engine if it still runs, and send its final event ("failed" with
-        ``ShuttingDown`` when ``cut`` by the shutdown's deadline)."""
+    def _end(self, request_id: str, reason: str, request=None, cut: bool = False) -> None:
+        """Close a live request: abort it in the engine unless ``request`` is the one its final output carried, and
+        send its final event ("failed" with ``ShuttingDown`` when ``cut`` by the shutdown's deadline)."""
         live = self._live.pop(request_id)
-        request = self.engine.requests[request_id]
-        if not self.engine.abort(request_id):  # finished by the engine: its final output was this step's
-            self.engine.requests.pop(request_id)
+        if request is None:
+            request = self.engine.requests[request_id]
+            self.engine.abort(request_id)
         if self.learner is not None:
             self.learner.request_ended(request)
         self.stats.add_request(reason, request.verify_rounds, request.accepted)
@@ -312,7 +370,7 @@ class EngineWorker(threading.Thread):
         if cut:
             error = ShuttingDown(
                 f"server: shutting down, and the grace period of {self._grace_s:g} s ended before this request "
-                f"finished (stopped after {live.text.tokens_used} tokens)"
+                f"finished (stopped after {live.tokens_used} tokens)"
             )
             live.handle.emit(Event("failed", error=error, extra=extra))
             return
@@ -321,7 +379,7 @@ class EngineWorker(threading.Thread):
                 "finished",
                 finish_reason=reason,
                 prompt_tokens=live.prompt_tokens,
-                completion_tokens=live.text.tokens_used,
+                completion_tokens=live.tokens_used,
                 extra=extra,
             )
         )
