@@ -26,7 +26,7 @@ Hooks overridden (everything else, incl. teacher preparation, the vocabulary che
   which then changes neither parameters nor AdamW state; ``max_nonfinite_steps`` such steps in a row stop training
   and set ``diverged``.
 
-The online loop (``adaflash_hf.online.loop``, which publishes and checkpoints) drives it through ``train_round``
+The online learner (``adaflash_hf.online.live``, which publishes and checkpoints) drives it through ``train_round``
 (one buffer in, the round's metrics out, the next weights version on success), ``publishable_state``,
 ``learner_state`` and ``restore``.
 """
