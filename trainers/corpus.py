@@ -104,12 +104,7 @@ def build_corpus(
             target, existing, features_dir, layer_ids, topk, time_budget_s=time_budget_s
         )
     todo, dropped = _rows_to_regenerate(tokenizer, rows, out_dir, max_prompt_tokens)
-    if dropped:
-        per_domain = ", ".join(f"{domain}: {count}" for domain, count in sorted(dropped.items()))
-        logger.warning(
-            f"corpus: dropped {sum(dropped.values())} prompt(s) longer than --max-prompt-tokens "
-            f"{max_prompt_tokens} tokens ({per_domain}); raise it to keep them"
-        )
+    _warn_dropped(dropped, max_prompt_tokens)
     batches = _batches(todo, batch_size)
 
     eos = tokenizer.eos_token_id
@@ -139,6 +134,16 @@ def build_corpus(
     }
     logger.info(f"corpus: {stats}")
     return stats
+
+
+def _warn_dropped(dropped: dict[str, int], max_prompt_tokens: int) -> None:
+    """One warning for the prompts longer than ``max_prompt_tokens``, counted per domain (none: nothing to say)."""
+    if dropped:
+        per_domain = ", ".join(f"{domain}: {count}" for domain, count in sorted(dropped.items()))
+        logger.warning(
+            f"corpus: dropped {sum(dropped.values())} prompt(s) longer than --max-prompt-tokens "
+            f"{max_prompt_tokens} tokens ({per_domain}); raise it to keep them"
+        )
 
 
 def _append_batch(

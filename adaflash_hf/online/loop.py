@@ -189,7 +189,6 @@ def run_online(
     if config.concurrency < 1:
         raise ValueError(f"concurrency: expected >= 1, got {config.concurrency}")
     buffer = _replay_buffer(config, traffic)
-    rows: list[dict] = []
     learner = LiveLearner(
         trainer,
         engine,
@@ -203,36 +202,8 @@ def run_online(
     worker = EngineWorker(engine, None, learner=learner, capacity=config.concurrency)
     buffer.listeners.append(worker.stats.add_trajectory)
     progress = tqdm(total=config.max_rounds, initial=learner.rounds, desc="OPD rounds", disable=disable_tqdm)
-    counted, since = worker.stats.totals(), time.perf_counter()
-
-    def log_round(done: int, training: dict[str, float]) -> None:
-        nonlocal counted, since
-        totals, now = worker.stats.totals(), time.perf_counter()
-        serving = _serving_columns(totals - counted, now - since)
-        counted, since = totals, now
-        if training.get("diverged"):
-            metrics.log({"round": done, "diverged": 1, **serving}, step=done)
-            return
-        row = {
-            "round": done,
-            "version": trainer.weights_version,
-            "served_version": learner.reloader.version,
-            **serving,
-            **training,
-            **{f"buffer/{k}": v for k, v in buffer.stats().items()},
-            "reload_swaps": learner.reloader.swaps,
-            "reload_rejected": sum(learner.reloader.rejected.values()),
-            "domain": traffic.domain,
-        }
-        metrics.log(row, step=done)
-        rows.append(row)
-        progress.update()
-        logger.info(
-            f"round {done}: version {row['version']}, tau {row['tau']:.2f}, "
-            f"loss {row.get('loss', float('nan')):.4f}, {row['tokens_per_s']:.1f} tok/s"
-        )
-
-    learner.on_round = log_round
+    log = _RoundLog(worker, learner, trainer, traffic, metrics, progress)
+    learner.on_round = log
     failures: list[BaseException] = []
     stop = threading.Event()
     feeder = threading.Thread(
@@ -262,7 +233,45 @@ def run_online(
     error = worker.error or (failures[0] if failures else None)
     if error is not None:
         raise RuntimeError("the serving loop failed") from error
-    return rows
+    return log.rows
+
+
+class _RoundLog:
+    """``LiveLearner.on_round`` for ``run_online``: one row per round (the serving counters since the last round,
+    the training figures, the buffer's and the reloader's), logged to ``metrics`` and kept in ``rows``."""
+
+    def __init__(self, worker: EngineWorker, learner: LiveLearner, trainer, traffic, metrics, progress):
+        self.worker, self.learner, self.trainer, self.traffic = worker, learner, trainer, traffic
+        self.metrics, self.progress = metrics, progress
+        self.rows: list[dict] = []
+        self.counted, self.since = worker.stats.totals(), time.perf_counter()
+
+    def __call__(self, done: int, training: dict[str, float]) -> None:
+        totals, now = self.worker.stats.totals(), time.perf_counter()
+        serving = _serving_columns(totals - self.counted, now - self.since)
+        self.counted, self.since = totals, now
+        if training.get("diverged"):
+            self.metrics.log({"round": done, "diverged": 1, **serving}, step=done)
+            return
+        reloader = self.learner.reloader
+        row = {
+            "round": done,
+            "version": self.trainer.weights_version,
+            "served_version": reloader.version,
+            **serving,
+            **training,
+            **{f"buffer/{k}": v for k, v in self.learner.buffer.stats().items()},
+            "reload_swaps": reloader.swaps,
+            "reload_rejected": sum(reloader.rejected.values()),
+            "domain": self.traffic.domain,
+        }
+        self.metrics.log(row, step=done)
+        self.rows.append(row)
+        self.progress.update()
+        logger.info(
+            f"round {done}: version {row['version']}, tau {row['tau']:.2f}, "
+            f"loss {row.get('loss', float('nan')):.4f}, {row['tokens_per_s']:.1f} tok/s"
+        )
 
 
 def _feed(
