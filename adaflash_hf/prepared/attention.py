@@ -24,6 +24,7 @@ Pure torch; softmax in float32 (as transformers' eager attention).
 import functools
 
 import torch
+import torch.nn.functional as F
 
 from adaflash_hf.kernels.verify_packing import SlotPacking
 from adaflash_hf.prepared.tiles import tiles_for
@@ -32,10 +33,9 @@ KEY_BLOCK = 64
 
 
 def block_attention(query, allowed, *, keys, values, scale: float) -> torch.Tensor:
-    """query ``[Hkv, R, D]`` rows over keys/values ``[Hkv, S, D]`` with ``allowed [R, S]`` -> ``[Hkv, R, D]``."""
-    scores = torch.matmul(query, keys.transpose(-1, -2)) * scale
-    probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1, dtype=torch.float32)
-    return torch.matmul(probs.to(query.dtype), values)
+    """query ``[Hkv, R, D]`` rows over keys/values ``[Hkv, S, D]`` with ``allowed [R, S]`` -> ``[Hkv, R, D]``: one fused
+    SDPA call (on a CPU, its flash kernel: softmax in float32, each query row on its own), one shape per tile."""
+    return F.scaled_dot_product_attention(query[None], keys[None], values[None], attn_mask=allowed, scale=scale)[0]
 
 
 def _sample(heads: int, dim: int, span: int, dtype, device, rows: int, generator: torch.Generator):
