@@ -35,7 +35,9 @@ KEY_BLOCK = 64
 def block_attention(query, allowed, *, keys, values, scale: float) -> torch.Tensor:
     """query ``[Hkv, R, D]`` rows over keys/values ``[Hkv, S, D]`` with ``allowed [R, S]`` -> ``[Hkv, R, D]``: one fused
     SDPA call (on a CPU, its flash kernel: softmax in float32, each query row on its own), one shape per tile."""
-    return F.scaled_dot_product_attention(query[None], keys[None], values[None], attn_mask=allowed, scale=scale)[0]
+    return F.scaled_dot_product_attention(
+        query[None], keys[None], values[None], attn_mask=allowed, scale=scale
+    )[0]
 
 
 def _sample(heads: int, dim: int, span: int, dtype, device, rows: int, generator: torch.Generator):
@@ -55,12 +57,13 @@ def _causal_rows(first: int, last: int, span: int, group: int, device: torch.dev
 
 def _keys_of_block(keys: torch.Tensor, values: torch.Tensor, span: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``keys/values [Hkv, L, D]`` as fresh ``[Hkv, span, D]``: their first ``span`` positions, zeros past ``L``."""
-    out = keys.new_empty(2, keys.shape[0], span, keys.shape[2])
-    available = min(span, keys.shape[1])
-    out[0, :, :available] = keys[:, :available]
-    out[1, :, :available] = values[:, :available]
-    out[:, :, available:] = 0
-    return out[0], out[1]
+    missing = max(0, span - keys.shape[1])
+    return tuple(
+        F.pad(t[:, :span], (0, 0, 0, missing))
+        if missing
+        else t[:, :span].clone(memory_format=torch.contiguous_format)
+        for t in (keys, values)
+    )
 
 
 def sequence_attention(

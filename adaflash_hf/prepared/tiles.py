@@ -95,16 +95,26 @@ class Tiles:
         )
 
     def run(self, op: Op, *inputs: torch.Tensor) -> torch.Tensor:
-        """``op`` over all rows of ``inputs`` in calls of exactly ``self.rows`` rows; the rows' results, cropped."""
+        """``op`` over all rows of ``inputs`` in calls of exactly ``self.rows`` rows; the rows' results, cropped. The
+        inputs are padded once to a whole number of tiles; each tile is a contiguous slice of that, 64-byte aligned
+        as a fresh tensor is (or a fresh copy where a slice would not be)."""
         count, size = inputs[0].shape[-2], self.rows
         if count == size and all(t.is_contiguous() and t.storage_offset() == 0 for t in inputs):
             return op(*inputs)  # already one tile, as a fresh tensor would be: as it is
-        outputs = []
-        for start in range(0, count, size):
-            take = min(size, count - start)
-            tile = (padded_rows(t[..., start : start + take, :], size, p) for t, p in zip(inputs, self.pads))
-            outputs.append(op(*tile)[..., :take, :])
-        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-2)
+        whole = -(-count // size) * size
+        padded = [padded_rows(t, whole, p) for t, p in zip(inputs, self.pads)]
+        outputs = [op(*(_tile(t, start, size) for t in padded)) for start in range(0, whole, size)]
+        out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-2)
+        return out if whole == count else out[..., :count, :]
+
+
+def _tile(rows: torch.Tensor, start: int, size: int) -> torch.Tensor:
+    tile = rows[..., start : start + size, :]
+    return (
+        tile
+        if tile.is_contiguous() and tile.data_ptr() % 64 == 0
+        else tile.clone(memory_format=torch.contiguous_format)
+    )
 
 
 _TILES: dict[tuple, Tiles] = {}
