@@ -272,10 +272,7 @@ def summarise(
         "itl_p50": _quantile(itl, 0.5),
         "itl_p99": _quantile(itl, 0.99),
         "tau": tau_of(accepted + rounds, rounds) if rounds else None,
-        "drafter_version": [
-            before.get("adaflash_drafter_weights_version"),
-            after.get("adaflash_drafter_weights_version"),
-        ],
+        "drafter_version": [m.get("adaflash_drafter_weights_version") for m in (before, after)],
         "memory_mb": [m / 2**20 if m is not None else None for m in (before.get(memory), after.get(memory))],
     }
 
@@ -316,24 +313,28 @@ def _served_model(url: str) -> str:
 
 
 # ------------------------------------------------------------------------------------------------------- reports
-def markdown_table(results: dict) -> str:
-    def ms(value):
-        return "n/a" if value is None else f"{1000 * value:.0f}"
+def _ms(value) -> str:
+    return "n/a" if value is None else f"{1000 * value:.0f}"
 
-    header = "server|concurrency|tokens/s|TTFT p50 / p99 (ms)|ITL p50 / p99 (ms)|τ|done|429|errors|memory MB"
-    rows = [
-        [
-            r["server"],
-            r["concurrency"],
-            f"{r['tokens_per_s']:.1f}",
-            f"{ms(r['ttft_p50'])} / {ms(r['ttft_p99'])}",
-        ]
-        + [f"{ms(r['itl_p50'])} / {ms(r['itl_p99'])}", "n/a" if r["tau"] is None else f"{r['tau']:.2f}"]
-        + [r["completed"], r["rejected_429"], r["errors"]]
-        + [" → ".join("n/a" if m is None else f"{m:.0f}" for m in r["memory_mb"])]
-        for r in results["summary"]
-    ]
-    return table(header.split("|"), rows, "l" + "r" * 8 + "l")
+
+# The table's columns: header -> the cell of a summary row.
+COLUMNS = {
+    "server": lambda r: r["server"],
+    "concurrency": lambda r: r["concurrency"],
+    "tokens/s": lambda r: f"{r['tokens_per_s']:.1f}",
+    "TTFT p50 / p99 (ms)": lambda r: f"{_ms(r['ttft_p50'])} / {_ms(r['ttft_p99'])}",
+    "ITL p50 / p99 (ms)": lambda r: f"{_ms(r['itl_p50'])} / {_ms(r['itl_p99'])}",
+    "τ": lambda r: "n/a" if r["tau"] is None else f"{r['tau']:.2f}",
+    "done": lambda r: r["completed"],
+    "429": lambda r: r["rejected_429"],
+    "errors": lambda r: r["errors"],
+    "memory MB": lambda r: " → ".join("n/a" if m is None else f"{m:.0f}" for m in r["memory_mb"]),
+}
+
+
+def markdown_table(results: dict) -> str:
+    rows = [[cell(r) for cell in COLUMNS.values()] for r in results["summary"]]
+    return table(list(COLUMNS), rows, "l" + "r" * 8 + "l")
 
 
 def learning_curve(records: list[dict], window: int, seed: int = 0) -> list[dict]:
@@ -389,22 +390,14 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--requests", type=int_at_least(1), default=32, help="requests per server and level")
     parser.add_argument("--max-tokens", type=int_at_least(1), default=128, help="max_tokens per request")
     parser.add_argument("--duration-s", type=number_in(0, open_low=True), default=600.0, help="cap per level")
-    parser.add_argument(
-        "--domains", nargs="+", default=["chat", "code", "math"], help="prompt domains in turn"
-    )
+    parser.add_argument("--domains", nargs="+", default=["chat", "code", "math"], help="in turn")
     parser.add_argument("--split", default="heldout", choices=("heldout", "train"), help="prompt split")
     parser.add_argument(
-        "--max-prompt-chars", type=int_at_least(1), default=1500, help="longer prompts keep their end"
+        "--max-prompt-chars", type=int_at_least(1), default=1500, help="longer keep their end"
     )
-    parser.add_argument(
-        "--disconnect-prob", type=number_in(0, 1), default=0.0, help="chance a client drops out"
-    )
-    parser.add_argument(
-        "--learning-curve", action="store_true", help="plot τ against requests (first server)"
-    )
-    parser.add_argument(
-        "--window", type=int_at_least(1), default=100, help="requests per learning-curve point"
-    )
+    parser.add_argument("--disconnect-prob", type=number_in(0, 1), default=0.0, help="a client's drop chance")
+    parser.add_argument("--learning-curve", action="store_true", help="τ against requests (first server)")
+    parser.add_argument("--window", type=int_at_least(1), default=100, help="requests per curve point")
     parser.add_argument("--seed", type=int, default=0, help="prompt shuffle and disconnect draws")
     parser.add_argument("--output-dir", type=Path, default=Path("runs/bench_http"), help="where outputs go")
     parser.add_argument("--config", metavar="FILE", help=CONFIG_HELP)

@@ -17,10 +17,10 @@ import time
 import torch
 
 from adaflash_hf.bench.machine import in_fresh_process, json_result, peak_rss_bytes, rss_bytes
-from adaflash_hf.bench.report import fmt, table, write_json
+from adaflash_hf.bench.report import add_record_options, fmt, table, write_json
 from adaflash_hf.kernels.clipped_kl import clipped_distill_loss_reference, fused_clipped_distill_loss
 from adaflash_hf.kernels.verify_accept import verify_accept
-from adaflash_hf.launch import CONFIG_HELP, int_at_least, parse_args_with_config
+from adaflash_hf.launch import int_at_least, parse_args_with_config
 
 LOSS_IMPLS = {"naive": None, "fallback": "torch", "triton": "triton"}
 
@@ -173,14 +173,7 @@ def make_parser() -> argparse.ArgumentParser:
         "--accept-batches", type=count, nargs="*", help="B (default: 1 8 on cpu; 1..128 on cuda)"
     )
     parser.add_argument("--accept-vocab", type=count, default=151936)
-    parser.add_argument(
-        "--threads",
-        type=count,
-        default=1,
-        help="torch CPU threads (1: on 2 shared cores more threads measure noise)",
-    )
-    parser.add_argument("--output", help="also write the results as JSON to this path")
-    parser.add_argument("--config", metavar="FILE", help=CONFIG_HELP)
+    add_record_options(parser)
     return parser
 
 

@@ -15,6 +15,8 @@ from pathlib import Path
 
 from transformers.utils import logging
 
+from adaflash_hf.launch import CONFIG_HELP, int_at_least
+
 logger = logging.get_logger(__name__)
 
 
@@ -100,6 +102,14 @@ def write_outputs(
     (output_dir / "table.md").write_text(markdown)
     for name, draw in (figures or {}).items():
         draw(output_dir / name)
+
+
+def add_record_options(parser) -> None:
+    """The options of a bench that prints its table and writes one record: ``--threads`` (1: on 2 shared cores more
+    threads measure noise), ``--output`` and ``--config``."""
+    parser.add_argument("--threads", type=int_at_least(1), default=1, help="torch CPU threads (default 1)")
+    parser.add_argument("--output", type=Path, help="also write the results as JSON to this path")
+    parser.add_argument("--config", metavar="FILE", help=CONFIG_HELP)
 
 
 def command(name: str, argv: list[str] | None) -> str:

@@ -25,8 +25,9 @@ tokens against plain's (``exact``: the share of requests equal). The target runs
 ``adaflash_hf.prepare_target`` with ``--prepared`` (``adaflash_hf.bench.targets``); ``--plain-baselines`` time plain
 batched decoding of fp32 and bf16 copies as transformers runs them, and ``vs fastest plain`` is each mode's speed-up
 against the faster at that concurrency (``experiments/goals.py serve`` grades the serving goals on ``results.json``).
-Outputs in ``--output-dir``: ``results.json``, ``table.md`` and ``speedup_vs_concurrency.png`` (and ``cost_curve.png``, the goodput cost model's measured target-forward seconds by
-tokens per running-request bucket). Exit status 1 when a mode is not lossless.
+Outputs in ``--output-dir``: ``results.json``, ``table.md`` and ``speedup_vs_concurrency.png`` (and
+``cost_curve.png``, the goodput cost model's measured target-forward seconds by tokens per running-request bucket).
+Exit status 1 when a mode is not lossless.
 """
 
 from __future__ import annotations

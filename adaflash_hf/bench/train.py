@@ -33,14 +33,16 @@ import torch
 from transformers import LlamaConfig
 
 from adaflash_hf.bench.machine import in_fresh_process, json_result, peak_rss_bytes, rss_bytes
-from adaflash_hf.bench.report import fmt, table, write_json
-from adaflash_hf.launch import CONFIG_HELP, int_at_least, parse_args_with_config
+from adaflash_hf.bench.report import add_record_options, fmt, table, write_json
+from adaflash_hf.launch import int_at_least, parse_args_with_config
 from adaflash_hf.modeling import AdaFlashConfig, AdaFlashDrafter
 from adaflash_hf.modeling.configuration_adaflash import build_target_layer_ids
 from adaflash_hf.trainers.dflash_recipe import IGNORE, SoftTargets, recipe_loss, sample_anchors
 from adaflash_hf.trainers.optim import clip_each_group, split_drafter_and_head, two_group_adamw
 from adaflash_hf.trainers.train_drafter_config import DrafterTrainingConfig
 
+# The recipe of the shipped SmolLM2 drafter (examples/configs/train_smollm2.yaml): every position an anchor.
+SHIPPED_RECIPE = {"num_anchors": 512, "draft_vocab": True, "drafter_layers": 1}
 VARIANTS = {
     "today": {"attention_layout": "dense", "num_anchors": 24},
     "dense-96": {"attention_layout": "dense", "num_anchors": 96},
@@ -53,29 +55,12 @@ VARIANTS = {
     "split-24-bf16-dv": {"num_anchors": 24, "bf16": True, "draft_vocab": True},
     "split-24-dv-1layer": {"num_anchors": 24, "draft_vocab": True, "drafter_layers": 1},
     "split-256-bf16-dv": {"num_anchors": 256, "bf16": True, "draft_vocab": True},
-    # The recipe of the shipped SmolLM2 drafter (examples/configs/train_smollm2.yaml): every position an anchor.
-    "split-512-dv-1layer": {"num_anchors": 512, "draft_vocab": True, "drafter_layers": 1},
+    "split-512-dv-1layer": SHIPPED_RECIPE,
     # The same with CE on the first 6 or 3 drafted positions only (loss_positions).
-    "split-512-dv-1layer-lp6": {
-        "num_anchors": 512,
-        "draft_vocab": True,
-        "drafter_layers": 1,
-        "loss_positions": 6,
-    },
-    "split-512-dv-1layer-lp3": {
-        "num_anchors": 512,
-        "draft_vocab": True,
-        "drafter_layers": 1,
-        "loss_positions": 3,
-    },
+    "split-512-dv-1layer-lp6": {**SHIPPED_RECIPE, "loss_positions": 6},
+    "split-512-dv-1layer-lp3": {**SHIPPED_RECIPE, "loss_positions": 3},
     # The soft-target arm of the sweep (experiments/configs/sweep_soft_targets.yaml): CE mixed with the KL to a top-32.
-    "split-512-dv-1layer-lp6-soft": {
-        "num_anchors": 512,
-        "draft_vocab": True,
-        "drafter_layers": 1,
-        "loss_positions": 6,
-        "soft_target_weight": 0.5,
-    },
+    "split-512-dv-1layer-lp6-soft": {**SHIPPED_RECIPE, "loss_positions": 6, "soft_target_weight": 0.5},
 }
 VARIANT_DEFAULTS = {
     "attention_layout": "split",
@@ -312,26 +297,17 @@ def make_parser() -> argparse.ArgumentParser:
         "--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS), help="default: all"
     )
     parser.add_argument(
-        "--steps", type=int_at_least(1), default=3, help="timed steps per variant (after the warm-up)"
+        "--steps", type=int_at_least(1), default=3, help="timed steps per variant, after the warm-up"
     )
     parser.add_argument("--warmup", type=int_at_least(0), default=1, help="untimed steps first")
     parser.add_argument(
-        "--threads",
-        type=int_at_least(1),
-        default=1,
-        help="torch CPU threads (1: on 2 shared cores more threads measure noise)",
-    )
-    parser.add_argument(
-        "--context-layers", type=int, choices=(3, 5), default=3, help="target layers fed to the drafter"
+        "--context-layers", type=int, choices=(3, 5), default=3, help="target layers the drafter reads"
     )
     parser.add_argument("--quick", action="store_true", help="tiny shapes: a whole run in seconds (tests)")
     parser.add_argument(
-        "--in-process",
-        action="store_true",
-        help="no fresh process per variant (peak RSS is then a running maximum)",
+        "--in-process", action="store_true", help="no fresh process per variant (peak RSS: running max)"
     )
-    parser.add_argument("--output", help="also write the results as JSON to this path")
-    parser.add_argument("--config", metavar="FILE", help=CONFIG_HELP)
+    add_record_options(parser)
     return parser
 
 

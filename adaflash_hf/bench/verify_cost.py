@@ -19,13 +19,12 @@ import argparse
 import copy
 import statistics
 import time
-from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from adaflash_hf.bench.report import write_json
-from adaflash_hf.launch import CONFIG_HELP, int_at_least, parse_args_with_config
+from adaflash_hf.bench.report import add_record_options, write_json
+from adaflash_hf.launch import int_at_least, parse_args_with_config
 from adaflash_hf.prepared.cpu import cpu_record
 
 ARMS = ("fp32", "bf16", "prepared-bf16", "prepared-fp32", "prepared")
@@ -133,9 +132,7 @@ def make_parser() -> argparse.ArgumentParser:
         description="Cost of a target forward of n = 1..16 new tokens relative to a 1-token forward: fp32 and bf16 "
         "as transformers runs them, and the prepared (batch-invariant) target.",
     )
-    parser.add_argument(
-        "--target", default="smollm2-135m-instruct", help="target (adaflash_hf.assets.load_target)"
-    )
+    parser.add_argument("--target", default="smollm2-135m-instruct", help="adaflash_hf.assets.load_target's")
     parser.add_argument(
         "--context", type=int_at_least(1), default=200, help="tokens before the forward (200)"
     )
@@ -143,12 +140,10 @@ def make_parser() -> argparse.ArgumentParser:
         "--max-tokens", type=int_at_least(1), default=16, help="largest forward, n = 1.. (16)"
     )
     parser.add_argument("--repeats", type=int_at_least(1), default=5, help="timed pairs per size (5)")
-    parser.add_argument("--threads", type=int_at_least(1), default=1, help="torch threads (default 1)")
     parser.add_argument(
         "--arms", nargs="+", default=list(DEFAULT_ARMS), choices=ARMS, help="ways to run the target"
     )
-    parser.add_argument("--output", type=Path, help="write the record as JSON here")
-    parser.add_argument("--config", metavar="FILE", help=CONFIG_HELP)
+    add_record_options(parser)
     return parser
 
 
