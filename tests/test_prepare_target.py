@@ -195,6 +195,8 @@ def test_auto_takes_the_measured_faster_forward_that_decodes_no_slower_than_fp32
     assert settings.dtype == expected and settings.invariant == (expected == torch.bfloat16)
     assert "measured" in settings.reason and "1-token step 1000.0 ms" in settings.reason
     assert calls == [torch.float32, torch.bfloat16]
+    assert prepare_target(target, bf16_units=["avx512_bf16"], timer=timer) is target
+    assert len(calls) == 2  # "auto" on a prepared target keeps its choice without timing again
 
 
 def test_auto_measures_nothing_without_a_bf16_unit(target_factory):

@@ -142,6 +142,10 @@ def prepare_target(
         raise TypeError(f"timer: expected a callable timer(model) -> {{n: seconds}} or None, got {timer!r}")
     units = detect_bf16_units() if units is None else units
     device = next(target.parameters()).device
+    previous = getattr(target, _ATTRIBUTE, None)
+    if previous is not None and requested is None and invariant in (None, previous.invariant):
+        if is_prepared(target) is not None:
+            return target  # "auto" again: the choice made stands (measuring a prepared target would copy it twice)
     if requested is None:
         chosen, reason = choose_dtype(device, units)
         if chosen == torch.bfloat16 and measure:
@@ -161,7 +165,6 @@ def prepare_target(
         name = "bf16" if requested == torch.bfloat16 else "fp32"
         chosen, reason = requested, f"{name}: requested; this CPU's bf16 units: {', '.join(units) or 'none'}"
     invariant = chosen == torch.bfloat16 if invariant is None else invariant
-    previous = getattr(target, _ATTRIBUTE, None)
     if previous is not None:
         if (previous.dtype, previous.invariant) == (chosen, invariant) and is_prepared(target) is not None:
             return target
