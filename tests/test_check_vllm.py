@@ -1,4 +1,4 @@
-"""examples/vllm/check_vllm.py run, without vLLM: a stand-in ``vllm`` module on PYTHONPATH records the engine options
+"""experiments/vllm/check_vllm.py run, without vLLM: a stand-in ``vllm`` module on PYTHONPATH records the engine options
 it is given and starts, or refuses to start like a GPU build short of memory."""
 
 import json
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "examples" / "vllm" / "check_vllm.py"
+SCRIPT = ROOT / "experiments" / "vllm" / "check_vllm.py"
 
 FAKE_VLLM = """
 import json, os

