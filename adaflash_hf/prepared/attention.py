@@ -6,10 +6,10 @@ masked tail), and picks its blocking from the query count, so a verified token's
 token decoded alone. Here keys come in blocks of ``KEY_BLOCK`` positions, fixed in absolute position: a query at
 position p attends over exactly the keys ``0 .. (p // KEY_BLOCK + 1) * KEY_BLOCK - 1`` (keys after p masked, keys
 past the sequence zero), whatever the call. The queries of one key block (at most ``KEY_BLOCK`` per sequence) form
-one call ``softmax(mask(q k^T · scale)) v`` whose rows (query x head of the GQA group) go in tiles of one fixed row
-count per key-block span (``adaflash_hf.prepared.tiles``), so each span's GEMMs and softmax run at one shape. A masked key contributes an exact
-zero (probability 0 times a finite value) to the value sum, so whether the tail holds later tokens or padding does
-not change a bit.
+one fused call ``softmax(mask(q k^T · scale)) v`` (SDPA, whose blocking follows the shape) whose rows (query x head
+of the GQA group) go in tiles of one fixed row count per key-block span (``adaflash_hf.prepared.tiles``), so each
+span's attention runs at one shape. A masked key contributes an exact zero (probability 0 times a finite value) to
+the value sum, so whether the tail holds later tokens or padding does not change a bit.
 
 - ``sequence_attention(query [Hq, n, D], keys [Hkv, L, D], values, start, scale)``: one sequence whose n new
   queries sit at positions ``start ..`` (``generate``'s dynamic cache: ``start = L - n``), with an optional extra

@@ -156,8 +156,8 @@ def prepare_target(
                 torch.float32,
                 (
                     f"fp32: this CPU has {', '.join(units)}, but no tile of rows runs its bf16 linears "
-                    f"{', '.join(slow)} the same at every position, so an invariant bf16 forward would run them one row "
-                    "per call"
+                    f"{', '.join(slow)} the same at every position, so an invariant bf16 forward would run them one "
+                    "row per call"
                 ),
             )
         (logger.info if chosen == torch.bfloat16 else logger.warning)(f"prepare_target: {reason}")

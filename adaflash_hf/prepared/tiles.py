@@ -13,18 +13,18 @@ and one thread split for every call the op ever makes in this process, so the on
 depend on is its position inside the tile (a kernel may treat a tile's rows unevenly: register blocks, a tail of the
 tile). That is a property of one kernel at one shape, checked exhaustively when the op's tiles are made
 (``position_invariant``): every row of a tile of random rows must give bitwise what it gives alone at the first
-position of a padded tile (the call a 1-token decode step makes). Where it holds the op is batch-invariant for every row count, including counts never seen; no probe of
-other row counts is needed, nor made. Each tile is a fresh contiguous tensor at the start of its storage, so strides
-and alignment are the same for every call too.
+position of a padded tile (the call a 1-token decode step makes). Where it holds the op is batch-invariant for every
+row count, including counts never seen; no probe of other row counts is needed, nor made. Each tile is contiguous
+and 64-byte aligned, as a fresh tensor is, so strides and alignment are the same for every call too.
 
 Tile sizes tried: ``TILE_ROWS`` in order (16 covers a decode step and a full 16-token verify in one call; 32 and 64
 for kernels whose register blocks do not divide 16). Where none is position-invariant the op runs one row per call
 (one shape, one position: invariant whatever the kernel does, and slow); it warns, and ``prepare_target`` reports it.
 
 Where it is not invariant: a kernel whose result for a row depends on the other rows' values (no GEMM does: rows are
-independent dot products; the check compares each row among others with the row alone), a thread count other than the one the tiles were made at (tiles
-are kept per thread count), and ops that are not called through tiles (the elementwise and row-wise ops of the
-forward, ``adaflash_hf.prepared.forward``). Pure torch, any device.
+independent dot products; the check compares each row among others with the row alone), a thread count other than
+the one the tiles were made at (tiles are kept per thread count), and ops that are not called through tiles (the
+elementwise and row-wise ops of the forward, ``adaflash_hf.prepared.forward``). Pure torch, any device.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ from transformers.utils import logging
 logger = logging.get_logger(__name__)
 
 TILE_ROWS = (16, 32, 64)
-# Tiles of random rows checked row by row against each row alone when an op's tiles are made. A path that sums in another order
-# differs in few outputs once rounded to bf16, so each round draws rows of widely spread magnitudes.
+# Tiles of random rows checked row by row against each row alone when an op's tiles are made. A path that sums in
+# another order differs in few outputs once rounded to bf16, so each round draws rows of widely spread magnitudes.
 POSITION_ROUNDS = 3
 
 Op = Callable[..., torch.Tensor]
