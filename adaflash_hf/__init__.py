@@ -68,5 +68,7 @@ def _running_as_the_console_script() -> bool:
     return Path(argv[0]).name in ("adaflash", "adaflash.exe")
 
 
-if not _running_as_the_console_script():
+# Inside vLLM (the plugin, ``adaflash_hf.vllm``, is loaded by vLLM's processes) generate is not ours to hook, and
+# vLLM pins a transformers outside the tested range: ``install()`` is left to whoever wants it there.
+if not _running_as_the_console_script() and "vllm" not in sys.modules:
     install()

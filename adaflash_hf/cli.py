@@ -148,6 +148,7 @@ def _run_publish(args) -> int:
 
 LEARN_ONLY = ("learn_dir", "train_threshold", "opd_config")  # serve options that only --learn reads
 DRAFTER_ONLY = ("draft_source", "length_mode")  # and those that only a drafter reads
+VLLM_ONLY = ("vllm_python", "vllm_dir", "vllm_arg")  # and those that only --engine vllm reads
 
 
 def _serve_usage_error(args) -> str | None:
@@ -174,11 +175,23 @@ def _serve_usage_error(args) -> str | None:
 
 
 def _run_serve(args) -> int:
-    from adaflash_hf.serving.server import serve
-
     if (problem := _serve_usage_error(args)) is not None:
         args.serve_parser.error(problem)
     args.learn_dir = args.learn_dir or DEFAULT_LEARN_DIR
+    if args.engine == "vllm":
+        from adaflash_hf.vllm.launch import serve_vllm, usage_error
+
+        if (problem := usage_error(args)) is not None:
+            args.serve_parser.error(problem)
+        return serve_vllm(args)
+    from adaflash_hf.serving.server import serve
+
+    for dest in VLLM_ONLY:
+        if getattr(args, dest) is not None:
+            flag = f"--{dest.replace('_', '-')}"
+            args.serve_parser.error(f"{flag}: expected together with --engine vllm, got --engine embedded")
+    args.max_waiting = 64 if args.max_waiting is None else args.max_waiting
+    args.default_max_tokens = 256 if args.default_max_tokens is None else args.default_max_tokens
     args.draft_source = args.draft_source or "auto"
     factory = None
     if args.learn:
@@ -388,7 +401,6 @@ def _add_serve(commands) -> None:
     serve.add_argument(
         "--max-waiting",
         type=int_at_least(0),
-        default=64,
         help="accepted requests waiting beyond those; more get 429 (default 64)",
     )
     serve.add_argument(
@@ -398,7 +410,7 @@ def _add_serve(commands) -> None:
         "together; a longer prompt is refused with a 400 (default: the model's context)",
     )
     serve.add_argument(
-        "--default-max-tokens", type=int_at_least(1), default=256, help="max_tokens when a request has none"
+        "--default-max-tokens", type=int_at_least(1), help="max_tokens when a request has none (default 256)"
     )
     serve.add_argument("--served-model-name", help="the model id clients send (default: the target's name)")
     serve.add_argument(
@@ -414,6 +426,26 @@ def _add_serve(commands) -> None:
         "--train-threshold", type=int_at_least(1), help="--learn: finished requests per training round (128)"
     )
     serve.add_argument("--opd-config", metavar="FILE", help="--learn: OPD trainer and buffer settings (YAML)")
+    serve.add_argument(
+        "--engine",
+        choices=("embedded", "vllm"),
+        default="embedded",
+        help="embedded (default: this package's engine) or vllm (vLLM's OpenAI server with the AdaFlash plugin, "
+        "from its own environment: make vllm-env; fp32 under --dtype auto, goodput under --length-mode auto)",
+    )
+    serve.add_argument(
+        "--vllm-python",
+        help="--engine vllm: vLLM's Python (default $ADAFLASH_VLLM_PYTHON, else .venv-vllm/bin/python)",
+    )
+    serve.add_argument(
+        "--vllm-dir",
+        help="--engine vllm: where the target and drafter folders vLLM loads are written (runs/vllm)",
+    )
+    serve.add_argument(
+        "--vllm-arg",
+        action="append",
+        help="--engine vllm: one more option for vLLM's server, e.g. --vllm-arg=--enforce-eager (repeatable)",
+    )
     serve.add_argument("--config", metavar="FILE", help=CONFIG_HELP)
     serve.set_defaults(handler=_run_serve, serve_parser=serve)
 

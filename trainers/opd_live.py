@@ -79,12 +79,21 @@ def learn_configs(
 
 
 def live_learner(
-    engine, target, tokenizer, learn_dir: str | Path, opd_config: str | None = None, **overrides
+    engine,
+    target,
+    tokenizer,
+    learn_dir: str | Path,
+    opd_config: str | None = None,
+    *,
+    drafter=None,
+    **overrides,
 ) -> LiveLearner:
-    """The server's learner; ``overrides`` (e.g. ``train_threshold``) win over ``opd_config``."""
+    """The server's learner; ``overrides`` (e.g. ``train_threshold``) win over ``opd_config``. ``engine`` None with
+    ``drafter``: an engine in another process serves (``adaflash serve --engine vllm``)."""
     check_folder_path(learn_dir, "--learn-dir")
     training, online = learn_configs(learn_dir, opd_config, **overrides)
-    drafter = copy.deepcopy(base_drafter(engine.drafter))
-    trainer = OPDTrainer(drafter, copy.deepcopy(target), training, processing_class=tokenizer)
+    drafter = copy.deepcopy(base_drafter(engine.drafter if engine is not None else drafter))
+    target = copy.deepcopy(target) if engine is not None else target
+    trainer = OPDTrainer(drafter, target, training, processing_class=tokenizer)
     learn_dir = Path(learn_dir)
     return LiveLearner(trainer, engine, learn_dir / "weights", learn_dir / "checkpoints", online)

@@ -108,7 +108,7 @@ class LiveLearner:
         updates: bool = True,
         on_round: Callable[[int, dict[str, float]], None] | None = None,
     ):
-        if engine.drafter is None:
+        if engine is not None and engine.drafter is None:
             raise ValueError("engine: expected one with a drafter to train, got plain decoding")
         self.trainer, self.config = trainer, config
         self.weights_dir, self.checkpoint_dir = weights_dir, checkpoint_dir
@@ -116,10 +116,15 @@ class LiveLearner:
         self.buffer = (
             buffer if buffer is not None else ReplayBuffer(config.train_threshold, config.max_staleness)
         )
-        self.recorder = EngineRecorder(self.buffer)
-        engine.round_recorder = self.recorder
+        # engine None: an engine of another process serves (vLLM's, adaflash_hf.vllm), records the trajectories
+        # that reach ``buffer`` and reloads the published weights itself
+        self.recorder = self.reloader = None
+        if engine is not None:
+            self.recorder = EngineRecorder(self.buffer)
+            engine.round_recorder = self.recorder
         self.rounds = _resume(trainer, checkpoint_dir, weights_dir, config.resume)
-        self.reloader = HotReloader(engine.drafter, weights_dir)
+        if engine is not None:
+            self.reloader = HotReloader(engine.drafter, weights_dir)
         self.checkpointed = trainer.weights_version
         self.last: dict[str, float] = {}
         self.diverged = False
@@ -198,8 +203,8 @@ class LiveLearner:
             "trainer_version": self.trainer.weights_version,
             "trainer_last_loss": self.last.get("loss", float("nan")),
             "trainer_diverged": int(self.diverged),
-            "reload_swaps": self.reloader.swaps,
-            "reload_rejected": sum(self.reloader.rejected.values()),
+            "reload_swaps": self.reloader.swaps if self.reloader else 0,
+            "reload_rejected": sum(self.reloader.rejected.values()) if self.reloader else 0,
             "replay_buffer_size": buffer["size"],
             "replay_buffer_dropped": buffer.get("dropped_overflow", 0) + buffer.get("dropped_stale", 0),
         }

@@ -169,8 +169,11 @@ def load_payload(directory: str | Path, manifest: dict) -> dict[str, torch.Tenso
         raise PayloadError("unreadable", f"payload {path}: expected safetensors, got {error}") from error
 
 
-def validate_payload(tensors: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> None:
-    """Keys, shapes, dtypes equal to ``reference`` (the live model's publishable state) and finite values."""
+def validate_payload(
+    tensors: dict[str, torch.Tensor], reference: dict[str, torch.Tensor], same_dtype: bool = True
+) -> None:
+    """Keys, shapes, dtypes (with ``same_dtype``; else any floating dtype) equal to ``reference`` (the live model's
+    publishable state) and finite values."""
     missing = sorted(set(reference) - set(tensors))
     if missing:
         raise PayloadError(
@@ -185,10 +188,9 @@ def validate_payload(tensors: dict[str, torch.Tensor], reference: dict[str, torc
             raise PayloadError(
                 "shape", f"payload {name} shape: expected {tuple(expected.shape)}, got {tuple(tensor.shape)}"
             )
-        if tensor.dtype != expected.dtype:
-            raise PayloadError(
-                "dtype", f"payload {name} dtype: expected {expected.dtype}, got {tensor.dtype}"
-            )
+        wanted = expected.dtype if same_dtype else "a floating dtype"
+        if (tensor.dtype != expected.dtype) if same_dtype else not tensor.is_floating_point():
+            raise PayloadError("dtype", f"payload {name} dtype: expected {wanted}, got {tensor.dtype}")
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             raise PayloadError("non_finite", f"payload {name}: expected finite values, got NaN/inf")
 
@@ -217,10 +219,23 @@ def canary_forward(model, context_positions: int = 8, seed: int = 0) -> None:
 class HotReloader:
     """Polls a publish directory and swaps validated payloads into ``model`` in place. See the module docstring."""
 
-    def __init__(self, model, directory: str | Path, canary: Callable | None = canary_forward):
+    def __init__(
+        self,
+        model,
+        directory: str | Path,
+        canary: Callable | None = canary_forward,
+        *,
+        state: Callable = publishable_state,
+        load: Callable = load_state,
+        same_dtype: bool = True,
+    ):
+        """``state(model)``/``load(model, tensors)``: the live tensors (names, shapes, dtypes) and how a payload is
+        applied; an engine that keeps the drafter in its own layout (vLLM's) passes its own, with ``same_dtype=False``
+        where it converts on load."""
         self.model = model
         self.directory = Path(directory)
         self.canary = canary
+        self.state, self.load, self.same_dtype = state, load, same_dtype
         self.rejected: Counter[str] = Counter()
         self.swaps = 0
         self._refused: set[tuple[int, str]] = set()
@@ -242,17 +257,19 @@ class HotReloader:
         key = (manifest["version"], manifest["sha256"])
         if key in self._refused:
             return False
-        live = publishable_state(self.model)
-        previous = {name: t.detach().clone() for name, t in live.items()}
+        live = self.state(self.model)
         try:
             tensors = load_payload(self.directory, manifest)
-            validate_payload(tensors, live)
-            load_state(self.model, tensors)
+            validate_payload(tensors, live, self.same_dtype)
+            previous = (
+                {name: t.detach().clone() for name, t in live.items()} if self.canary is not None else {}
+            )
+            self.load(self.model, tensors)
             if self.canary is not None:
                 try:
                     self.canary(self.model)
                 except PayloadError:
-                    load_state(self.model, previous)
+                    self.load(self.model, previous)
                     raise
         except PayloadError as error:
             return self._reject(error, key=key)

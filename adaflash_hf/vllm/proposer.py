@@ -1,0 +1,286 @@
+"""vLLM's DFlash proposer with each request's drafts truncated to its own length before verification.
+
+vLLM's V1 runner (the one its CPU build always uses, and its GPU build with synchronous scheduling) takes a ragged
+``list[list[int]]`` from a proposer and schedules exactly ``1 + len(drafts)`` tokens for that request; an empty list
+is a plain step. ``AdaFlashProposer.propose`` runs the stock one-pass DFlash drafter, reads â for every request from
+the block's final states (``AdaFlashDFlashForCausalLM.acceptance``), and returns each request's first k drafts, k from
+``rounds.choose_lengths`` (the adaptive rule, goodput, or fixed). Around that, ``Session``:
+
+- polls the publish directory (``ADAFLASH_VLLM_WEIGHTS``) between steps and swaps in validated versions of the drafter
+  (``online.weights.HotReloader`` with the vLLM model's own layout);
+- measures the target's step cost from vLLM's own steps (``rounds.StepCost``, goodput's cost line) and learns the
+  acceptance model from every verified round (goodput's chains);
+- books each request's rounds (``rounds.RoundBook``) and, with ``ADAFLASH_VLLM_RECORDS``, appends every finished
+  request's trajectory to ``trajectories-<pid>.jsonl`` there and keeps ``stats-<pid>.json`` current.
+
+Without a length head in the drafter folder the proposer is stock DFlash.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+from vllm.logger import init_logger
+from vllm.v1.spec_decode.dflash import DFlashProposer
+
+from adaflash_hf.acceptance import AcceptanceModel
+from adaflash_hf.atomic import atomic_write_json
+from adaflash_hf.modeling.length_head_adaflash import draft_lengths
+from adaflash_hf.online.weights import HotReloader
+from adaflash_hf.vllm.rounds import (
+    DrafterGate,
+    Proposal,
+    RoundBook,
+    Row,
+    Settings,
+    StepCost,
+    StepStats,
+    choose_lengths,
+)
+
+logger = init_logger(__name__)
+STATS_EVERY = 16  # steps between writes of stats-<pid>.json
+
+
+def _tokens(token_ids, index: int, start: int, stop: int) -> list[int]:
+    return token_ids[index, start:stop].tolist()
+
+
+def _published_reference(model) -> dict[str, torch.Tensor]:
+    shapes = model.published_shapes()
+    return {name: torch.empty(shape, device="meta") for name, shape in shapes.items()}
+
+
+class Session:
+    """The plugin's state in one worker: settings, reloader, cost line, acceptance model, round book, statistics."""
+
+    def __init__(self, model, settings: Settings, max_len: int):
+        self.model, self.settings, self.max_len = model, settings, max_len
+        meta = model.sidecar
+        self.gamma = settings.gamma if settings.gamma is not None else float(meta["length_head_gamma"])
+        self.min_len = settings.min_len if settings.min_len is not None else int(meta["length_head_min_len"])
+        if not 0 <= self.min_len <= max_len:
+            raise ValueError(
+                f"ADAFLASH_VLLM_MIN_LEN: expected 0..{max_len} (block_size - 1), got {self.min_len}"
+            )
+        self.cost, self.acceptance_model, self.gate = StepCost(), AcceptanceModel(), DrafterGate()
+        self.book, self.stats = RoundBook(), StepStats()
+        self.pending: tuple | None = None  # this step's â, rule lengths and confidences, from sample_greedy
+        self.reloader = None
+        if settings.weights_dir:
+            shapes = functools.lru_cache(maxsize=1)(lambda: _published_reference(model))
+            self.reloader = HotReloader(
+                model,
+                settings.weights_dir,
+                canary=None,
+                state=lambda _: shapes(),
+                load=lambda m, tensors: m.load_published(tensors),
+                same_dtype=False,
+            )
+        model.weights_version = getattr(model, "weights_version", 0)
+        self.polled = float("-inf")
+        self.last_end: float | None = None
+        self.previous_ids: set[str] = set()
+        self.records = Path(settings.records_dir) if settings.records_dir else None
+        if self.records is not None:
+            self.records.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def version(self) -> int:
+        return int(self.model.weights_version)
+
+    def before_drafting(self, tokens: int, request_ids: list[str]) -> None:
+        """Between steps: a reload when one is due, and the step that just ran as a point of the cost line (only a
+        step of requests all seen before: a new request means an idle gap or a prefill may be inside the interval)."""
+        now = time.perf_counter()
+        if self.reloader is not None and now - self.polled >= self.settings.poll_seconds:
+            self.polled = now
+            self.reloader.poll()
+        if self.last_end is not None and self.previous_ids and set(request_ids) <= self.previous_ids:
+            self.cost.observe(tokens, now - self.last_end)
+
+    def sample_greedy(self, model, hidden: torch.Tensor) -> torch.Tensor:
+        """Greedy drafts with the vocabulary projection only where they will be verified: â first (from the block's
+        states, before any logits), the rule's k̂ from it, then logits for each request's first k̂ rows (fixed: all;
+        goodput: up to 2·k̂ + 2, whose confidences it plans with). The other rows get token 0 and are cut off."""
+        width = self.max_len
+        batch_size = hidden.shape[0] // width
+        acceptance = model.acceptance(batch_size, width + 1)
+        rule = draft_lengths(acceptance, self.gamma, self.min_len, width).tolist()
+        if self.settings.policy == "fixed":
+            need = [width] * batch_size
+        elif self.settings.policy == "goodput":
+            need = [min(width, 2 * k + 2) for k in rule]
+        else:
+            need = rule
+        rows = [i * width + j for i in range(batch_size) for j in range(need[i])]
+        ids = torch.zeros(hidden.shape[0], dtype=torch.long, device=hidden.device)
+        confidences = None
+        if rows:
+            index = torch.tensor(rows, device=hidden.device)
+            logits = model.compute_logits(hidden[index])
+            chosen = logits.argmax(dim=-1)
+            ids[index] = chosen
+            if self.settings.policy == "goodput":
+                flat = logits.float().softmax(-1).gather(-1, chosen[:, None]).squeeze(-1).tolist()
+                starts = [0]
+                for n in need:
+                    starts.append(starts[-1] + n)
+                confidences = [flat[starts[i] : starts[i + 1]] for i in range(batch_size)]
+        self.pending = (acceptance, rule, confidences)
+        return ids
+
+    def after_drafting(self, drafts: torch.Tensor, runner, drafter_seconds: float) -> list[list[int]]:
+        batch_size, width = drafts.shape
+        if self.pending is not None:
+            acceptance, _, confidences = self.pending
+        else:  # drafts sampled by vLLM (a sampling request in the batch): â now, no confidences
+            acceptance, confidences = self.model.acceptance(batch_size, width + 1), None
+        self.pending = None
+        self.stats.drafter_seconds += drafter_seconds
+        lengths = choose_lengths(
+            self.settings,
+            self.max_len,
+            acceptance,
+            gamma=self.gamma,
+            min_len=self.min_len,
+            confidences=confidences,
+            model=self.acceptance_model,
+            cost=self.cost,
+            drafter_seconds=drafter_seconds,
+        )
+        lengths = [min(k, width) for k in lengths]
+        request_ids = list(runner.input_batch.req_ids[:batch_size])
+        heads = acceptance.tolist()
+        proposals = [
+            Proposal(k, self.version, heads[i], confidences[i] if confidences else None)
+            for i, k in enumerate(lengths)
+        ]
+        self.gate.observe_lengths(lengths, drafter_seconds)
+        self._book(runner, request_ids, proposals)
+        self.stats.observe_step(lengths)
+        return [row[:k] for row, k in zip(drafts.tolist(), lengths)]
+
+    def skip_drafter(self, batch_size: int) -> bool:
+        """goodput: whether this step leaves the drafter out (``DrafterGate``)."""
+        return self.settings.policy == "goodput" and not self.gate.draft(batch_size, self.cost)
+
+    def plain_step(self, runner, batch_size: int) -> list[list[int]]:
+        """A step the drafter sat out: every request verifies no draft; its rounds are still booked."""
+        request_ids = list(runner.input_batch.req_ids[:batch_size])
+        self._book(runner, request_ids, [Proposal(0, self.version)] * batch_size)
+        self.stats.skipped_steps += 1
+        return [[] for _ in range(batch_size)]
+
+    def _book(self, runner, request_ids: list[str], proposals: list[Proposal]) -> None:
+        batch = runner.input_batch
+        rows = [
+            Row(rid, int(batch.num_tokens_no_spec[i]), int(batch.num_prompt_tokens[i]),
+                functools.partial(_tokens, batch.token_ids_cpu, i))
+            for i, rid in enumerate(request_ids)
+        ]  # fmt: skip
+        for proposal, accepted in self.book.step(rows, proposals, alive=runner.requests.__contains__):
+            self.stats.observe_round(proposal.length, accepted)
+            self.gate.observe_round(accepted)
+            if proposal.confidences is not None:
+                self.acceptance_model.update(proposal.confidences, proposal.head, proposal.length, accepted)
+        self._write_records()
+        self.previous_ids = set(request_ids)
+        self.last_end = time.perf_counter()
+
+    def report(self) -> dict:
+        out = self.stats.as_dict() | {
+            "policy": self.settings.policy,
+            "gamma": self.gamma,
+            "min_len": self.min_len,
+            "drafter_version": self.version,
+            "cost_line_seconds": list(self.cost.line()) if self.cost.ready else None,
+            "recent_requests": list(self.book.recent)[-32:],
+        }
+        if self.reloader is not None:
+            out |= {"reload_swaps": self.reloader.swaps, "reload_rejected": dict(self.reloader.rejected)}
+        return out
+
+    def _write_records(self) -> None:
+        if self.records is None:
+            return
+        pid = os.getpid()
+        if self.book.finished:
+            with open(self.records / f"trajectories-{pid}.jsonl", "a") as handle:
+                while self.book.finished:
+                    handle.write(json.dumps(self.book.finished.popleft()) + "\n")
+        if self.stats.steps % STATS_EVERY == 1:
+            atomic_write_json(self.records / f"stats-{pid}.json", self.report())
+
+
+class AdaFlashProposer(DFlashProposer):
+    """See the module docstring."""
+
+    def __init__(self, vllm_config, device, runner=None):
+        super().__init__(vllm_config, device, runner)
+        self.adaflash_runner = runner
+        self.adaflash: Session | None = None
+
+    def load_model(self, target_model) -> None:
+        super().load_model(target_model)
+        model = self.model.unwrap() if hasattr(self.model, "unwrap") else self.model
+        if getattr(model, "length_head", None) is None:
+            logger.info("AdaFlash: the drafter folder has no length head; drafting as stock DFlash")
+            return
+        block = int(model.sidecar["block_size"])
+        if self.num_speculative_tokens != block - 1:
+            raise ValueError(
+                f"num_speculative_tokens: expected {block - 1} (the AdaFlash drafter's block_size - 1; its length "
+                f"head reads the whole block), got {self.num_speculative_tokens}"
+            )
+        self.adaflash = Session(model, Settings.from_env(), max_len=block - 1)
+        logger.info("AdaFlash: %s draft lengths (gamma %s, min_len %s)", self.adaflash.settings.policy,
+                    self.adaflash.gamma, self.adaflash.min_len)  # fmt: skip
+
+    def _sample_draft_tokens(self, hidden_states: torch.Tensor, sampling_metadata):
+        session = self.adaflash
+        greedy = sampling_metadata.all_greedy or not self._enable_probabilistic_draft_probs
+        if session is None or not greedy or self.use_local_argmax_reduction or self.use_heterogeneous_vocab:
+            return super()._sample_draft_tokens(hidden_states, sampling_metadata)
+        return session.sample_greedy(self.model, hidden_states), None
+
+    def propose(self, num_speculative_tokens, **kwargs):
+        session = self.adaflash
+        if session is None or num_speculative_tokens == 0:
+            return super().propose(num_speculative_tokens, **kwargs)
+        runner = self.adaflash_runner
+        session.before_drafting(int(kwargs["target_token_ids"].shape[0]), list(runner.input_batch.req_ids))
+        session.pending = None
+        batch_size = kwargs["common_attn_metadata"].batch_size()
+        if session.skip_drafter(batch_size):
+            self._keep_context(num_speculative_tokens, kwargs)
+            return session.plain_step(runner, batch_size)
+        started = time.perf_counter()
+        drafts = super().propose(num_speculative_tokens, **kwargs)
+        return session.after_drafting(drafts, runner, time.perf_counter() - started)
+
+    def _keep_context(self, num_speculative_tokens: int, kwargs: dict) -> None:
+        """What a drafting step does before the drafter's forward: the step's target states fused and projected
+        into the drafter's context K/V cache, so that a later drafting step sees the whole context."""
+        self.num_speculative_tokens = num_speculative_tokens
+        hidden = self.model.combine_hidden_states(kwargs["target_hidden_states"])
+        self.set_inputs_first_pass(
+            target_token_ids=kwargs["target_token_ids"],
+            next_token_ids=kwargs["next_token_ids"],
+            target_positions=kwargs["target_positions"],
+            target_hidden_states=hidden,
+            token_indices_to_sample=kwargs.get("token_indices_to_sample"),
+            cad=kwargs["common_attn_metadata"],
+            num_rejected_tokens_gpu=kwargs.get("num_rejected_tokens_gpu"),
+        )
+        count = self._dflash_num_context
+        self.model.precompute_and_store_context_kv(
+            self._dflash_hidden_states,
+            self._context_positions_buffer[:count],
+            self._context_slot_mapping_buffer[:count],
+        )

@@ -1,0 +1,395 @@
+"""The vLLM plugin: its decisions and bookkeeping (no vLLM needed), ``adaflash serve --engine vllm``'s checks before
+vLLM starts, and, with vLLM's CPU build in ``.venv-vllm`` (``make vllm-env``), the plugin inside vLLM on the real
+offline target in fp32: greedy texts equal vLLM's plain decoding at one request and sixteen in flight, different
+draft lengths in one step, a reload mid-traffic, a corrupt version refused, trajectories recorded."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from adaflash_hf.online.buffer import ReplayBuffer, Trajectory
+from adaflash_hf.vllm.launch import RecordReader, find_vllm_python, usage_error, vllm_command
+from adaflash_hf.vllm.rounds import (
+    DrafterGate,
+    Proposal,
+    RoundBook,
+    Row,
+    Settings,
+    StepCost,
+    StepStats,
+    choose_lengths,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ------------------------------------------------------------------------------------------ decisions
+def test_settings_errors_name_the_variable_the_expected_and_the_actual_value():
+    with pytest.raises(ValueError, match=r"ADAFLASH_VLLM_POLICY: expected one of .*got 'fast'"):
+        Settings.from_env({"ADAFLASH_VLLM_POLICY": "fast"})
+    with pytest.raises(ValueError, match=r"ADAFLASH_VLLM_GAMMA: expected float, got 'x'"):
+        Settings.from_env({"ADAFLASH_VLLM_GAMMA": "x"})
+    with pytest.raises(ValueError, match=r"ADAFLASH_VLLM_GAMMA: expected a finite number > 0, got -1.0"):
+        Settings.from_env({"ADAFLASH_VLLM_GAMMA": "-1"})
+    settings = Settings(policy="goodput", gamma=0.8, weights_dir="/w", poll_seconds=0.0)
+    assert Settings.from_env(settings.environ()) == settings
+
+
+def test_the_cost_line_fits_the_steps_it_sees_and_waits_for_two_sizes():
+    cost = StepCost(forget=1.0)
+    for _ in range(10):
+        cost.observe(16, 0.04 + 0.003 * 16)
+    assert not cost.ready  # one size: no slope yet
+    for n in (32, 64, 128):
+        cost.observe(n, 0.04 + 0.003 * n)
+    intercept, slope = cost.line()
+    assert (
+        cost.ready and intercept == pytest.approx(0.04, rel=1e-6) and slope == pytest.approx(0.003, rel=1e-6)
+    )
+
+
+def test_the_adaptive_lengths_are_the_papers_rule_and_fixed_drafts_the_whole_block():
+    acceptance = torch.tensor([0.0, 0.1, 0.5, 0.99, 1.0, float("nan")])
+    lengths = choose_lengths(Settings(), 15, acceptance, gamma=0.9, min_len=1)
+    assert lengths == [
+        max(1, min(15, math.floor(0.9 * a * 15))) if a == a else 1 for a in acceptance.tolist()
+    ]
+    assert choose_lengths(Settings(policy="fixed"), 15, acceptance, gamma=0.9, min_len=1) == [15] * 6
+
+
+def _line(intercept: float, slope: float) -> StepCost:
+    cost = StepCost(forget=1.0, min_steps=2)
+    for n in (1, 100):
+        cost.observe(n, intercept + slope * n)
+    return cost
+
+
+def test_goodput_drafts_nothing_where_verifying_costs_more_than_it_gains_and_more_where_it_pays():
+    settings, acceptance = Settings(policy="goodput"), torch.full((4,), 0.5)
+    confidences = [[0.9] * 15] * 4
+    common = dict(gamma=1.0, min_len=1, confidences=confidences)
+    dear = choose_lengths(settings, 15, acceptance, cost=_line(0.001, 0.05), **common)
+    cheap = choose_lengths(settings, 15, acceptance, cost=_line(0.05, 0.0001), **common)
+    assert dear == [0, 0, 0, 0]
+    assert min(cheap) > 1
+    # until its line is ready, goodput drafts the rule's lengths
+    assert choose_lengths(settings, 15, acceptance, cost=StepCost(), **common) == [7] * 4
+
+
+def test_the_gate_leaves_the_drafter_out_while_it_loses_and_explores_again():
+    target = _line(0.1, 0.001)  # a step's fixed part is 100 verified tokens' worth
+    gate = DrafterGate(explore_every=4)
+    assert gate.draft(16, target)  # nothing measured yet: draft
+    for _ in range(8):
+        gate.observe_lengths([3] * 16, 0.05 + 0.001 * 16)
+        gate.observe_lengths([3] * 8, 0.05 + 0.001 * 8)
+        gate.observe_round(0)
+    decisions = [gate.draft(16, target) for _ in range(8)]
+    assert decisions == [False, False, False, True] * 2
+    for _ in range(50):
+        gate.observe_round(3)  # every draft accepted: now drafting pays
+    assert all(gate.draft(16, target) for _ in range(8))
+
+
+def _row(request_id: str, tokens: list[int], prompt_length: int) -> Row:
+    return Row(request_id, len(tokens), prompt_length, lambda start, stop: tokens[start:stop])
+
+
+def test_the_round_book_reads_acceptance_one_step_late_and_skips_prefill_chunks():
+    prompt = [5, 6, 7, 8]
+    tokens = list(prompt)
+    book, alive = RoundBook(), {"a"}
+    # vLLM drafts before it books the step's tokens: each row shows the length as of the previous step.
+    schedule = [  # (tokens booked by the step before this reading, the length this step proposes)
+        ([], 4),  # prefill chunk 1: proposes, but nothing is sampled
+        ([], 4),  # prefill chunk 2 (last): samples token 10 -> proposal anchored at position 4
+        ([10], 5),  # verifies the 4 drafts proposed above: 2 accepted + 1 -> 3 new tokens
+        ([11, 12, 13], 2),  # verifies 5: all accepted + 1
+        ([14, 15, 16, 17, 18, 19], 0),  # plain step (k = 0) after verifying 2: 0 accepted + 1
+        ([20], 3),
+        ([21], 3),
+    ]
+    resolved = []
+    for booked, length in schedule:
+        tokens += booked
+        out = book.step([_row("a", tokens, len(prompt))], [Proposal(length, version=7)], alive.__contains__)
+        resolved += [(p.length, accepted) for p, accepted in out]
+    assert resolved == [(4, 2), (5, 5), (2, 0)]
+    alive.clear()
+    book.step([], [], alive.__contains__)
+    (record,) = book.finished
+    trajectory = Trajectory(**record)
+    assert trajectory.prompt == prompt and trajectory.committed == tokens[4:]
+    assert trajectory.anchors == [4, 7, 13] and trajectory.accepted == [2, 5, 0]
+    assert trajectory.draft_lengths == [4, 5, 2] and trajectory.drafter_version == 7
+    for anchor, accepted in zip(trajectory.anchors, trajectory.accepted):
+        assert anchor < len(tokens) - 1 and accepted >= 0
+    assert book.recent[-1]["rounds"] == 3
+
+
+def test_a_request_out_of_the_batch_but_alive_keeps_its_rounds():
+    tokens = [1, 2, 3]
+    book = RoundBook()
+    book.step([_row("a", tokens, 3)], [Proposal(4, 0)], lambda rid: True)
+    book.step([], [], lambda rid: True)  # not scheduled this step (preempted or out of budget)
+    assert "a" in book.requests and not book.finished
+
+
+def test_step_stats_count_steps_whose_requests_got_different_lengths():
+    stats = StepStats()
+    stats.observe_step([1, 1, 1])
+    stats.observe_step([0, 3, 1])
+    stats.observe_round(3, 2)
+    out = stats.as_dict()
+    assert out["steps_with_distinct_lengths"] == 1 and out["example_lengths"] == [0, 3, 1]
+    assert out["acceptance"] == pytest.approx(2 / 3) and out["tau"] == 3.0
+
+
+def test_the_record_reader_feeds_complete_lines_only(tmp_path):
+    buffer = ReplayBuffer(train_threshold=4)
+    reader = RecordReader(tmp_path, buffer)
+    record = {"prompt": [1, 2], "committed": [3, 4, 5], "anchors": [2], "draft_lengths": [3], "accepted": [1]}
+    line = json.dumps(record | {"drafter_version": 0})
+    path = tmp_path / "trajectories-1.jsonl"
+    path.write_text(line + "\n" + line[:10])  # the second line is still being written
+    assert reader.poll() == 1
+    with open(path, "a") as handle:
+        handle.write(line[10:] + "\n")
+    assert reader.poll() == 1 and reader.poll() == 0 and reader.read == 2
+
+
+# ------------------------------------------------------------------------------------------ the launcher
+class _Options:
+    def __init__(self, **values):
+        defaults = dict(
+            draft_source=None, max_waiting=None, default_max_tokens=None, learn=False, dtype="auto", host="127.0.0.1",
+            max_running=16, token_budget=None, served_model_name=None, target="smollm2-135m-instruct",
+            vllm_arg=None, length_mode=None,
+        )  # fmt: skip
+        self.__dict__.update(defaults | values)
+
+
+def test_options_that_do_not_apply_to_vllm_are_refused_by_name():
+    assert "--draft-source hybrid: expected no --draft-source with --engine vllm" in usage_error(
+        _Options(draft_source="hybrid")
+    )
+    assert "--max-waiting 8" in usage_error(_Options(max_waiting=8))
+    assert "--dtype bf16: expected auto or fp32 with --learn" in usage_error(
+        _Options(learn=True, dtype="bf16")
+    )
+    assert usage_error(_Options()) is None
+
+
+def test_the_vllm_command_carries_the_drafter_the_dtype_and_the_plugin(tmp_path):
+    command = vllm_command(
+        _Options(learn=True, token_budget=512, vllm_arg=["--enforce-eager"]),
+        Path("/py"),
+        tmp_path / "t",
+        tmp_path / "d",
+        8123,
+    )
+    spec = json.loads(command[command.index("--speculative-config") + 1])
+    assert spec == {"method": "dflash", "model": str(tmp_path / "d"), "num_speculative_tokens": 15}
+    assert command[command.index("--dtype") + 1] == "float32"  # auto: fp32, the exact one
+    assert command[command.index("--max-num-batched-tokens") + 1] == "512"
+    assert "--no-enable-prefix-caching" in command and command[-1] == "--enforce-eager"
+    plain = vllm_command(_Options(), Path("/py"), tmp_path / "t", None, 8123)
+    assert "--speculative-config" not in plain
+
+
+def test_a_missing_vllm_environment_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"--vllm-python: expected vLLM's Python \(`make vllm-env`"):
+        find_vllm_python(str(tmp_path / "nowhere" / "python"))
+
+
+def _adaflash(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    script = Path(sys.executable).parent / "adaflash"
+    return subprocess.run([str(script), *args], cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+def test_serve_refuses_bad_vllm_options_before_anything_starts(tmp_path):
+    result = _adaflash("serve", "--engine", "vllm", "--draft-source", "hybrid", cwd=tmp_path)
+    assert result.returncode == 2 and "expected no --draft-source with --engine vllm" in result.stderr
+    result = _adaflash("serve", "--vllm-arg=--enforce-eager", cwd=tmp_path)
+    assert result.returncode == 2 and "--vllm-arg: expected together with --engine vllm" in result.stderr
+    result = _adaflash("serve", "--engine", "vllm", "--vllm-python", str(tmp_path / "py"), cwd=tmp_path)
+    assert result.returncode != 0 and "--vllm-python: expected vLLM's Python" in result.stderr
+
+
+def test_a_drafter_for_another_target_is_refused_before_vllm_starts(
+    tmp_path, target_factory, drafter_factory
+):
+    from adaflash_hf.vllm.launch import prepare_folders
+
+    target = target_factory("qwen3")
+    target.save_pretrained(tmp_path / "other-target")
+    drafter_factory(target).save_pretrained(tmp_path / "other-drafter")
+    with pytest.raises(ValueError, match="target"):
+        prepare_folders("smollm2-135m-instruct", str(tmp_path / "other-drafter"), tmp_path / "out")
+    assert not (tmp_path / "out" / "drafter").exists()
+
+
+# ------------------------------------------------------------------------------------------ inside vLLM
+def _vllm_python() -> Path | None:
+    try:
+        return find_vllm_python()
+    except FileNotFoundError:
+        return None
+
+
+VLLM_PYTHON = _vllm_python()
+needs_vllm = pytest.mark.skipif(
+    VLLM_PYTHON is None,
+    reason="vLLM's CPU build is not installed in .venv-vllm (make vllm-env; make test logs why to .venv-vllm.log)",
+)
+
+
+@pytest.fixture(scope="module")
+def vllm_runs(tmp_path_factory):
+    """The exported target and drafter, 16 held-out prompts, and the driver's three runs (plain, the plugin with
+    the adaptive rule and reloads, goodput)."""
+    from adaflash_hf.assets import load_target
+    from adaflash_hf.bench.serve import heldout_prompts
+    from adaflash_hf.interop import export_dflash
+    from adaflash_hf.serving.server import DEFAULT_DRAFTER
+
+    work = tmp_path_factory.mktemp("vllm")
+    target, tokenizer = load_target()
+    target.save_pretrained(work / "target")
+    tokenizer.save_pretrained(work / "target")
+    export_dflash(DEFAULT_DRAFTER, work / "drafter", target_config=target.config)
+    prompts = [p.tolist() for p in heldout_prompts(tokenizer, 16, 96)]
+    (work / "prompts.json").write_text(json.dumps(prompts))
+    del target
+    runs = {}
+    for phase, policy in (("plain", None), ("plugin", "adaptive"), ("goodput", "goodput")):
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "ADAFLASH_VLLM_POLL_SECONDS": "0"}
+        if policy:
+            env |= {"ADAFLASH_VLLM_POLICY": policy, "ADAFLASH_VLLM_RECORDS": str(work / f"records-{phase}")}
+            env |= {"ADAFLASH_VLLM_WEIGHTS": str(work / "weights")}
+        result = subprocess.run(
+            [str(VLLM_PYTHON), str(REPO / "tests" / "vllm_driver.py"), phase, str(work)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        assert result.returncode == 0, result.stderr[-4000:]
+        runs[phase] = json.loads((work / f"{phase}.json").read_text())
+    runs["work"] = work
+    return runs
+
+
+@pytest.mark.integration
+@needs_vllm
+@pytest.mark.parametrize("policy_run", ["plugin", "goodput"])
+def test_greedy_texts_through_the_plugin_equal_vllm_plain_at_one_request_and_sixteen(vllm_runs, policy_run):
+    plain, run = vllm_runs["plain"], vllm_runs[policy_run]
+    assert run["batch"] == plain["batch"]  # 16 in flight
+    assert run["alone"] == plain["alone"]  # one at a time
+    assert all(len(tokens) > 0 for tokens in run["batch"])
+
+
+@pytest.mark.integration
+@needs_vllm
+def test_requests_in_one_step_verify_different_draft_lengths(vllm_runs):
+    stats = vllm_runs["plugin"]["stats_batch"]
+    assert stats["steps_with_distinct_lengths"] > 0, stats
+    assert len(set(stats["example_lengths"])) > 1
+    assert 0 < stats["mean_draft_length"] < 15 and stats["rounds"] > 0
+    goodput = vllm_runs["goodput"]["stats_batch"]
+    assert (
+        "0" in goodput["draft_length_histogram"] or goodput["steps_without_drafter"] > 0
+    )  # k̂ = 0 is allowed
+
+
+@pytest.mark.integration
+@needs_vllm
+def test_a_reload_mid_traffic_changes_the_drafter_version_and_loses_no_request(vllm_runs):
+    run, plain = vllm_runs["plugin"], vllm_runs["plain"]
+    assert run["reload"] == plain["batch"]  # every request finished, each text unchanged
+    assert run["version_after_reload"] == 1 and run["stats_reloaded"]["reload_swaps"] == 1
+    before, reloaded, degraded = run["stats_batch"], run["stats_reloaded"], run["stats_degraded"]
+    # the reloaded drafter has its fusion layer zeroed: what it drafts afterwards is accepted less
+    late = (degraded["accepted"] - reloaded["accepted"]) / max(1, degraded["drafted"] - reloaded["drafted"])
+    assert late < before["acceptance"] - 0.1, (late, before["acceptance"])
+    assert run["degraded"] == plain["batch"]
+
+
+@pytest.mark.integration
+@needs_vllm
+def test_a_corrupt_published_version_is_refused_and_serving_goes_on(vllm_runs):
+    run = vllm_runs["plugin"]
+    stats = run["stats_after_corrupt"]
+    assert stats["reload_rejected"] == {"checksum": 1} and stats["drafter_version"] == 1
+    assert run["after_corrupt"] == vllm_runs["plain"]["batch"]
+
+
+@pytest.mark.integration
+@needs_vllm
+def test_every_finished_request_leaves_a_trajectory_for_the_learner(vllm_runs):
+    work, plain = vllm_runs["work"], vllm_runs["plain"]
+    prompts = json.loads((work / "prompts.json").read_text())
+    lines = [json.loads(line) for path in (work / "records-plugin").glob("trajectories-*.jsonl") for line in
+             path.read_text().splitlines()]  # fmt: skip
+    trajectories = [Trajectory(**line) for line in lines]
+    assert len(trajectories) >= len(prompts)
+    first = [t for t in trajectories if t.prompt == prompts[0]][0]
+    assert plain["batch"][0][: len(first.committed)] == first.committed
+    assert {t.drafter_version for t in trajectories} >= {0, 1}
+
+
+@pytest.mark.integration
+@needs_vllm
+def test_adaflash_serve_with_the_vllm_engine_answers_openai_clients_and_stops_on_sigterm(tmp_path):
+    import signal
+
+    import openai
+
+    from adaflash_hf.vllm.launch import free_port, wait_until_ready
+
+    port = free_port("127.0.0.1")
+    command = [
+        str(Path(sys.executable).parent / "adaflash"),
+        "serve",
+        "--engine",
+        "vllm",
+        "--port",
+        str(port),
+    ]
+    command += [
+        "--vllm-dir",
+        str(tmp_path / "vllm"),
+        "--vllm-arg=--enforce-eager",
+        "--vllm-arg=--max-model-len=1024",
+    ]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    server = subprocess.Popen(
+        command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    try:
+        wait_until_ready(f"http://127.0.0.1:{port}/health", timeout=600, process=server)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+        reply = client.chat.completions.create(
+            model="smollm2-135m-instruct",
+            messages=[{"role": "user", "content": "Name three colours."}],
+            max_tokens=16,
+            temperature=0,
+        )
+        assert reply.choices[0].message.content and reply.usage.completion_tokens > 0
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(120) == 0
+    finally:
+        if server.poll() is None:
+            server.kill()
+        output = server.stdout.read().decode(errors="replace")
+    assert "AdaFlash: goodput draft lengths" in output, output[-3000:]
