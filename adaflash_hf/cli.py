@@ -359,6 +359,29 @@ def _port(text: str) -> int:
 _port.__name__ = "an int in 0..65535"  # what a --config file's error says is expected
 
 
+def _add_serve_vllm_options(serve: argparse.ArgumentParser) -> None:
+    serve.add_argument(
+        "--engine",
+        choices=("embedded", "vllm"),
+        default="embedded",
+        help="embedded (default: this package's engine) or vllm (vLLM's OpenAI server with the AdaFlash plugin, "
+        "from its own environment: make vllm-env; fp32 under --dtype auto, goodput under --length-mode auto)",
+    )
+    serve.add_argument(
+        "--vllm-python",
+        help="--engine vllm: vLLM's Python (default $ADAFLASH_VLLM_PYTHON, else .venv-vllm/bin/python)",
+    )
+    serve.add_argument(
+        "--vllm-dir",
+        help="--engine vllm: where the target and drafter folders vLLM loads are written (runs/vllm)",
+    )
+    serve.add_argument(
+        "--vllm-arg",
+        action="append",
+        help="--engine vllm: one more option for vLLM's server, e.g. --vllm-arg=--enforce-eager (repeatable)",
+    )
+
+
 def _add_serve(commands) -> None:
     serve = commands.add_parser(
         "serve",
@@ -426,26 +449,7 @@ def _add_serve(commands) -> None:
         "--train-threshold", type=int_at_least(1), help="--learn: finished requests per training round (128)"
     )
     serve.add_argument("--opd-config", metavar="FILE", help="--learn: OPD trainer and buffer settings (YAML)")
-    serve.add_argument(
-        "--engine",
-        choices=("embedded", "vllm"),
-        default="embedded",
-        help="embedded (default: this package's engine) or vllm (vLLM's OpenAI server with the AdaFlash plugin, "
-        "from its own environment: make vllm-env; fp32 under --dtype auto, goodput under --length-mode auto)",
-    )
-    serve.add_argument(
-        "--vllm-python",
-        help="--engine vllm: vLLM's Python (default $ADAFLASH_VLLM_PYTHON, else .venv-vllm/bin/python)",
-    )
-    serve.add_argument(
-        "--vllm-dir",
-        help="--engine vllm: where the target and drafter folders vLLM loads are written (runs/vllm)",
-    )
-    serve.add_argument(
-        "--vllm-arg",
-        action="append",
-        help="--engine vllm: one more option for vLLM's server, e.g. --vllm-arg=--enforce-eager (repeatable)",
-    )
+    _add_serve_vllm_options(serve)
     serve.add_argument("--config", metavar="FILE", help=CONFIG_HELP)
     serve.set_defaults(handler=_run_serve, serve_parser=serve)
 
