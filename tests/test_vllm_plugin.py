@@ -10,6 +10,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -393,3 +394,62 @@ def test_adaflash_serve_with_the_vllm_engine_answers_openai_clients_and_stops_on
             server.kill()
         output = server.stdout.read().decode(errors="replace")
     assert "AdaFlash: goodput draft lengths" in output, output[-3000:]
+
+
+@pytest.mark.integration
+@needs_vllm
+def test_serve_with_the_vllm_engine_learns_from_its_traffic_and_serves_the_new_version(tmp_path):
+    import signal
+
+    import openai
+
+    from adaflash_hf.online.weights import read_manifest
+    from adaflash_hf.vllm.launch import free_port, wait_until_ready
+
+    port, learn = free_port("127.0.0.1"), tmp_path / "learn"
+    command = [
+        str(Path(sys.executable).parent / "adaflash"),
+        "serve",
+        "--engine",
+        "vllm",
+        "--port",
+        str(port),
+    ]
+    command += ["--learn", "--learn-dir", str(learn), "--train-threshold", "4", "--length-mode", "adaptive"]
+    command += ["--vllm-arg=--enforce-eager", "--vllm-arg=--max-model-len=1024"]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "ADAFLASH_VLLM_POLL_SECONDS": "0"}
+    server = subprocess.Popen(
+        command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    questions = ["Name three colours.", "What is tea?", "Count to five.", "Say hello in French."]
+
+    def ask(question: str) -> str:
+        reply = client.chat.completions.create(
+            model="smollm2-135m-instruct",
+            messages=[{"role": "user", "content": question}],
+            max_tokens=32,
+            temperature=0,
+        )
+        return reply.choices[0].message.content
+
+    try:
+        wait_until_ready(f"http://127.0.0.1:{port}/health", timeout=600, process=server)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+        before = [ask(q) for q in questions]
+        deadline = time.monotonic() + 600
+        while (read_manifest(learn / "weights") or {"version": 0})["version"] < 1:
+            assert time.monotonic() < deadline and server.poll() is None, "expected a trained version"
+            ask(questions[0])
+        served = 0
+        while served < 1:  # the plugin writes its statistics every few steps
+            assert time.monotonic() < deadline and server.poll() is None, "expected the new version served"
+            after = [ask(q) for q in questions]
+            stats = [json.loads(p.read_text()) for p in (learn / "vllm" / "records").glob("stats-*.json")]
+            served = max((s["drafter_version"] for s in stats), default=0)
+        assert after == before  # lossless across versions
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(180) == 0
+    finally:
+        if server.poll() is None:
+            server.kill()
+    assert list((learn / "checkpoints").glob("checkpoint-*"))

@@ -21,7 +21,7 @@ from vllm.transformers_utils.repo_utils import get_hf_file_bytes
 from adaflash_hf.modeling.length_head_adaflash import LENGTH_HEAD_CLASS
 from adaflash_hf.modeling.sidecar_adaflash import SIDECAR_CONFIG, SIDECAR_WEIGHTS
 
-logger = init_logger(__name__)
+logger = init_logger("vllm.plugins.adaflash")  # under vLLM's logger, so its handlers print it
 
 
 def read_sidecar(folder: str, revision: str | None) -> tuple[dict, dict[str, torch.Tensor]] | None:

@@ -43,7 +43,7 @@ from adaflash_hf.vllm.rounds import (
     choose_lengths,
 )
 
-logger = init_logger(__name__)
+logger = init_logger("vllm.plugins.adaflash")  # under vLLM's logger, so its handlers print it
 STATS_EVERY = 16  # steps between writes of stats-<pid>.json
 
 
@@ -84,6 +84,7 @@ class Session:
             )
         model.weights_version = getattr(model, "weights_version", 0)
         self.polled = float("-inf")
+        self.booked = 0  # steps booked, drafting or not
         self.last_end: float | None = None
         self.previous_ids: set[str] = set()
         self.records = Path(settings.records_dir) if settings.records_dir else None
@@ -100,7 +101,8 @@ class Session:
         now = time.perf_counter()
         if self.reloader is not None and now - self.polled >= self.settings.poll_seconds:
             self.polled = now
-            self.reloader.poll()
+            if self.reloader.poll():
+                logger.info("AdaFlash: drafter weights version %d loaded", self.version)
         if self.last_end is not None and self.previous_ids and set(request_ids) <= self.previous_ids:
             self.cost.observe(tokens, now - self.last_end)
 
@@ -214,7 +216,8 @@ class Session:
             with open(self.records / f"trajectories-{pid}.jsonl", "a") as handle:
                 while self.book.finished:
                     handle.write(json.dumps(self.book.finished.popleft()) + "\n")
-        if self.stats.steps % STATS_EVERY == 1:
+        self.booked += 1
+        if self.booked % STATS_EVERY == 1:
             atomic_write_json(self.records / f"stats-{pid}.json", self.report())
 
 
