@@ -66,6 +66,22 @@ def _timed(llm, prompts: list[list[int]], max_tokens: int, concurrency: int) -> 
     return sum(map(len, tokens)) / seconds, tokens
 
 
+def _host() -> dict:
+    """The CPU model, its bf16 units and the threads: figures from one CPU kind never stand for another."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    model = next(
+        (line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), ""
+    )
+    flags = set(info.split())
+    units = [f if f in flags else f"no {f}" for f in ("amx_bf16", "avx512_bf16")]
+    return {
+        "cpu": model,
+        "bf16_units": ", ".join(units),
+        "cores": os.cpu_count(),
+        "date": time.strftime("%Y-%m-%d"),
+    }
+
+
 def _plugin_stats(llm, name: str) -> dict | None:
     return llm.collective_rpc("adaflash_stats")[0] if name.startswith("adaflash") else None
 
@@ -105,6 +121,7 @@ def run(
     prompts = json.loads((out / "prompts.json").read_text())
     results: dict = {"max_tokens": max_tokens, "num_speculative_tokens": speculative_tokens, "rows": []}
     results["prompts"] = len(prompts)
+    results["host"] = _host()
     dflash = {"method": "dflash", "model": str(out / "drafter"), "num_speculative_tokens": speculative_tokens}
     plugin = {
         "speculative_config": dflash,
