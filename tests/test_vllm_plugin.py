@@ -241,10 +241,13 @@ def test_a_drafter_for_another_target_is_refused_before_vllm_starts(
 
 # ------------------------------------------------------------------------------------------ inside vLLM
 def _vllm_python() -> Path | None:
+    """vLLM's Python where vLLM is installed in it (an install that failed half-way leaves a venv without it)."""
     try:
-        return find_vllm_python()
+        python = find_vllm_python()
     except FileNotFoundError:
         return None
+    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
+    return python if subprocess.run([str(python), "-c", probe], capture_output=True).returncode == 0 else None
 
 
 VLLM_PYTHON = _vllm_python()
