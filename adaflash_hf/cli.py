@@ -365,7 +365,7 @@ def _add_serve_vllm_options(serve: argparse.ArgumentParser) -> None:
         choices=("embedded", "vllm"),
         default="embedded",
         help="embedded (default: this package's engine) or vllm (vLLM's OpenAI server with the AdaFlash plugin, "
-        "from its own environment: make vllm-env; fp32 under --dtype auto, goodput under --length-mode auto)",
+        "from its own environment: make vllm-env; fp32 under --dtype auto; --length-mode auto: goodput, adaptive with --learn)",
     )
     serve.add_argument(
         "--vllm-python",

@@ -70,6 +70,8 @@ def usage_error(options) -> str | None:
         if getattr(options, dest, None) is not None:
             flag = f"--{dest.replace('_', '-')}"
             return f"{flag} {getattr(options, dest)}: expected no {flag} with --engine vllm ({why})"
+    if options.learn and options.drafter == "none":
+        return "--learn: expected a drafter to train, got --drafter none (plain decoding)"
     if options.learn and options.dtype == "bf16":
         return (
             "--dtype bf16: expected auto or fp32 with --learn (the learner trains and publishes fp32 weights)"
@@ -185,12 +187,15 @@ def serve_vllm(options, learner_factory=vllm_learner) -> int:
     root = Path(options.learn_dir) / "vllm" if options.learn else Path(options.vllm_dir or "runs/vllm")
     target_dir, drafter_dir = prepare_folders(options.target, options.drafter, root)
     port = options.port or free_port(options.host)
-    settings = Settings(policy=LENGTH_MODES[options.length_mode])
+    policy = LENGTH_MODES[options.length_mode]
+    if options.learn and options.length_mode in (None, "auto"):
+        policy = "adaptive"  # as the embedded server: every request drafts, so every request teaches
+    settings = Settings(policy=policy)
     learner = reader = None
     if options.learn:
         learner, reader = learner_factory(options, root)
         settings = Settings(
-            policy=settings.policy,
+            policy=policy,
             weights_dir=str(Path(options.learn_dir) / "weights"),
             records_dir=str(root / "records"),
         )
