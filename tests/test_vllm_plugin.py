@@ -173,7 +173,7 @@ class _Options:
         defaults = dict(
             draft_source=None, max_waiting=None, default_max_tokens=None, learn=False, dtype="auto", host="127.0.0.1",
             max_running=16, token_budget=None, served_model_name=None, target="smollm2-135m-instruct",
-            vllm_arg=None, length_mode=None,
+            vllm_arg=None, length_mode=None, drafter=None,
         )  # fmt: skip
         self.__dict__.update(defaults | values)
 
@@ -186,6 +186,7 @@ def test_options_that_do_not_apply_to_vllm_are_refused_by_name():
     assert "--dtype bf16: expected auto or fp32 with --learn" in usage_error(
         _Options(learn=True, dtype="bf16")
     )
+    assert "--learn: expected a drafter to train" in usage_error(_Options(learn=True, drafter="none"))
     assert usage_error(_Options()) is None
 
 
