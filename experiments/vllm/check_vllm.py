@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -105,6 +106,53 @@ def _plugin_delta(before: dict | None, after: dict | None) -> dict:
     }
 
 
+def _engines(out: Path, speculative_tokens: int) -> dict:
+    """name -> (LLM options, the plugin's environment: vLLM's spawned workers read it)."""
+    dflash = {"method": "dflash", "model": str(out / "drafter"), "num_speculative_tokens": speculative_tokens}
+    plugin = {
+        "speculative_config": dflash,
+        "worker_extension_cls": "adaflash_hf.vllm.worker.AdaFlashWorkerExtension",
+    }
+    return {
+        "vllm_plain": ({}, {"ADAFLASH_VLLM_DISABLE": "1"}),
+        "vllm_dflash": ({"speculative_config": dflash}, {"ADAFLASH_VLLM_DISABLE": "1"}),
+        "adaflash_adaptive": (plugin, {"ADAFLASH_VLLM_POLICY": "adaptive"}),
+        "adaflash_goodput": (plugin, {"ADAFLASH_VLLM_POLICY": "goodput"}),
+    }
+
+
+def run_engine(out: Path, name: str, dtype: str, concurrency: list[int], max_tokens: int, speculative_tokens: int,
+               extra: dict) -> list[dict]:  # fmt: skip
+    """One engine at every level, in this process; its texts go to ``<out>/texts-<label>.json`` (plain's are what
+    the others are compared with)."""
+    from vllm import LLM
+
+    prompts = json.loads((out / "prompts.json").read_text())
+    options, env = _engines(out, speculative_tokens)[name]
+    os.environ.update(env)
+    label = f"{name}_{dtype}"
+    try:
+        llm = LLM(model=str(out / "target"), dtype=dtype, max_model_len=2048, seed=0, **extra, **options)
+    except Exception as error:  # noqa: BLE001 - a method this vLLM build lacks is a result to record
+        print(f"{label}: {type(error).__name__}: {str(error)[:300]}")
+        return [{"engine": label, "error": f"{type(error).__name__}: {error}"[:500]}]
+    plain_path = out / f"texts-vllm_plain_{dtype}.json"
+    plain = json.loads(plain_path.read_text()) if plain_path.is_file() and name != "vllm_plain" else {}
+    _timed(llm, prompts[:1], 8, 1)  # warm-up
+    rows, texts = [], {}
+    for c in concurrency:
+        before = _plugin_stats(llm, name)
+        tokens_per_s, tokens = _timed(llm, prompts, max_tokens, c)
+        texts[str(c)] = tokens
+        row = {"engine": label, "concurrency": c, "tokens_per_s": tokens_per_s}
+        if str(c) in plain:
+            row["equal_to_plain"] = sum(a == b for a, b in zip(tokens, plain[str(c)])) / len(tokens)
+        rows.append(row | _plugin_delta(before, _plugin_stats(llm, name)))
+        print(json.dumps(rows[-1]), flush=True)
+    (out / f"texts-{label}.json").write_text(json.dumps(texts))
+    return rows
+
+
 def run(
     out: Path,
     concurrency: list[int],
@@ -115,65 +163,38 @@ def run(
     methods: tuple[str, ...] = METHODS,
     eager: bool = False,
 ) -> int:
-    """Exit status 0 when at least one engine ran, 1 when none did (each engine's error is printed and recorded)."""
-    from vllm import LLM
-
+    """Every engine in a fresh process of its own (vLLM's CPU build does not always tear one down cleanly enough
+    for the next). Exit status 0 when at least one engine ran, 1 when none did (each error is recorded)."""
     prompts = json.loads((out / "prompts.json").read_text())
     results: dict = {"max_tokens": max_tokens, "num_speculative_tokens": speculative_tokens, "rows": []}
-    results["prompts"] = len(prompts)
-    results["host"] = _host()
-    dflash = {"method": "dflash", "model": str(out / "drafter"), "num_speculative_tokens": speculative_tokens}
-    plugin = {
-        "speculative_config": dflash,
-        "worker_extension_cls": "adaflash_hf.vllm.worker.AdaFlashWorkerExtension",
-    }
-    engines = {  # name: (LLM options, the plugin's environment)
-        "vllm_plain": ({}, {"ADAFLASH_VLLM_DISABLE": "1"}),
-        "vllm_dflash": ({"speculative_config": dflash}, {"ADAFLASH_VLLM_DISABLE": "1"}),
-        "adaflash_adaptive": (plugin, {"ADAFLASH_VLLM_POLICY": "adaptive"}),
-        "adaflash_goodput": (plugin, {"ADAFLASH_VLLM_POLICY": "goodput"}),
-    }
-    engines = {name: engines[name] for name in methods}
-    memory = {} if gpu_memory_utilization is None else {"gpu_memory_utilization": gpu_memory_utilization}
-    memory |= {"enforce_eager": True} if eager else {}
-    texts: dict[str, dict[int, list]] = {}
+    results |= {"prompts": len(prompts), "host": _host(), "enforce_eager": eager}
+    extra = {} if gpu_memory_utilization is None else {"gpu_memory_utilization": gpu_memory_utilization}
+    extra |= {"enforce_eager": True} if eager else {}
     for dtype in dtypes:
-        for name, (options, env) in engines.items():
+        for name in methods:
+            part = out / f"rows-{name}_{dtype}.json"
+            part.unlink(missing_ok=True)
+            code = (
+                "import json, sys; sys.path.insert(0, sys.argv[1]); from check_vllm import run_engine; "
+                "from pathlib import Path; a = json.loads(sys.argv[2]); "
+                "rows = run_engine(Path(a['out']), a['name'], a['dtype'], a['c'], a['t'], a['k'], a['extra']); "
+                "Path(a['part']).write_text(json.dumps(rows))"
+            )
+            args = {"out": str(out), "name": name, "dtype": dtype, "c": concurrency, "t": max_tokens}
+            args |= {"k": speculative_tokens, "extra": extra, "part": str(part)}
+            subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent), json.dumps(args)])
             label = f"{name}_{dtype}"
-            for key in (
-                "ADAFLASH_VLLM_DISABLE",
-                "ADAFLASH_VLLM_POLICY",
-            ):  # the workers vLLM spawns read these
-                os.environ.pop(key, None)
-            os.environ.update(env)
-            try:
-                llm = LLM(
-                    model=str(out / "target"), dtype=dtype, max_model_len=2048, seed=0, **memory, **options
-                )
-            except Exception as error:  # noqa: BLE001 - a method this vLLM build lacks is a result to record
-                results["rows"].append({"engine": label, "error": f"{type(error).__name__}: {error}"[:500]})
-                print(f"{label}: {type(error).__name__}: {str(error)[:300]}")
-                continue
-            _timed(llm, prompts[:1], 8, 1)  # warm-up
-            for c in concurrency:
-                before = _plugin_stats(llm, name)
-                tokens_per_s, tokens = _timed(llm, prompts, max_tokens, c)
-                texts.setdefault(label, {})[c] = tokens
-                row = {"engine": label, "concurrency": c, "tokens_per_s": tokens_per_s}
-                plain = texts.get(f"vllm_plain_{dtype}", {}).get(c)
-                if plain is not None:
-                    row["equal_to_plain"] = sum(a == b for a, b in zip(tokens, plain)) / len(plain)
-                row |= _plugin_delta(before, _plugin_stats(llm, name))
-                results["rows"].append(row)
-                print(json.dumps(row), flush=True)
-            del llm
-    results["dflash_equals_plain"] = {
+            rows = (
+                json.loads(part.read_text()) if part.is_file() else [{"engine": label, "error": "no result"}]
+            )
+            results["rows"] += rows
+    results["equals_plain"] = {
         f"{row['engine']}@{row['concurrency']}": row["equal_to_plain"] == 1.0
         for row in results["rows"]
-        if "equal_to_plain" in row and not row["engine"].startswith("vllm_plain")
+        if "equal_to_plain" in row
     }
     (out / "vllm.json").write_text(json.dumps(results, indent=1) + "\n")
-    if not texts:
+    if all("error" in row for row in results["rows"]):
         failed = "; ".join(f"{row['engine']}: {row['error']}" for row in results["rows"])
         print(
             f"check_vllm run: error: expected at least one vLLM engine to run, got none of {len(results['rows'])} "
@@ -181,7 +202,7 @@ def run(
             file=sys.stderr,
         )
         return 1
-    print(json.dumps(results["dflash_equals_plain"]))
+    print(json.dumps(results["equals_plain"]))
     return 0
 
 
