@@ -130,6 +130,9 @@ def run_engine(out: Path, name: str, dtype: str, concurrency: list[int], max_tok
     prompts = json.loads((out / "prompts.json").read_text())
     options, env = _engines(out, speculative_tokens)[name]
     os.environ.update(env)
+    # vLLM 0.32's compile cache, loaded for a second engine of the same target, can fail and recurse until the
+    # worker dies: every engine compiles afresh
+    os.environ.setdefault("VLLM_DISABLE_COMPILE_CACHE", "1")
     label = f"{name}_{dtype}"
     try:
         llm = LLM(model=str(out / "target"), dtype=dtype, max_model_len=2048, seed=0, **extra, **options)
