@@ -201,7 +201,9 @@ def serve_vllm(options, learner_factory=vllm_learner) -> int:
         )
         learner.start()
         reader.start()
-    env = {**os.environ, **settings.environ()}
+    # vLLM 0.32's compile cache, written by one engine of a target and loaded by an engine of the same target with a
+    # drafter (or without), can fail to load and recurse until the worker dies: compile afresh unless told otherwise
+    env = {"VLLM_DISABLE_COMPILE_CACHE": "1", **os.environ, **settings.environ()}
     command = vllm_command(options, python, target_dir, drafter_dir, port)
     print(f"adaflash serve: vLLM on http://{options.host}:{port}/v1 ({' '.join(command)})", flush=True)
     process = subprocess.Popen(command, env=env)
