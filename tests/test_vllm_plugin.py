@@ -89,9 +89,8 @@ def test_the_gate_leaves_the_drafter_out_while_it_loses_and_explores_again():
     target = _line(0.1, 0.001)  # a step's fixed part is 100 verified tokens' worth
     gate = DrafterGate(explore_every=4)
     assert gate.draft(16, target)  # nothing measured yet: draft
-    for _ in range(8):
-        gate.observe_lengths([3] * 16, 0.05 + 0.001 * 16)
-        gate.observe_lengths([3] * 8, 0.05 + 0.001 * 8)
+    for _ in range(8):  # one batch size is enough: the drafter's cost is taken per request
+        gate.observe_lengths([3] * 16, 0.05)
         gate.observe_round(0)
     decisions = [gate.draft(16, target) for _ in range(8)]
     assert decisions == [False, False, False, True] * 2

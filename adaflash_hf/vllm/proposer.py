@@ -261,8 +261,11 @@ class AdaFlashProposer(DFlashProposer):
         session.pending = None
         batch_size = kwargs["common_attn_metadata"].batch_size()
         if session.skip_drafter(batch_size):
+            started = time.perf_counter()
             self._keep_context(num_speculative_tokens, kwargs)
-            return session.plain_step(runner, batch_size)
+            out = session.plain_step(runner, batch_size)
+            session.stats.skip_seconds += time.perf_counter() - started
+            return out
         started = time.perf_counter()
         drafts = super().propose(num_speculative_tokens, **kwargs)
         return session.after_drafting(drafts, runner, time.perf_counter() - started)

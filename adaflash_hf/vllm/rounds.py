@@ -165,19 +165,18 @@ def choose_lengths(
 class DrafterGate:
     """Goodput's coarse decision before the drafter runs: draft this step, or let every request take a plain step.
 
-    Drafting a step of ``batch`` requests is worth ``batch·(1 + s·ā) / (target(batch·(1 + k̄)) + drafter(batch))``
-    tokens per second against ``batch / target(batch)`` without: ā is the recent accepted drafts per verified round,
-    s the share of requests that drafted and k̄ the mean length over all requests of a drafting step (exponential
-    averages), ``drafter(batch)`` a line through the drafter's measured seconds. Until both lines are ready it
-    drafts; while drafting loses it skips, drafting again every ``explore_every`` steps so that its estimates follow
-    the traffic."""
+    Drafting a step of ``batch`` requests is worth ``batch·(1 + s·ā) / (target(batch·(1 + k̄)) + batch·d)`` tokens
+    per second against ``batch / target(batch)`` without: ā is the recent accepted drafts per verified round, s the
+    share of requests that drafted, k̄ the mean length over all requests of a drafting step and d the drafter's
+    seconds per request (exponential averages of what was measured). Until the target's cost line is ready and the
+    drafter has run ``min_drafts`` times it drafts; while drafting loses it skips, drafting again every
+    ``explore_every`` steps so that its estimates follow the traffic."""
 
-    def __init__(self, explore_every: int = 16, smoothing: float = 0.1):
-        self.explore_every, self.smoothing = explore_every, smoothing
-        self.drafter = StepCost()
+    def __init__(self, explore_every: int = 16, smoothing: float = 0.1, min_drafts: int = 4):
+        self.explore_every, self.smoothing, self.min_drafts = explore_every, smoothing, min_drafts
         self.accepted: float | None = None
-        self.length = self.share = 0.0
-        self.skipped = 0
+        self.length = self.share = self.per_request = 0.0
+        self.drafts = self.skipped = 0
 
     def _average(self, old: float, new: float) -> float:
         return old + self.smoothing * (new - old)
@@ -189,15 +188,17 @@ class DrafterGate:
         """A drafting step: its lengths and the drafter's seconds."""
         if not lengths:
             return
-        self.drafter.observe(len(lengths), seconds)
+        per_request = seconds / len(lengths)
+        self.per_request = per_request if not self.drafts else self._average(self.per_request, per_request)
+        self.drafts += 1
         self.length = self._average(self.length, sum(lengths) / len(lengths))
         self.share = self._average(self.share, sum(k > 0 for k in lengths) / len(lengths))
 
     def draft(self, batch: int, target: StepCost) -> bool:
-        if not (target.ready and self.drafter.ready and self.accepted is not None):
+        if not (target.ready and self.drafts >= self.min_drafts and self.accepted is not None):
             return True
         gain = batch * (1 + self.share * self.accepted)
-        with_drafts = gain / (target(batch * (1 + self.length)) + self.drafter(batch))
+        with_drafts = gain / (target(batch * (1 + self.length)) + batch * self.per_request)
         if with_drafts >= batch / target(batch) or self.skipped + 1 >= self.explore_every:
             self.skipped = 0
             return True
@@ -331,6 +332,7 @@ class StepStats:
     example_lengths: list[int] = field(default_factory=list)
     drafter_seconds: float = 0.0
     skipped_steps: int = 0
+    skip_seconds: float = 0.0
 
     def observe_step(self, lengths: Sequence[int]) -> None:
         self.steps += 1
@@ -359,4 +361,7 @@ class StepStats:
             "example_lengths": self.example_lengths,
             "drafter_ms_per_step": 1000 * self.drafter_seconds / self.steps if self.steps else 0.0,
             "steps_without_drafter": self.skipped_steps,
+            "ms_per_step_without_drafter": 1000 * self.skip_seconds / self.skipped_steps
+            if self.skipped_steps
+            else 0.0,
         }
