@@ -11,6 +11,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "experiments" / "vllm" / "check_vllm.py"
+STOCK = (
+    "--methods",
+    "vllm_plain",
+    "vllm_dflash",
+)  # the engines without the plugin (its RPCs need real workers)
 
 FAKE_VLLM = """
 import json, os
@@ -72,14 +77,14 @@ def run_script(tmp_path, *args, fail=False):
 
 
 def test_gpu_memory_utilization_reaches_every_engine(tmp_path):
-    result, engines = run_script(tmp_path, "--dtype", "bfloat16", "--gpu-memory-utilization", "0.6")
+    result, engines = run_script(tmp_path, "--dtype", "bfloat16", "--gpu-memory-utilization", "0.6", *STOCK)
     assert result.returncode == 0, result.stderr
     assert len(engines) == 2 and all(e["gpu_memory_utilization"] == 0.6 for e in engines)
-    assert json.loads(result.stdout.strip().splitlines()[-1]) == {"bfloat16@1": True}
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == {"vllm_dflash_bfloat16@1": True}
 
 
 def test_without_gpu_memory_utilization_vllm_keeps_its_default(tmp_path):
-    result, engines = run_script(tmp_path, "--dtype", "bfloat16")
+    result, engines = run_script(tmp_path, "--dtype", "bfloat16", *STOCK)
     assert result.returncode == 0, result.stderr
     assert not any("gpu_memory_utilization" in e for e in engines)
 
@@ -97,7 +102,7 @@ def test_gpu_memory_utilization_outside_zero_one_is_a_usage_error(tmp_path, valu
 
 
 def test_no_engine_starting_is_an_error_naming_each_engines_failure(tmp_path):
-    result, engines = run_script(tmp_path, "--dtype", "bfloat16", fail=True)
+    result, engines = run_script(tmp_path, "--dtype", "bfloat16", *STOCK, fail=True)
     assert result.returncode == 1 and len(engines) == 2
     line = result.stderr.strip().splitlines()[-1]
     assert line.startswith("check_vllm run: error: expected at least one vLLM engine to run, got none of 2")
