@@ -12,6 +12,8 @@ definition each, for generate's statistics, the offline recipe, OPD, calibration
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -44,6 +46,17 @@ class PaperLengthHead(nn.Module):
     def forward(self, block_hidden: torch.Tensor) -> torch.Tensor:
         pooled = F.silu(self.proj(block_hidden)).mean(dim=-2)
         return torch.sigmoid(self.out(pooled)).squeeze(-1)
+
+
+def draft_lengths(acceptance: torch.Tensor, gamma: float, min_len: int, max_len: int) -> torch.Tensor:
+    """The paper's adaptive rule: k̂ = clamp(floor(γ·â·max_len), min_len, max_len), max_len = block_size - 1; a NaN
+    â gives min_len. One definition for every engine (``AdaFlashDrafter.predict_draft_length``, the vLLM plugin)."""
+    if not 0 <= min_len <= max_len:
+        raise ValueError(f"min_len: expected 0..{max_len} (block_size - 1), got {min_len}")
+    if not (gamma > 0 and math.isfinite(gamma)):
+        raise ValueError(f"gamma: expected a finite value > 0, got {gamma}")
+    prob = torch.nan_to_num(acceptance.float(), nan=0.0, posinf=1.0, neginf=0.0)
+    return torch.floor(gamma * prob * max_len).clamp(min_len, max_len).to(torch.long)
 
 
 LENGTH_HEAD_ATTRIBUTE = {"two_model": "thresh_head_two_model", "paper": "length_head"}

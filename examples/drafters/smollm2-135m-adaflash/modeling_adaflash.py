@@ -19,7 +19,6 @@ the weights and the folder also works as Hub remote code.
 from __future__ import annotations
 
 import copy
-import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,7 +37,7 @@ from transformers.utils import logging
 
 from .attention_adaflash import BlockwiseMask, blockwise_attention, eager_attention
 from .configuration_adaflash import AdaFlashConfig, check_draft_token_ids, check_local_path
-from .length_head_adaflash import LENGTH_HEAD_ATTRIBUTE, LENGTH_HEAD_CLASS
+from .length_head_adaflash import LENGTH_HEAD_ATTRIBUTE, LENGTH_HEAD_CLASS, draft_lengths
 from .sidecar_adaflash import (
     check_loaded_tensors,
     check_safetensors_readable,
@@ -333,14 +332,7 @@ class AdaFlashDrafter(AdaFlashPreTrainedModel):
         """k̂ = clamp(floor(γ·â·(block_size-1)), min_len, block_size-1); a NaN â gives min_len."""
         gamma = self.config.length_head_gamma if gamma is None else gamma
         min_len = self.config.length_head_min_len if min_len is None else min_len
-        max_len = self.config.block_size - 1
-        if not 0 <= min_len <= max_len:
-            raise ValueError(f"min_len: expected 0..{max_len} (block_size - 1), got {min_len}")
-        if not (gamma > 0 and math.isfinite(gamma)):
-            raise ValueError(f"gamma: expected a finite value > 0, got {gamma}")
-        prob = torch.nan_to_num(acceptance_prob.float(), nan=0.0, posinf=1.0, neginf=0.0)
-        length = torch.floor(gamma * prob * max_len)
-        return length.clamp(min_len, max_len).to(torch.long)
+        return draft_lengths(acceptance_prob, gamma, min_len, self.config.block_size - 1)
 
     def _attention_mask(self, attention_mask, batch, q_len, kv_len, dtype, device):
         """Turn a 2-D padding mask over all keys (or a prepared 4-D one) into what the attention function expects.
