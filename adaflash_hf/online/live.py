@@ -15,6 +15,10 @@ version loadable. A round that diverges publishes nothing and ends training; ser
 training after that many rounds in all, ``updates=False`` drains the buffers without training or publishing (the
 no-update baseline), and ``on_round(round, metrics)`` hears of every round, a diverged one included.
 
+With ``engine=None`` the serving engine lives in another process (vLLM's, ``adaflash serve --engine vllm``): it
+records the trajectories that reach ``buffer`` and reloads the published versions itself, and the learner only
+trains, publishes and checkpoints.
+
 The trainer is handed in (``trainers/opd_live.py`` and ``trainers/opd.py`` build the ``OPDTrainer``) and is used only
 through ``OnlineLearner``: nothing here imports training code.
 """
