@@ -85,7 +85,7 @@ def test_the_command_drives_a_server_and_prints_the_table(server, tmp_path, caps
 )
 def test_only_loopback_servers_are_driven(url):
     with pytest.raises(ValueError, match="--server: expected a loopback URL"):
-        http.parse_servers([f"x={url}"])
+        http.main(["--server", f"x={url}"])
 
 
 def test_an_in_process_engine_runs_the_same_prompts_beside_the_server(
@@ -116,4 +116,4 @@ def test_an_in_process_engine_runs_the_same_prompts_beside_the_server(
 @pytest.mark.parametrize("value", ["local", "=none", "local=", "a=none a=default"])
 def test_in_process_entries_are_checked(value):
     with pytest.raises(ValueError, match="--in-process: expected a new LABEL=DRAFTER"):
-        http.parse_in_process(value.split())
+        http.main([arg for entry in value.split() for arg in ("--in-process", entry)])

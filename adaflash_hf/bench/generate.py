@@ -21,10 +21,8 @@ prefill are left out); for the AdaFlash methods the rounds must agree with ``dra
 Speed-up = median plain seconds / median method seconds per prompt, geometric mean over a domain's prompts. A
 lossless or stats_agree failure exits with status 1 after the outputs are written.
 
-The target runs in ``--dtype``, through ``adaflash_hf.prepare_target`` with ``--prepared`` (``bench.targets``):
-"plain" is then plain decoding of the prepared target. ``--plain-baselines`` time plain decoding as transformers runs
-it in fp32 and bf16; the one with the most tokens/s is the fastest plain decoding here (``settings["fastest_plain"]``)
-and ``speedup_vs_fastest_plain`` every method's tokens/s over its own on the same prompt.
+``--dtype``, ``--prepared`` and ``--plain-baselines``: ``bench.targets`` ("plain" is plain decoding of the target as
+benchmarked; ``speedup_vs_fastest_plain``: over the fastest plain baseline, ``_fastest_plain``).
 
 Outputs in ``--output-dir``: ``results.json`` (``settings``, ``ok``, ``summary`` per domain and method, ``records``
 per prompt too), ``table.md`` and the figures: P(draft j accepted | verified) per domain, the per-round accepted /
@@ -49,17 +47,16 @@ from transformers.utils import logging
 import adaflash_hf
 from adaflash_hf import AdaFlashDrafter
 from adaflash_hf.bench import report
-from adaflash_hf.bench.machine import plot_cost_curve
-from adaflash_hf.bench.report import fmt, panels, percent, save, table
+from adaflash_hf.bench.machine import cost_curve_figure
+from adaflash_hf.bench.report import column_table, fmt, panels, percent, save
 from adaflash_hf.bench.targets import (
     add_run_options,
-    benchmarked_target,
     default_drafter,
+    load_run_target,
     machine_settings,
     parse_run_args,
-    plain_baselines,
-    run_settings,
     start_run,
+    timed_baselines,
 )
 from adaflash_hf.launch import int_at_least, number_in
 from adaflash_hf.modeling.length_head_adaflash import length_head_error, realised_acceptance
@@ -74,17 +71,17 @@ FULL = {"prompts_per_domain": 4, "max_new_tokens": 256, "repeats": 3}
 
 
 # ------------------------------------------------------------------------------------------------------ methods
-def _generate(target, input_ids, config: GenerationConfig, **kwargs) -> torch.Tensor:
-    return target.generate(input_ids, generation_config=config, **kwargs)
+def _runner(assistant: bool = False, **fields):
+    """A method: ``target.generate`` with these generation-config ``fields`` set, the drafter as its assistant when
+    ``assistant``."""
 
+    def run(target, drafter, input_ids, config):
+        for name, value in fields.items():
+            setattr(config, name, value)
+        drafting = {"assistant_model": drafter} if assistant else {}
+        return target.generate(input_ids, generation_config=config, **drafting)
 
-def _plain(target, drafter, input_ids, config):
-    return _generate(target, input_ids, config)
-
-
-def _prompt_lookup(target, drafter, input_ids, config):
-    config.prompt_lookup_num_tokens = PROMPT_LOOKUP_TOKENS
-    return _generate(target, input_ids, config)
+    return run
 
 
 def _native_dflash(target, drafter, input_ids, config):
@@ -93,28 +90,20 @@ def _native_dflash(target, drafter, input_ids, config):
     was_enabled = adaflash_hf.is_enabled()
     adaflash_hf.disable()
     try:
-        config.speculation_type = "dflash"
-        return _generate(target, input_ids, config, assistant_model=drafter)
+        return _runner(True, speculation_type="dflash")(target, drafter, input_ids, config)
     finally:
         if was_enabled:
             adaflash_hf.enable()
 
 
 def _adaflash(length_mode: str, draft_source: str = "diffusion"):
-    """A runner for AdaFlash with these drafting settings (the generation-config fields ``generate`` reads)."""
-
-    def run(target, drafter, input_ids, config):
-        config.adaflash_length_mode = length_mode
-        config.adaflash_draft_source = draft_source
-        return _generate(target, input_ids, config, assistant_model=drafter)
-
-    return run
+    return _runner(True, adaflash_length_mode=length_mode, adaflash_draft_source=draft_source)
 
 
 # Looked up at call time, so a test can swap one entry.
 RUNNERS = {
-    "plain": _plain,
-    "prompt_lookup": _prompt_lookup,
+    "plain": _runner(),
+    "prompt_lookup": _runner(prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS),
     "native_dflash": _native_dflash,
     "adaflash_fixed": _adaflash("fixed"),
     "adaflash_adaptive": _adaflash("adaptive"),
@@ -241,18 +230,15 @@ def run_benchmark(
 
     ``prompts`` maps a domain to ``(prompt id, input ids [1, L])`` pairs. ``drafter`` may be None when ``methods``
     holds no drafter method. ``gamma`` / ``min_len`` override the drafter's length-head settings for the AdaFlash
-    methods; ``lookup_min_prob`` is the hybrid method's ``adaflash_lookup_min_prob``. ``baselines`` names the plain
-    decodings a user could run instead (``{"fp32": model, "bf16": model}``; None for ``target`` itself): each is timed
-    beside the methods, the one with the least total time is the fastest plain (``settings["fastest_plain"]``), and
-    every record and summary row gets ``speedup_vs_fastest_plain`` (none given: ``target``'s plain is the fastest).
+    methods; ``lookup_min_prob`` is the hybrid method's ``adaflash_lookup_min_prob``. ``baselines``: the plain
+    decodings timed beside the methods (``targets.plain_baselines``), the fastest of them ``_fastest_plain``'s.
     """
     _check_run(target, drafter, methods, repeats, max_new_tokens)
     methods = tuple(m for m in METHODS if m in methods)  # plain first: it is the reference
     if drafter is not None:
         gamma = drafter.config.length_head_gamma if gamma is None else gamma
         min_len = drafter.config.length_head_min_len if min_len is None else min_len
-    baselines = {"target": None} if not baselines else baselines
-    timed = {name: model for name, model in baselines.items() if model is not None}
+    baselines, timed = timed_baselines(baselines)
     call = _caller(target, drafter, gamma, min_len, lookup_min_prob)
     records = _run_prompts(call, target, drafter, prompts, methods, repeats, max_new_tokens, timed, progress)
     fastest = _fastest_plain(records, baselines)
@@ -529,15 +515,17 @@ def markdown_table(results: dict) -> str:
     settings = results["settings"]
     fastest = settings["fastest_plain"]
     rates = ", ".join(f"{k} {v:.1f}" for k, v in sorted(fastest["tokens_per_s"].items()))
-    rows = [[cell(row) for cell in COLUMNS.values()] for row in results["summary"]]
     return (
         f"Greedy, {settings['max_new_tokens']} new tokens, median of {settings['repeats']} repeats, "
         f"{settings['threads']} threads; prompts per domain: {settings['prompts_per_domain']}.\n"
         f"CPU: {settings['cpu_model']} ({settings['cpu']}); target {settings.get('target_dtype', '?')}, "
         f"prepared: {settings.get('prepared')}. Speed-up: against plain decoding of this target; vs fastest plain: "
         f"against {fastest['name']} plain decoding, the fastest of {sorted(fastest['tokens_per_s'])} here "
-        f"(tokens/s: {rates}).\n\n" + table(list(COLUMNS), rows, "ll" + "r" * 12 + "lr")
+        f"(tokens/s: {rates}).\n\n" + column_table(COLUMNS, results["summary"], "ll" + "r" * 12 + "lr")
     )
+
+
+NOTE_STYLE = {"ha": "right", "va": "top", "fontsize": "x-small"}  # a note in a panel's upper right corner
 
 
 def _color(method: str) -> str:
@@ -615,15 +603,7 @@ def plot_k_hat_distribution(results: dict, path: Path) -> None:
             ax.bar(x, [n / total for n in histogram], width=width, color=_color(method), label=method)
             if error is not None:
                 note = f"{method}: |â-a*| {error:.2f}"
-                ax.text(
-                    0.98,
-                    0.95 - 0.08 * i,
-                    note,
-                    transform=ax.transAxes,
-                    ha="right",
-                    va="top",
-                    fontsize="x-small",
-                )
+                ax.text(0.98, 0.95 - 0.08 * i, note, transform=ax.transAxes, **NOTE_STYLE)
         ax.set(title=domain, xlabel="k̂ (drafts verified per diffusion round)")
         ax.grid(alpha=0.3)
     save(figure, axes, "share of diffusion rounds", path)
@@ -637,10 +617,7 @@ def write_outputs(results: dict, output_dir: Path) -> None:
     if set(results["settings"]["methods"]) & set(ADAFLASH_METHODS):
         figures["source_share.png"] = lambda path: plot_source_share(results, path)
         figures["k_hat_distribution.png"] = lambda path: plot_k_hat_distribution(results, path)
-    if results.get("cost_curve"):
-        cpu = results["settings"].get("cpu")
-        figures["cost_curve.png"] = lambda path: plot_cost_curve(results["cost_curve"], path, cpu)
-    report.write_outputs(output_dir, results, markdown_table(results), figures)
+    report.write_outputs(output_dir, results, markdown_table(results), figures | cost_curve_figure(results))
 
 
 # ---------------------------------------------------------------------------------------------------------- CLI
@@ -650,31 +627,23 @@ def make_parser() -> argparse.ArgumentParser:
         description="τ, tokens/s and speed-up of plain generate, prompt lookup, native DFlash and AdaFlash fixed, "
         "adaptive and hybrid on held-out chat/code/math prompts (greedy, lossless-checked).",
     )
-    add_run_options(parser, "generate", QUICK)
+    add_run_options(parser, "generate", QUICK, ("methods", METHODS))
     domains = ["chat", "code", "math"]
     parser.add_argument("--domains", nargs="+", default=domains, choices=domains)
     parser.add_argument(
         "--prompts-per-domain", type=int_at_least(1), help=f"held-out prompts per domain ({FULL})"
     )
-    parser.add_argument("--max-new-tokens", type=int_at_least(2), help="new tokens per call")
-    parser.add_argument("--repeats", type=int_at_least(1), help="timed calls per prompt and method")
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS, help="needs plain")
     parser.add_argument(
         "--gamma", type=number_in(0, open_low=True), help="adaflash_gamma (default: drafter's)"
     )
     parser.add_argument("--min-len", type=int_at_least(0), help="adaflash_min_len (default: drafter's)")
-    parser.add_argument("--lookup-min-prob", type=number_in(0, 1), default=0.0, help="adaflash_hybrid's (0)")
     return parser
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     """The options with their defaults filled in, every check that needs no model done (usage errors exit 2)."""
     parser = make_parser()
-    args = parse_run_args(parser, argv, QUICK, FULL)
-    if "plain" not in args.methods:
-        parser.error(
-            f"--methods: expected a list including plain (every method is checked against it), got {args.methods}"
-        )
+    args = parse_run_args(parser, argv, QUICK, FULL, "methods")
     if not set(args.methods) - {"plain", "prompt_lookup"}:
         args.drafter = None  # no method drafts with it
     else:
@@ -700,8 +669,6 @@ def _heldout_rows(domains: list[str], per_domain: int) -> dict[str, list[dict]]:
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     start_run(args.threads)
-
-    from adaflash_hf.assets import load_target
     from adaflash_hf.data import prompt_ids
 
     # The drafter and the prompts before the target: a bad folder or prompt count fails in seconds.
@@ -711,8 +678,7 @@ def main(argv: list[str] | None = None) -> int:
             f"--min-len: expected 0..{drafter.config.block_size - 1} (the drafter's block_size - 1), got {args.min_len}"
         )
     rows = _heldout_rows(args.domains, args.prompts_per_domain)
-    loaded, tokenizer = load_target(args.target)
-    target, prepared = benchmarked_target(loaded, args.dtype, args.prepared)
+    target, tokenizer, baselines, settings = load_run_target(args, "generate", argv)
     if drafter is not None:
         drafter = drafter.to(next(target.parameters()).dtype)
     prompts = {domain: [(row["id"], prompt_ids(tokenizer, row)) for row in rows[domain]] for domain in rows}
@@ -726,9 +692,9 @@ def main(argv: list[str] | None = None) -> int:
         gamma=args.gamma,
         min_len=args.min_len,
         lookup_min_prob=args.lookup_min_prob,
-        baselines=plain_baselines(loaded, args.plain_baselines, target, prepared),
+        baselines=baselines,
     )
-    results["settings"].update(run_settings(args, target, prepared, "generate", argv))
+    results["settings"].update(settings)
     write_outputs(results, args.output_dir)
     failure = "a method's output differs from plain greedy, or its forward accounting from drafter.last_stats"
     return report.finish("generate", results, args.output_dir, markdown_table(results), failure)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import ipaddress
 import json
 import random
@@ -66,26 +67,15 @@ def check_loopback(url: str) -> str:
     return url.rstrip("/")
 
 
-def parse_servers(values: list[str]) -> dict[str, str]:
-    servers = {}
+def parse_labelled(values: list[str], option: str, what: str, check=str) -> dict[str, str]:
+    """``option``'s ``LABEL=VALUE`` entries (``what`` names the value) as label -> ``check(VALUE)``, each label new."""
+    entries = {}
     for value in values:
-        label, sep, url = value.partition("=")
-        if not sep or not label or label in servers:
-            raise ValueError(f"--server: expected a new LABEL=URL, got {value!r}")
-        servers[label] = check_loopback(url)
-    return servers
-
-
-def parse_in_process(values: list[str]) -> dict[str, str]:
-    engines = {}
-    for value in values:
-        label, sep, drafter = value.partition("=")
-        if not sep or not label or not drafter or label in engines:
-            raise ValueError(
-                f"--in-process: expected a new LABEL=DRAFTER (default, none or a folder), got {value!r}"
-            )
-        engines[label] = drafter
-    return engines
+        label, sep, entry = value.partition("=")
+        if not sep or not label or not entry or label in entries:
+            raise ValueError(f"{option}: expected a new LABEL={what}, got {value!r}")
+        entries[label] = check(entry)
+    return entries
 
 
 def load_prompts(domains: list[str], split: str, count: int, seed: int, max_chars: int) -> list[str]:
@@ -144,6 +134,25 @@ async def one_request(client, model: str, prompt: str, max_tokens: int, drop_aft
     return record
 
 
+async def closed_loop(
+    prompts: list[str], concurrency: int, duration_s: float, send
+) -> tuple[list[dict], float]:
+    """Every prompt through ``send(prompt)`` (a coroutine giving its record), ``concurrency`` in flight (a client sends
+    its next prompt when its last one is done), until all are done or ``duration_s`` has passed; the records in prompt
+    order, each with its ``index``, and the wall seconds."""
+    queue = deque(enumerate(prompts))
+    records: list[dict] = []
+    started = time.perf_counter()
+
+    async def client():
+        while queue and time.perf_counter() - started < duration_s:
+            index, prompt = queue.popleft()
+            records.append(await send(prompt) | {"index": index})
+
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    return sorted(records, key=lambda r: r["index"]), time.perf_counter() - started
+
+
 async def run_level(
     url: str,
     model: str,
@@ -154,27 +163,20 @@ async def run_level(
     disconnect_prob: float = 0.0,
     seed: int = 0,
 ) -> tuple[list[dict], float]:
-    """Every prompt, ``concurrency`` in flight, until done or ``duration_s``; the records and the wall seconds."""
+    """``closed_loop`` of streamed chat requests to the server at ``url``."""
     import openai
 
     rng = random.Random(seed)
-    queue = deque(enumerate(prompts))
-    records: list[dict] = []
     client = openai.AsyncOpenAI(base_url=url, api_key="none", max_retries=0, timeout=600)
-    started = time.perf_counter()
 
-    async def worker():
-        while queue and time.perf_counter() - started < duration_s:
-            index, prompt = queue.popleft()
-            drop = rng.randint(1, max(1, max_tokens // 2)) if rng.random() < disconnect_prob else None
-            record = await one_request(client, model, prompt, max_tokens, drop)
-            records.append(record | {"index": index})
+    def send(prompt: str):
+        drop = rng.randint(1, max(1, max_tokens // 2)) if rng.random() < disconnect_prob else None
+        return one_request(client, model, prompt, max_tokens, drop)
 
     try:
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return await closed_loop(prompts, concurrency, duration_s, send)
     finally:
         await client.close()
-    return sorted(records, key=lambda r: r["index"]), time.perf_counter() - started
 
 
 def build_in_process(drafter: str):
@@ -189,22 +191,19 @@ def build_in_process(drafter: str):
 def run_in_process(
     engine, tokenizer, prompts: list[str], concurrency: int, max_tokens: int, duration_s: float, **_
 ) -> tuple[list[dict], float]:
-    """``run_level`` without HTTP: the same chat prompts, greedy, ``concurrency`` in flight, through the server's
-    engine thread (``EngineWorker``) over ``engine`` in this process; a record's chunk times are its text events."""
+    """``run_level`` without HTTP: the same chat prompts, greedy, through the server's engine thread
+    (``EngineWorker``) over ``engine`` in this process; a record's chunk times are its text events."""
     from adaflash_hf.serving.requests import SamplingParams
     from adaflash_hf.serving.worker import EngineWorker
 
-    queue = deque(enumerate(prompts))
-    records: list[dict] = []
-    started = time.perf_counter()
+    params = SamplingParams(max_new_tokens=max_tokens, temperature=0.0)
 
-    async def one(worker: EngineWorker, index: int, prompt: str) -> dict:
+    async def send(worker: EngineWorker, prompt: str) -> dict:
         encoded = tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=True
         )
         record = {"status": "ok", "chunk_times": [], "tokens": 0, "finish_reason": None, "adaflash": None}
         begun = time.perf_counter()
-        params = SamplingParams(max_new_tokens=max_tokens, temperature=0.0)
         handle = worker.submit(list(encoded["input_ids"]), params)
         while (event := await handle.queue.get()).kind not in ("finished", "failed"):
             if event.kind == "text":
@@ -218,23 +217,17 @@ def run_in_process(
                 "finish_reason": event.finish_reason,
                 "adaflash": counts,
             }
-        return record | {"index": index, "seconds": time.perf_counter() - begun}
+        return record | {"seconds": time.perf_counter() - begun}
 
-    async def level() -> None:
+    async def level() -> tuple[list[dict], float]:
         worker = EngineWorker(engine, tokenizer, capacity=concurrency)
         worker.start()
-
-        async def client():
-            while queue and time.perf_counter() - started < duration_s:
-                records.append(await one(worker, *queue.popleft()))
-
         try:
-            await asyncio.gather(*(client() for _ in range(concurrency)))
+            return await closed_loop(prompts, concurrency, duration_s, functools.partial(send, worker))
         finally:
             await asyncio.to_thread(worker.shutdown, 0.0)
 
-    asyncio.run(level())
-    return sorted(records, key=lambda r: r["index"]), time.perf_counter() - started
+    return asyncio.run(level())
 
 
 def _quantile(values: list[float], q: float) -> float | None:
@@ -406,8 +399,9 @@ def make_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args_with_config(make_parser(), argv)
-    in_process = parse_in_process(args.in_process or [])
-    servers = parse_servers(args.server or ([] if in_process else [DEFAULT_SERVER]))
+    in_process = parse_labelled(args.in_process or [], "--in-process", "DRAFTER (default, none or a folder)")
+    servers = args.server or ([] if in_process else [DEFAULT_SERVER])
+    servers = parse_labelled(servers, "--server", "URL", check_loopback)
     if set(servers) & set(in_process):
         raise ValueError(
             f"--in-process: expected labels apart from --server's, got {sorted(set(servers) & set(in_process))}"

@@ -9,25 +9,36 @@ each variant runs in a fresh subprocess and reports its RSS high-water mark minu
 (``experiments/goals.py kernels`` grades the fused loss's goals on the ``--output`` record).
 """
 
+from __future__ import annotations
+
 import argparse
+import functools
 import statistics
-import sys
 import time
 
 import torch
 
-from adaflash_hf.bench.machine import in_fresh_process, json_result, peak_rss_bytes, rss_bytes
-from adaflash_hf.bench.report import add_record_options, fmt, table, write_json
+from adaflash_hf.bench.machine import in_fresh_process, memory_base, memory_peak
+from adaflash_hf.bench.report import add_record_options, fmt, parse_record_args, print_record, table
 from adaflash_hf.kernels.clipped_kl import clipped_distill_loss_reference, fused_clipped_distill_loss
 from adaflash_hf.kernels.verify_accept import verify_accept
-from adaflash_hf.launch import int_at_least, parse_args_with_config
+from adaflash_hf.launch import int_at_least
 
 LOSS_IMPLS = {"naive": None, "fallback": "torch", "triton": "triton"}
 
 
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
+def _median_ms(step, repeats: int, device: str) -> float:
+    """Median milliseconds of ``repeats`` calls of ``step``, the device synchronised around each."""
+    times = []
+    for _ in range(repeats):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
 
 
 def _loss_inputs(rows: int, hidden: int, vocab: int, device: str, dtype: torch.dtype):
@@ -56,22 +67,9 @@ def measure_loss(
     h, weight, target = _loss_inputs(rows, hidden, vocab, device, dtype)
     if device == "cuda":
         _loss_step(variant, h, weight, target)  # warm-up (Triton compile)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    else:
-        base = rss_bytes()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        _loss_step(variant, h, weight, target)
-        _sync(device)
-        times.append((time.perf_counter() - start) * 1e3)
-    if device == "cuda":
-        peak = torch.cuda.max_memory_allocated() - base
-    else:
-        peak = peak_rss_bytes() - base
-    return {"ms": statistics.median(times), "peak_mib": peak / 2**20}
+    base = memory_base(device)
+    ms = _median_ms(lambda: _loss_step(variant, h, weight, target), repeats, device)
+    return {"ms": ms, "peak_mib": (memory_peak(device) - base) / 2**20}
 
 
 def _measure_loss_isolated(variant, rows, hidden, vocab, device, repeats, threads) -> dict:
@@ -83,9 +81,7 @@ def _measure_loss_isolated(variant, rows, hidden, vocab, device, repeats, thread
             torch.cuda.empty_cache()
             return {"ms": None, "peak_mib": None, "error": "OOM"}
     spec = [variant, rows, hidden, vocab, device, repeats, threads]
-    process = in_fresh_process("adaflash_hf.bench.kernels", "measure_loss", spec, threads)
-    process.check_returncode()
-    return json_result(process)
+    return in_fresh_process("adaflash_hf.bench.kernels", "measure_loss", spec, threads)
 
 
 def measure_accept(impl: str, batch: int, vocab: int, device: str, repeats: int, draft_len: int = 16) -> dict:
@@ -97,15 +93,9 @@ def measure_accept(impl: str, batch: int, vocab: int, device: str, repeats: int,
     temps = torch.ones(batch, device=device)
     accept_u = torch.rand(batch * draft_len, device=device, generator=g)
     sample_u = torch.rand(batch, device=device, generator=g)
-    verify_accept(logits, drafts, cu, temps, None, accept_u, sample_u, impl=impl)
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        start = time.perf_counter()
-        verify_accept(logits, drafts, cu, temps, None, accept_u, sample_u, impl=impl)
-        _sync(device)
-        times.append((time.perf_counter() - start) * 1e3)
-    return {"ms": statistics.median(times)}
+    accept = functools.partial(verify_accept, logits, drafts, cu, temps, None, accept_u, sample_u, impl=impl)
+    accept()
+    return {"ms": _median_ms(accept, repeats, device)}
 
 
 def run(args) -> dict:
@@ -178,7 +168,7 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args_with_config(make_parser(), argv)
+    args = parse_record_args(make_parser(), argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: CUDA is not available on this machine")
     cuda = args.device == "cuda"
@@ -186,13 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     args.hidden = args.hidden or (4096 if cuda else 576)
     if args.accept_batches is None:
         args.accept_batches = [1, 2, 4, 8, 16, 32, 64, 128] if cuda else [1, 8]
-    torch.set_num_threads(args.threads)
     results = run(args)
-    print(format_tables(results))
-    if args.output:
-        write_json(args.output, results)
-    return 0
+    return print_record(format_tables(results), results, args.output)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -17,15 +17,13 @@
    (delete its folder to rerun it).
 2. **Evaluation.** The starting drafter (round 0) and each run's checkpoint after every round serve a fixed evaluation
    set in the engine's adaflash mode (the adaptive rule), greedy: ``--eval-prompts-per-domain`` held-out prompts of
-   every domain in ``DOMAINS`` and of the traffic's own (``evaluation_domains``: a new domain among them), taken from
-   the *end* of the same held-out shuffle whose *start* feeds the traffic, so no evaluation prompt is ever trained on:
-   an evaluation prompt with the text or the token ids of a served one is refused (``check_unserved``) before any run
-   starts. Every round's whole draft (all ``block_size - 1`` proposals) is recorded, so besides τ (committed tokens
-   per verify with the length head's truncation) the evaluation reports what the full draft would have achieved:
-   per-position acceptance (the share of rounds whose first j proposals all equal the target's greedy tokens),
-   τ_full = 1 + the mean accepted length of the full draft, and the length head's mean |â - a*|. Under greedy
-   decoding every evaluation's outputs must equal the round-0 outputs token for token (lossless serving); a mismatch
-   is an error. Results are cached per (run, round) in ``OUT/eval`` and reused when the settings match.
+   every domain in ``DOMAINS`` and of the traffic's own (``evaluation_domains``: a new domain among them) that the
+   traffic never serves (``eval_prompts``), checked before any run starts. Every round's whole draft (all
+   ``block_size - 1`` proposals) is recorded, so besides τ (committed tokens per verify with the length head's
+   truncation) the evaluation reports what the full draft would have achieved (``evaluate_drafter``): per-position
+   acceptance (the share of rounds whose first j proposals all equal the target's greedy tokens), τ_full = 1 + the
+   mean accepted length of the full draft, and the length head's mean |â - a*|. Every evaluation's outputs must equal
+   the round-0 outputs token for token (lossless serving). Results are cached per (run, round) in ``OUT/eval``.
 3. **Outputs** in ``OUT`` (``opd_report``): ``results.json`` (with per-prompt counts), ``table.md`` (τ with paired
    bootstrap 95% intervals over the prompts), ``tau_vs_rounds.png``, ``acceptance_per_position.png`` (round 0 against
    each run's last round) and ``head_error_vs_rounds.png``. ``experiments/goals.py opd`` grades the experiment's
@@ -40,18 +38,17 @@ import hashlib
 import json
 import logging as std_logging
 import math
-import os
 import shlex
 import subprocess
 import time
 from collections import defaultdict
 from pathlib import Path
 
-import torch
 from transformers.utils import logging
 
 from adaflash_hf.bench import report
 from adaflash_hf.bench.opd_report import markdown_table, plot_head_error, plot_per_position, plot_tau
+from adaflash_hf.bench.targets import start_run
 from adaflash_hf.launch import int_at_least
 from adaflash_hf.modeling.length_head_adaflash import realised_acceptance
 from adaflash_hf.serving import AdaFlashEngine, AdmissionConfig, SamplingParams
@@ -534,8 +531,7 @@ def main(argv: list[str] | None = None) -> int:
     target, tokenizer = load_target(config["target_model"])
     prompts = eval_prompts(tokenizer, config, args.eval_prompts_per_domain)  # refused here, before any run
     run_dirs = _runs(args, settings, flags)
-    os.environ["OMP_NUM_THREADS"] = str(args.threads)
-    torch.set_num_threads(args.threads)
+    start_run(args.threads)  # after the runs: they keep the threads they were launched with
     evaluation = _evaluate_all(args, config, prompts, run_dirs, target)
     results = {
         "settings": {

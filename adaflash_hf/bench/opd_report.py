@@ -3,9 +3,7 @@
 An evaluation summary (``opd.evaluate_drafter``) holds, per domain, the pooled figures (τ, τ_full, per-position
 acceptance, the length head's mean |â - a*|) and ``per_prompt`` counts ``[accepted, verifies, full_rounds,
 full_accepted]``. Every variant and round serves the same evaluation prompts, so intervals are paired bootstraps over
-prompts: resample the prompts with replacement (the same indices for both sides of a comparison) and recompute the
-pooled statistic; the 2.5th and 97.5th percentiles of 2000 resamples are the 95% interval (``experiments/goals.py``
-grades the experiment's goals with them).
+the prompts (``bootstrap``; ``experiments/goals.py`` grades the experiment's goals with them).
 """
 
 from __future__ import annotations
@@ -13,7 +11,8 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from adaflash_hf.bench.report import panels, save
+from adaflash_hf.bench.report import panels, save, table
+from adaflash_hf.stats import tau_of
 
 ACCEPTED, VERIFIES, FULL_ROUNDS, FULL_ACCEPTED = range(4)
 RESAMPLES = 2000
@@ -37,12 +36,13 @@ def color(variant: str) -> str | None:
 def pooled_tau(rows: list[list[float]]) -> float:
     """τ of per-prompt counts: committed tokens per verify, pooled over the prompts."""
     verifies = sum(r[VERIFIES] for r in rows)
-    return (sum(r[ACCEPTED] for r in rows) + verifies) / verifies if verifies else 0.0
+    return tau_of(sum(r[ACCEPTED] for r in rows) + verifies, verifies)
 
 
 def bootstrap(statistic, *paired: list, resamples: int = RESAMPLES, seed: int = 0) -> tuple[float, float]:
-    """95% percentile interval of ``statistic(*resampled)``, every list in ``paired`` resampled with the same prompt
-    indices (they hold the same prompts in the same order)."""
+    """95% percentile interval of ``statistic(*resampled)`` over ``resamples`` resamples of the prompts with
+    replacement, every list in ``paired`` resampled with the same prompt indices (they hold the same prompts in the
+    same order)."""
     sizes = {len(p) for p in paired}
     if len(sizes) != 1 or 0 in sizes:
         raise ValueError(
@@ -73,13 +73,9 @@ def markdown_table(results: dict) -> str:
     domain, and the live traffic τ."""
     evaluation, domains = _by_round(results), results["settings"]["domains"]
     new = results["settings"]["new_domain"]
-    lines = [
-        "| variant | round | samples trained | "
-        + " | ".join(f"{d} τ [95%] (τ full)" for d in domains)
-        + f" | {new} head abs(â - a*) | live traffic τ |",
-        "|---|---:|---:|" + "---:|" * len(domains) + "---:|---:|",
-    ]
-    threshold = results["settings"]["train_threshold"]
+    header = ["variant", "round", "samples trained", *(f"{d} τ [95%] (τ full)" for d in domains)]
+    header += [f"{new} head abs(â - a*)", "live traffic τ"]
+    rows, threshold = [], results["settings"]["train_threshold"]
     for variant in results["settings"]["variants"]:
         live = {int(r["round"]): r.get("tau") for r in results["live"].get(variant, [])}
         for rnd in sorted(evaluation[variant]):
@@ -90,11 +86,8 @@ def markdown_table(results: dict) -> str:
                 cells.append(f"{row[d]['tau']:.3f} [{low:.3f}, {high:.3f}] ({row[d]['tau_full']:.3f})")
             trained = 0 if variant == "none" else rnd * threshold
             traffic = f"{live[rnd]:.3f}" if isinstance(live.get(rnd), float) else "-"
-            head = f"{row[new]['head_error']:.3f}"
-            lines.append(
-                f"| {variant} | {rnd} | {trained} | " + " | ".join(cells) + f" | {head} | {traffic} |"
-            )
-    return "\n".join(lines) + "\n"
+            rows.append([variant, rnd, trained, *cells, f"{row[new]['head_error']:.3f}", traffic])
+    return table(header, rows, "l" + "r" * (len(header) - 1))
 
 
 # ---------------------------------------------------------------------------------------------- plots

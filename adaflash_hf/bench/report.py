@@ -15,7 +15,7 @@ from pathlib import Path
 
 from transformers.utils import logging
 
-from adaflash_hf.launch import CONFIG_HELP, int_at_least
+from adaflash_hf.launch import CONFIG_HELP, int_at_least, parse_args_with_config
 
 logger = logging.get_logger(__name__)
 
@@ -40,6 +40,11 @@ def table(header: Sequence[str], rows: Iterable[Sequence], align: str = "") -> s
     ]
     lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
     return "\n".join(lines) + "\n"
+
+
+def column_table(columns: dict[str, Callable], rows: Iterable[dict], align: str = "") -> str:
+    """``table`` of ``rows`` with ``columns`` (header -> the cell of a row)."""
+    return table(list(columns), [[cell(row) for cell in columns.values()] for row in rows], align)
 
 
 # ----------------------------------------------------------------------------------------------------- figures
@@ -110,6 +115,23 @@ def add_record_options(parser) -> None:
     parser.add_argument("--threads", type=int_at_least(1), default=1, help="torch CPU threads (default 1)")
     parser.add_argument("--output", type=Path, help="also write the results as JSON to this path")
     parser.add_argument("--config", metavar="FILE", help=CONFIG_HELP)
+
+
+def parse_record_args(parser, argv: list[str] | None):
+    """The options of ``add_record_options``' bench (``--config`` read), torch's threads set to ``--threads``."""
+    import torch
+
+    args = parse_args_with_config(parser, argv)
+    torch.set_num_threads(args.threads)
+    return args
+
+
+def print_record(markdown: str, record: dict, output: Path | None) -> int:
+    """The end of such a bench: its table printed and its record written to ``--output`` when given; status 0."""
+    print(markdown)
+    if output is not None:
+        write_json(output, record)
+    return 0
 
 
 def command(name: str, argv: list[str] | None) -> str:

@@ -21,10 +21,9 @@ Per concurrency and mode: throughput = generated tokens / wall seconds (median o
 over plain's at the same concurrency; τ = tokens committed per verify (accepted + 1); mean verify length =
 drafts verified per verify; acceptance rate = accepted / verified drafts; lookup share = verifies whose drafts came
 from lookup (hybrid), with their own acceptance rate. ``lossless`` checks every request's
-tokens against plain's (``exact``: the share of requests equal). The target runs in ``--dtype``, through
-``adaflash_hf.prepare_target`` with ``--prepared`` (``adaflash_hf.bench.targets``); ``--plain-baselines`` time plain
-batched decoding of fp32 and bf16 copies as transformers runs them, and ``vs fastest plain`` is each mode's speed-up
-against the faster at that concurrency (``experiments/goals.py serve`` grades the serving goals on ``results.json``).
+tokens against plain's (``exact``: the share of requests equal). ``--dtype``, ``--prepared`` and
+``--plain-baselines``: ``bench.targets``; ``vs fastest plain`` is each mode's speed-up against the fastest plain
+baseline at that concurrency (``experiments/goals.py serve`` grades the serving goals on ``results.json``).
 Outputs in ``--output-dir``: ``results.json``, ``table.md`` and ``speedup_vs_concurrency.png`` (and
 ``cost_curve.png``, the goodput cost model's measured target-forward seconds by tokens per running-request bucket).
 Exit status 1 when a mode is not lossless.
@@ -43,19 +42,18 @@ from transformers.utils import logging
 
 from adaflash_hf import AdaFlashConfig, AdaFlashDrafter
 from adaflash_hf.bench import report
-from adaflash_hf.bench.machine import plot_cost_curve
-from adaflash_hf.bench.report import line_plot, percent, table
+from adaflash_hf.bench.machine import cost_curve_figure
+from adaflash_hf.bench.report import column_table, line_plot, percent
 from adaflash_hf.bench.targets import (
     add_run_options,
-    benchmarked_target,
     default_drafter,
+    load_run_target,
     machine_settings,
     parse_run_args,
-    plain_baselines,
-    run_settings,
     start_run,
+    timed_baselines,
 )
-from adaflash_hf.launch import int_at_least, number_in
+from adaflash_hf.launch import int_at_least
 from adaflash_hf.serving import AdaFlashEngine, AdmissionConfig, SamplingParams
 from adaflash_hf.stats import tau_of
 
@@ -222,16 +220,14 @@ def run_benchmark(
     baselines: dict | None = None,
 ) -> dict:
     """Every mode at every concurrency, interleaved per repeat; the results dict of the module docstring.
-    ``lookup_min_prob`` is the hybrid mode's engine setting. ``baselines`` names the plain batched decodings a user
-    could run instead (``{"fp32": model, "bf16": model}``; None for ``target`` itself), timed beside the modes; per
-    level the fastest is each row's ``fastest_plain`` and ``speedup_vs_fastest_plain`` is measured against it."""
-    baselines = {"target": None} if not baselines else baselines
-    timed_baselines = {name: model for name, model in baselines.items() if model is not None}
+    ``lookup_min_prob`` is the hybrid mode's engine setting. ``baselines``: the plain batched decodings timed beside
+    the modes (``targets.plain_baselines``); per level the fastest is each row's ``fastest_plain``."""
+    baselines, timed = timed_baselines(baselines)
     _check_run(drafter, prompts, concurrency, modes, requests_per_level, max_new_tokens, repeats)
     modes = tuple(m for m in MODES if m in modes)  # plain first: it is the reference
     for mode in modes:
         run_level(target, drafter, mode, prompts[:1], 1, WARMUP_TOKENS, lookup_min_prob)
-    for model in timed_baselines.values():
+    for model in timed.values():
         run_level(model, None, "plain", prompts[:1], 1, WARMUP_TOKENS)
     summary = []
     for level in concurrency:
@@ -245,7 +241,7 @@ def run_benchmark(
             max_new_tokens,
             repeats,
             lookup_min_prob,
-            timed_baselines,
+            timed,
         )
         summary += _level_rows(level, modes, runs, baseline_runs, outputs, baselines, len(level_prompts))
     return {
@@ -296,8 +292,7 @@ COLUMNS = {
 
 def markdown_table(results: dict) -> str:
     settings = results["settings"]
-    rows = [[cell(r) for cell in COLUMNS.values()] for r in results["summary"]]
-    return table(list(COLUMNS), rows, "rl" + "r" * 9 + "cr") + (
+    return column_table(COLUMNS, results["summary"], "rl" + "r" * 9 + "cr") + (
         f"\nGreedy, {settings['max_new_tokens']} new tokens per request, max(requests_per_level="
         f"{settings['requests_per_level']}, concurrency) requests per level, {settings['repeats']} repeat(s), "
         f"{settings['threads']} thread(s).\n"
@@ -323,10 +318,7 @@ def write_outputs(results: dict, output_dir: Path) -> None:
             unit_line=True,
         )
     }
-    if results.get("cost_curve"):
-        cpu = results["settings"].get("cpu")
-        figures["cost_curve.png"] = lambda path: plot_cost_curve(results["cost_curve"], path, cpu)
-    report.write_outputs(output_dir, results, markdown_table(results), figures)
+    report.write_outputs(output_dir, results, markdown_table(results), figures | cost_curve_figure(results))
 
 
 def heldout_prompts(tokenizer, count: int, max_prompt_tokens: int) -> list[torch.Tensor]:
@@ -356,16 +348,12 @@ def make_parser() -> argparse.ArgumentParser:
         description="Throughput of the batched engine (plain / fixed-length DFlash / AdaFlash / hybrid) under "
         "concurrency.",
     )
-    add_run_options(parser, "serve", QUICK, drafter=", or 'random' (untrained)")
+    add_run_options(parser, "serve", QUICK, ("modes", MODES), drafter=", or 'random' (untrained)")
     parser.add_argument("--concurrency", type=int_at_least(1), nargs="+", help=f"levels ({FULL})")
     parser.add_argument("--requests-per-level", type=int_at_least(1), help="at least the concurrency")
-    parser.add_argument("--max-new-tokens", type=int_at_least(2), help="per request")
     parser.add_argument(
         "--max-prompt-tokens", type=int_at_least(1), default=384, help="skip longer prompts (384)"
     )
-    parser.add_argument("--repeats", type=int_at_least(1), help="timed runs per level and mode")
-    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES, help="subset; needs plain")
-    parser.add_argument("--lookup-min-prob", type=number_in(0, 1), default=0.0, help="the hybrid mode's (0)")
     return parser
 
 
@@ -385,16 +373,10 @@ def _random_drafter(target) -> AdaFlashDrafter:
 
 def main(argv: list[str] | None = None) -> int:
     parser = make_parser()
-    args = parse_run_args(parser, argv, QUICK, FULL)
-    if "plain" not in args.modes:
-        parser.error(f"--modes: expected a list including plain (the reference), got {args.modes}")
+    args = parse_run_args(parser, argv, QUICK, FULL, "modes")
     start_run(args.threads)
-
-    from adaflash_hf.assets import load_target
-
     drafter = _load_drafter(args, parser)
-    loaded, tokenizer = load_target(args.target)
-    target, prepared = benchmarked_target(loaded, args.dtype, args.prepared)
+    target, tokenizer, baselines, settings = load_run_target(args, "serve", argv)
     if args.drafter == "random" and args.modes != ["plain"]:
         drafter = _random_drafter(target)
     if drafter is not None:
@@ -412,9 +394,9 @@ def main(argv: list[str] | None = None) -> int:
         max_new_tokens=args.max_new_tokens,
         repeats=args.repeats,
         lookup_min_prob=args.lookup_min_prob,
-        baselines=plain_baselines(loaded, args.plain_baselines, target, prepared),
+        baselines=baselines,
     )
-    results["settings"].update(run_settings(args, target, prepared, "serve", argv))
+    results["settings"].update(settings)
     write_outputs(results, args.output_dir)
     failure = "a mode's tokens differ from plain's"
     return report.finish("serve", results, args.output_dir, markdown_table(results), failure)

@@ -22,7 +22,7 @@ import transformers
 
 from adaflash_hf.bench.machine import cpu_flags
 from adaflash_hf.bench.report import command
-from adaflash_hf.launch import CONFIG_HELP, int_at_least, parse_args_with_config
+from adaflash_hf.launch import CONFIG_HELP, int_at_least, number_in, parse_args_with_config
 from adaflash_hf.prepared.cpu import cpu_model
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -30,10 +30,15 @@ DTYPE_CHOICES = (*DTYPES, "auto")
 DEFAULT_DRAFTER = Path(__file__).resolve().parents[2] / "examples" / "drafters" / "smollm2-135m-adaflash"
 
 
-def add_run_options(parser, name: str, quick: dict, drafter: str = "") -> None:
+def add_run_options(parser, name: str, quick: dict, compared: tuple[str, tuple], drafter: str = "") -> None:
     """The options of a run: the target and its dtype and preparation (``add_target_options``), the drafter
-    (``drafter``: what else ``--drafter`` takes), threads, outputs, ``--quick`` (the defaults in ``quick``) and
-    ``--config``."""
+    (``drafter``: what else ``--drafter`` takes), what is compared (``compared``: the option's name and choices, all
+    by default), the decoding, threads, outputs, ``--quick`` (the defaults in ``quick``) and ``--config``."""
+    option, choices = compared
+    parser.add_argument(f"--{option}", nargs="+", default=list(choices), choices=choices, help="needs plain")
+    parser.add_argument("--max-new-tokens", type=int_at_least(2), help="new tokens per prompt or request")
+    parser.add_argument("--repeats", type=int_at_least(1), help=f"timed runs of every one of the {option}")
+    parser.add_argument("--lookup-min-prob", type=number_in(0, 1), default=0.0, help="hybrid drafting's (0)")
     parser.add_argument("--target", default="smollm2-135m-instruct", help="adaflash_hf.assets.load_target's")
     parser.add_argument(
         "--drafter", help=f"drafter folder (default: {DEFAULT_DRAFTER}, when it exists){drafter}"
@@ -50,12 +55,17 @@ def add_run_options(parser, name: str, quick: dict, drafter: str = "") -> None:
     add_target_options(parser)
 
 
-def parse_run_args(parser, argv: list[str] | None, quick: dict, full: dict):
-    """The options, those left out taking ``quick``'s values under ``--quick`` and ``full``'s otherwise."""
+def parse_run_args(parser, argv: list[str] | None, quick: dict, full: dict, compared: str):
+    """The options, those left out taking ``quick``'s values under ``--quick`` and ``full``'s otherwise; a usage error
+    unless the ``compared`` option includes plain (every other one is checked against it)."""
     args = parse_args_with_config(parser, argv)
     for name, value in (quick if args.quick else full).items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    if "plain" not in getattr(args, compared):
+        parser.error(
+            f"--{compared}: expected a list including plain (the reference), got {getattr(args, compared)}"
+        )
     return args
 
 
@@ -87,15 +97,22 @@ def machine_settings() -> dict:
     }
 
 
-def run_settings(args, target, prepared: dict | None, name: str, argv: list[str] | None) -> dict:
-    """What a record says about the run's target and drafter, and the command that started it."""
-    return {
+def load_run_target(args, name: str, argv: list[str] | None) -> tuple:
+    """The target of ``--target`` as ``--dtype`` and ``--prepared`` ask (``benchmarked_target``), its tokenizer, the
+    ``--plain-baselines`` (``plain_baselines``), and what the record says about the run's target and drafter and the
+    command that started it."""
+    from adaflash_hf.assets import load_target
+
+    loaded, tokenizer = load_target(args.target)
+    target, prepared = benchmarked_target(loaded, args.dtype, args.prepared)
+    settings = {
         "target": args.target,
         "target_dtype": str(next(target.parameters()).dtype).removeprefix("torch."),
         "prepared": prepared,
         "drafter": None if args.drafter is None else str(args.drafter),
         "command": command(name, argv),
     }
+    return target, tokenizer, plain_baselines(loaded, args.plain_baselines, target, prepared), settings
 
 
 def add_target_options(parser) -> None:
@@ -125,23 +142,33 @@ def benchmarked_target(loaded, dtype: str, prepared: bool):
     """A copy of ``loaded`` in ``dtype``, through ``prepare_target`` when ``prepared``; and the preparation's record
     (dtype, invariant, why) or None."""
     from adaflash_hf.prepared.cpu import bf16_units
-    from adaflash_hf.prepared.prepare import choose_dtype, is_prepared, prepare_target
+    from adaflash_hf.prepared.prepare import choose_dtype, prepare_target
 
     target = copy.deepcopy(loaded)
     if prepared:
-        settings = is_prepared(prepare_target(target, dtype=dtype))
-        return target, {
-            "dtype": str(settings.dtype),
-            "invariant": settings.invariant,
-            "reason": settings.reason,
-        }
+        return target, preparation(prepare_target(target, dtype=dtype))
     chosen = DTYPES.get(dtype) or choose_dtype(next(target.parameters()).device, bf16_units())[0]
     return target.to(chosen), None
 
 
+def timed_baselines(baselines: dict | None) -> tuple[dict, dict]:
+    """``baselines`` (``plain_baselines``; none: the benchmarked target's own plain decoding alone) and those of them
+    timed beside the methods, each a model of its own."""
+    baselines = baselines or {"target": None}
+    return baselines, {name: model for name, model in baselines.items() if model is not None}
+
+
+def preparation(target) -> dict:
+    """What ``prepare_target`` chose for the prepared ``target``, for a record: dtype, invariant and why."""
+    from adaflash_hf.prepared.prepare import is_prepared
+
+    settings = is_prepared(target)
+    return {"dtype": str(settings.dtype), "invariant": settings.invariant, "reason": settings.reason}
+
+
 def plain_baselines(loaded, names, target, prepared: dict | None) -> dict:
-    """Baseline name -> a copy of ``loaded`` in that dtype, or None where the benchmarked ``target`` is that plain
-    decoding itself (not prepared, same dtype)."""
+    """The ``baselines`` of a run: name -> a copy of ``loaded`` in that dtype, or None where the benchmarked
+    ``target`` is that plain decoding itself (not prepared, same dtype)."""
     own = None if prepared is not None else next(target.parameters()).dtype
     return {
         name: None if DTYPES[name] == own else copy.deepcopy(loaded).to(DTYPES[name])

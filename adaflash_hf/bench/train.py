@@ -4,15 +4,13 @@ A step is ``DrafterTrainer``'s without data loading, feature lookup and schedule
 ``recipe_loss`` (blocks, drafter forward, CE + length-head MSE), backward, both groups clipped, AdamW step; bf16
 variants run it under ``torch.autocast("cpu", bfloat16)``, as accelerate does for ``bf16=True`` with ``use_cpu=True``
 (float32 master weights, CE in float32). No target model is loaded: the context features (``--context-layers`` target
-layers), the tied embedding and lm_head are random tensors of the real target's shapes, SmolLM2-135M (hidden 576,
-9 heads over 3 KV heads of 64, intermediate 1536, vocabulary 49152, 30 layers), for a batch of 4 sequences of 448
-tokens whose first 64 are prompt (unsupervised). Speed does not depend on the values.
+layers), the tied embedding and lm_head are random tensors of the real target's shapes and the trainer's batch
+(``SHAPES``), the first tokens of each sequence prompt (unsupervised). Speed does not depend on the values.
 
 Variants (``VARIANTS``) start from ``today`` (the original recipe: dense [Q, S + Q] mask, float32, full
 vocabulary, 24 anchors) and change the attention layout and anchor count, bf16 autocast, the vocabulary (``dv``: a
-draft vocabulary of 8192 ids), the drafter's depth and the soft-target KL (``soft``: random top-32 targets). The draft
-vocabulary is the batch's most frequent label tokens filled up with random other ids (random tokens are nearly all
-covered; a real subset comes from corpus frequencies).
+draft vocabulary of 8192 ids, ``top_label_vocab``), the drafter's depth and the soft-target KL (``soft``: random
+top-32 targets).
 A row has 384 candidate anchors, so ``split-512`` trains 384 blocks a row: ``blocks/step`` counts the trained ones.
 
 Each variant runs in a fresh process: one warm-up step, then ``--steps`` timed steps; blocks/s is the median over
@@ -32,9 +30,9 @@ import time
 import torch
 from transformers import LlamaConfig
 
-from adaflash_hf.bench.machine import in_fresh_process, json_result, peak_rss_bytes, rss_bytes
-from adaflash_hf.bench.report import add_record_options, fmt, table, write_json
-from adaflash_hf.launch import int_at_least, parse_args_with_config
+from adaflash_hf.bench.machine import in_fresh_process, memory_base, memory_peak
+from adaflash_hf.bench.report import add_record_options, fmt, parse_record_args, print_record, table
+from adaflash_hf.launch import int_at_least
 from adaflash_hf.modeling import AdaFlashConfig, AdaFlashDrafter
 from adaflash_hf.modeling.configuration_adaflash import build_target_layer_ids
 from adaflash_hf.trainers.dflash_recipe import IGNORE, SoftTargets, recipe_loss, sample_anchors
@@ -106,7 +104,8 @@ BLOCK = 16
 def top_label_vocab(
     labels: torch.Tensor, size: int, vocab_size: int, generator: torch.Generator
 ) -> torch.Tensor:
-    """Sorted ids: the ``size`` most frequent labels (ties by id), filled up with random other ids."""
+    """Sorted ids: the ``size`` most frequent labels (ties by id), filled up with random other ids (random labels are
+    nearly all covered; a real draft vocabulary comes from corpus frequencies)."""
     counts = torch.bincount(labels[labels >= 0].flatten(), minlength=vocab_size)
     seen = counts.nonzero().flatten()
     frequent = seen[counts[seen].argsort(descending=True, stable=True)][:size]
@@ -199,7 +198,7 @@ def measure_variant(
         optimizer.zero_grad(set_to_none=True)
         return metrics["blocks"]
 
-    base = rss_bytes()
+    base = memory_base()
     for _ in range(warmup):
         step()
     seconds, rates, blocks = [], [], []
@@ -210,7 +209,7 @@ def measure_variant(
         seconds.append(elapsed)
         rates.append(trained / elapsed)
         blocks.append(trained)
-    peak = peak_rss_bytes()
+    peak = memory_peak()
     return {
         "variant": variant,
         "attention_layout": spec["attention_layout"],
@@ -229,14 +228,12 @@ def measure_variant(
 
 
 def _measure_isolated(variant, quick, steps, warmup, threads, context_layers) -> dict:
-    """One fresh process per variant, so the RSS high-water mark belongs to that variant alone."""
+    """One fresh process per variant, so the RSS high-water mark belongs to that variant alone; a variant whose
+    process failed (killed for memory, say) is a row with its ``error``, and the others go on."""
     spec = [variant, quick, steps, warmup, threads, context_layers]
-    result = in_fresh_process("adaflash_hf.bench.train", "measure_variant", spec, threads)
-    if result.returncode != 0:
-        # A variant killed for memory (SIGKILL, -9) is a result too: report it and go on with the others.
-        reason = "killed (out of memory?)" if result.returncode == -9 else result.stderr.strip()[-300:]
-        return {"variant": variant, "error": f"exit {result.returncode}: {reason}"}
-    return json_result(result)
+    return {"variant": variant} | in_fresh_process(
+        "adaflash_hf.bench.train", "measure_variant", spec, threads
+    )
 
 
 def run(args) -> dict:
@@ -312,14 +309,10 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args_with_config(make_parser(), argv)
-    torch.set_num_threads(args.threads)
+    args = parse_record_args(make_parser(), argv)
     results = run(args)
-    print(format_table(results))
-    if args.output:
-        write_json(args.output, results)
-    return 0
+    return print_record(format_table(results), results, args.output)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -23,8 +23,9 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from adaflash_hf.bench.report import add_record_options, write_json
-from adaflash_hf.launch import int_at_least, parse_args_with_config
+from adaflash_hf.bench.report import add_record_options, parse_record_args, print_record, table
+from adaflash_hf.bench.targets import preparation
+from adaflash_hf.launch import int_at_least
 from adaflash_hf.prepared.cpu import cpu_record
 
 ARMS = ("fp32", "bf16", "prepared-bf16", "prepared-fp32", "prepared")
@@ -33,7 +34,7 @@ DEFAULT_ARMS = ("fp32", "bf16", "prepared-bf16", "prepared-fp32")
 
 def build_arm(target, arm: str):
     """A copy of ``target`` run the way ``arm`` says (module docstring), and what ``prepare_target`` chose (or None)."""
-    from adaflash_hf.prepared.prepare import is_prepared, prepare_target
+    from adaflash_hf.prepared.prepare import prepare_target
 
     if arm not in ARMS:
         raise ValueError(f"arm: expected one of {ARMS}, got {arm!r}")
@@ -44,8 +45,7 @@ def build_arm(target, arm: str):
         prepare_target(copied)
     else:
         prepare_target(copied, dtype=arm.removeprefix("prepared-"), invariant=True)
-    settings = is_prepared(copied)
-    return copied, {"dtype": str(settings.dtype), "invariant": settings.invariant, "reason": settings.reason}
+    return copied, preparation(copied)
 
 
 @torch.inference_mode()
@@ -108,22 +108,17 @@ def run_verify_cost(target, arms=DEFAULT_ARMS, max_tokens=16, context=200, repea
 
 def markdown_table(record: dict) -> str:
     """One row per size n: each arm's forward cost relative to its own 1-token forward; the 1-token ms first."""
-    cpu = record["cpu"]
-    arms = list(record["arms"])
-    lines = [
+    cpu, arms = record["cpu"], record["arms"]
+    rows = [["1-token ms", *(f"{arms[a]['one_token_ms']:.1f}" for a in arms)]]
+    rows += [
+        [n, *(f"{arms[a]['relative'][n]:.2f}x" for a in arms)] for n in next(iter(arms.values()))["relative"]
+    ]
+    return (
         f"CPU: {cpu['model']}; bf16 units: {', '.join(cpu['bf16_units']) or 'none'} "
         f"(missing: {', '.join(cpu['missing_bf16_units']) or 'none'}); torch ISA {cpu['torch_capability']}; "
-        f"{record['threads']} threads; {record['settings']['context']} tokens of context.",
-        "",
-        "| n | " + " | ".join(arms) + " |",
-        "|---:|" + "---:|" * len(arms),
-        "| 1-token ms | " + " | ".join(f"{record['arms'][a]['one_token_ms']:.1f}" for a in arms) + " |",
-    ]
-    for n in record["arms"][arms[0]]["relative"]:
-        lines.append(
-            f"| {n} | " + " | ".join(f"{record['arms'][a]['relative'][n]:.2f}x" for a in arms) + " |"
-        )
-    return "\n".join(lines) + "\n"
+        f"{record['threads']} threads; {record['settings']['context']} tokens of context.\n\n"
+        + table(["n", *arms], rows, "r" * (len(arms) + 1))
+    )
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -148,16 +143,12 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args_with_config(make_parser(), argv)
-    torch.set_num_threads(args.threads)
+    args = parse_record_args(make_parser(), argv)
     from adaflash_hf.assets import load_target
 
     target, _ = load_target(args.target)
     record = run_verify_cost(target, args.arms, args.max_tokens, args.context, args.repeats)
-    print(markdown_table(record), end="")
-    if args.output is not None:
-        write_json(args.output, record)
-    return 0
+    return print_record(markdown_table(record), record, args.output)
 
 
 if __name__ == "__main__":
