@@ -464,7 +464,7 @@ def _evaluate_all(args, config, prompts, run_dirs, target) -> dict:
         )
         summary, outputs = evaluate_drafter(engine, prompts, max_new)
         record = {"settings": key, "summary": summary, "outputs": _digest(outputs)}
-        path.write_text(json.dumps(record, indent=1) + "\n")
+        report.write_json(path, record)
         logger.info(
             f"eval {name}: "
             + ", ".join(f"{d} τ {s['tau']:.3f}/{s['tau_full']:.3f}" for d, s in summary.items())
