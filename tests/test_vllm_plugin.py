@@ -352,14 +352,9 @@ def test_every_finished_request_leaves_a_trajectory_for_the_learner(vllm_runs):
     assert {t.drafter_version for t in trajectories} >= {0, 1}
 
 
-@pytest.mark.integration
-@needs_vllm
-def test_adaflash_serve_with_the_vllm_engine_answers_openai_clients_and_stops_on_sigterm(tmp_path):
-    import signal
-
-    import openai
-
-    from adaflash_hf.vllm.launch import free_port, wait_until_ready
+def _start_server(tmp_path, *options: str, **env: str) -> tuple[subprocess.Popen, int]:
+    """``adaflash serve --engine vllm`` (eager, a 1024-token context) on a free port, output piped."""
+    from adaflash_hf.vllm.launch import free_port
 
     port = free_port("127.0.0.1")
     command = [
@@ -370,16 +365,24 @@ def test_adaflash_serve_with_the_vllm_engine_answers_openai_clients_and_stops_on
         "--port",
         str(port),
     ]
-    command += [
-        "--vllm-dir",
-        str(tmp_path / "vllm"),
-        "--vllm-arg=--enforce-eager",
-        "--vllm-arg=--max-model-len=1024",
-    ]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    command += [*options, "--vllm-arg=--enforce-eager", "--vllm-arg=--max-model-len=1024"]
+    environment = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **env}
     server = subprocess.Popen(
-        command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        command, cwd=tmp_path, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
     )
+    return server, port
+
+
+@pytest.mark.integration
+@needs_vllm
+def test_adaflash_serve_with_the_vllm_engine_answers_openai_clients_and_stops_on_sigterm(tmp_path):
+    import signal
+
+    import openai
+
+    from adaflash_hf.vllm.launch import wait_until_ready
+
+    server, port = _start_server(tmp_path, "--vllm-dir", str(tmp_path / "vllm"))
     try:
         wait_until_ready(f"http://127.0.0.1:{port}/health", timeout=600, process=server)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
@@ -407,23 +410,11 @@ def test_serve_with_the_vllm_engine_learns_from_its_traffic_and_serves_the_new_v
     import openai
 
     from adaflash_hf.online.weights import read_manifest
-    from adaflash_hf.vllm.launch import free_port, wait_until_ready
+    from adaflash_hf.vllm.launch import wait_until_ready
 
-    port, learn = free_port("127.0.0.1"), tmp_path / "learn"
-    command = [
-        str(Path(sys.executable).parent / "adaflash"),
-        "serve",
-        "--engine",
-        "vllm",
-        "--port",
-        str(port),
-    ]
-    command += ["--learn", "--learn-dir", str(learn), "--train-threshold", "4", "--length-mode", "adaptive"]
-    command += ["--vllm-arg=--enforce-eager", "--vllm-arg=--max-model-len=1024"]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "ADAFLASH_VLLM_POLL_SECONDS": "0"}
-    server = subprocess.Popen(
-        command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-    )
+    learn = tmp_path / "learn"
+    options = ["--learn", "--learn-dir", str(learn), "--train-threshold", "4", "--length-mode", "adaptive"]
+    server, port = _start_server(tmp_path, *options, ADAFLASH_VLLM_POLL_SECONDS="0")
     questions = ["Name three colours.", "What is tea?", "Count to five.", "Say hello in French."]
 
     def ask(question: str) -> str:
