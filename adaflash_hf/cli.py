@@ -408,11 +408,12 @@ def _add_serve(commands) -> None:
     )
     serve.add_argument(
         "--dtype",
-        choices=("auto", "fp32", "bf16"),
+        choices=("auto", "fp32", "bf16", "int4"),
         default="auto",
-        help="the target's dtype (auto: adaflash_hf.prepare_target's choice, bf16 with the batch-invariant forward "
-        "where this CPU has bf16 units, else fp32; fp32 with --learn); bf16 is always prepared, so every greedy "
-        "output equals plain decoding of the same target",
+        help="the target's dtype (auto: adaflash_hf.prepare_target's choice, timed on this machine: bf16 with the "
+        "batch-invariant forward, its 4-bit codes where the target is 4-bit already (a Q4 GGUF), or fp32; fp32 "
+        "with --learn); bf16 and int4 are always prepared, so every greedy output equals plain decoding of the "
+        "same target",
     )
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     serve.add_argument(

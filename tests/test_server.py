@@ -434,10 +434,11 @@ def test_auto_times_the_engines_packed_forward_to_choose_the_served_dtype(target
     assert len(timed) == 2 and "measured fastest" in is_prepared(target).reason
 
 
-def test_serve_refuses_bf16_with_learn_before_loading_anything(capsys):
-    assert cli.main(["serve", "--learn", "--dtype", "bf16", "--target", "/nonexistent"]) == 1
+@pytest.mark.parametrize("dtype", ["bf16", "int4"])
+def test_serve_refuses_bf16_weights_with_learn_before_loading_anything(dtype, capsys):
+    assert cli.main(["serve", "--learn", "--dtype", dtype, "--target", "/nonexistent"]) == 1
     err = capsys.readouterr().err
-    assert "--dtype: expected auto or fp32 with --learn" in err and "got bf16" in err
+    assert "--dtype: expected auto or fp32 with --learn" in err and f"got {dtype}" in err
 
 
 @pytest.mark.parametrize(

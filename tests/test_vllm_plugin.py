@@ -186,6 +186,9 @@ def test_options_that_do_not_apply_to_vllm_are_refused_by_name():
         _Options(learn=True, dtype="bf16")
     )
     assert "--learn: expected a drafter to train" in usage_error(_Options(learn=True, drafter="none"))
+    assert "--dtype int4: expected one of auto, fp32, bf16 with --engine vllm" in usage_error(
+        _Options(dtype="int4")
+    )
     assert usage_error(_Options()) is None
 
 

@@ -1,5 +1,6 @@
-"""``dtype="auto"`` by measurement: which forward gives the most tokens per second on this machine, eager fp32 or the
-batch-invariant bf16 forward, timed rather than read off the CPU's flags.
+"""``dtype="auto"`` by measurement: which forward gives the most tokens per second on this machine, eager fp32, the
+batch-invariant bf16 forward or, for a target whose linears are 4-bit already (a Q4 GGUF), the same forward on its
+4-bit codes (``adaflash_hf.prepared.four_bit``), timed rather than read off the CPU's flags.
 
 A CPU's bf16 flags say that bf16 dot products exist, not that a bf16 forward is faster: on one Intel Xeon with AMX the
 prepared bf16 target decoded at 0.89x fp32's speed, while on an AMD EPYC with ``avx512_bf16`` its 16-token verify cost
@@ -52,7 +53,7 @@ def expected_rate(seconds: dict[int, float], acceptance: float = REFERENCE_ACCEP
 
 
 def choose(timings: dict[str, dict[int, float]]) -> tuple[str, str]:
-    """``(candidate, why)`` from ``{"fp32": {n: s}, "bf16": {n: s}}`` (module docstring)."""
+    """``(candidate, why)`` from ``{"fp32": {n: s}, "bf16": {n: s}, ...}`` (module docstring)."""
     plain = timings["fp32"][1]
     eligible = [name for name, seconds in timings.items() if seconds[1] <= PLAIN_TOLERANCE * plain]
     best = max(eligible, key=lambda name: expected_rate(timings[name]))
@@ -86,18 +87,21 @@ def forward_timer(model, sizes=SIZES, context: int = 128, repeats: int = 3) -> d
     return {n: statistics.median(values) for n, values in seconds.items()}
 
 
-def measure_candidates(target, timer: Timer, prepare_bf16: Callable) -> dict[str, dict[int, float]]:
-    """``{"fp32": timings, "bf16": timings}``: ``timer`` on an eager fp32 copy of ``target`` and on a bf16 copy that
-    ``prepare_bf16`` gives the invariant forward (copies: the target itself is left as it is)."""
+def measure_candidates(target, timer: Timer, prepares: dict[str, Callable]) -> dict[str, dict[int, float]]:
+    """``{"fp32": timings, name: timings, ...}``: ``timer`` on an eager fp32 copy of ``target`` and on a copy of it
+    that each of ``prepares`` (name -> function of a copy, in place) makes ready (copies: the target itself is left as
+    it is)."""
     fp32 = copy.deepcopy(target).to(torch.float32)
     timings = {"fp32": timer(fp32)}
     del fp32
-    bf16 = prepare_bf16(copy.deepcopy(target))
-    timings["bf16"] = timer(bf16)
+    for name, prepare in prepares.items():
+        model = prepare(copy.deepcopy(target))
+        timings[name] = timer(model)
+        del model
     return timings
 
 
-def timings_path(target, timer: Timer) -> Path | None:
+def timings_path(target, timer: Timer, candidates: tuple[str, ...] = ("bf16",)) -> Path | None:
     """Where this machine's timings of ``target``'s candidates under ``timer`` are kept (None: not kept)."""
     root = os.environ.get("ADAFLASH_CACHE", str(Path.home() / ".cache" / "adaflash_hf"))
     if not root:
@@ -117,14 +121,18 @@ def timings_path(target, timer: Timer) -> Path | None:
             config.vocab_size,
         ],
         "timer": getattr(timer, "__qualname__", repr(timer)),
+        "candidates": sorted(candidates),
     }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return Path(root) / "dtype" / f"{digest}.json"
 
 
-def timings_once(target, timer: Timer, prepare_bf16: Callable) -> tuple[dict[str, dict[int, float]], str]:
-    """The candidates' timings: this machine's kept ones where there are, else measured now (and kept); and which."""
-    path = timings_path(target, timer)
+def timings_once(
+    target, timer: Timer, prepares: dict[str, Callable]
+) -> tuple[dict[str, dict[int, float]], str]:
+    """The timings of eager fp32 and of ``prepares``' candidates: this machine's kept ones where there are, else
+    measured now (and kept); and which."""
+    path = timings_path(target, timer, tuple(prepares))
     if path is not None and path.exists():
         try:
             kept = json.loads(path.read_text())
@@ -133,7 +141,7 @@ def timings_once(target, timer: Timer, prepare_bf16: Callable) -> tuple[dict[str
             }, "kept"
         except (OSError, ValueError, AttributeError, TypeError):
             logger.warning(f"prepare_target: the kept timings {path} are unreadable; timing again")
-    timings = measure_candidates(target, timer, prepare_bf16)
+    timings = measure_candidates(target, timer, prepares)
     if path is not None:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)

@@ -18,6 +18,8 @@ import weakref
 import torch
 import torch.nn.functional as F
 
+from adaflash_hf.prepared.four_bit import ATTRIBUTE, four_bit_linear, kernel_of
+from adaflash_hf.prepared.four_bit import TILE_ROWS as FOUR_BIT_TILE_ROWS
 from adaflash_hf.prepared.tiles import Tiles, tiles_for
 
 # module -> (weight stamp, op, tiles); kept beside the module so that neither deepcopy nor the state dict sees the
@@ -98,17 +100,31 @@ class InvariantLinear(torch.nn.Linear):
     """``nn.Linear`` running ``invariant_linear``, on the prepacked weight where it serves (no gradient wanted, input
     in the weight's dtype); a prepared target's linears have this class (same parameters, same state dict).
 
+    A linear of a 4-bit target (``prepare_target(dtype="int4")``) runs on its 4-bit codes whenever its input is bf16.
     A decode step calls ~200 linears, so the op and its tiles are looked up once per weight (its storage, in-place
     version and the thread count stamp it), not at every call."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
+        four_bit = ATTRIBUTE in self.__dict__ and x.dtype == torch.bfloat16
         wants_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-        if wants_grad or x.dtype != weight.dtype or x.numel() == 0:
+        if not four_bit and (wants_grad or x.dtype != weight.dtype or x.numel() == 0):
             return invariant_linear(x, weight, self.bias)
         stamp = (weight.data_ptr(), weight._version, torch.get_num_threads())
         route = _ROUTES.get(self)
         if route is None or route[0] != stamp:
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach()) if can_pack(weight) else None
-            route = _ROUTES[self] = (stamp, *_op_and_tiles(weight, self.bias, packed))
+            route = _ROUTES[self] = (stamp, *self._route(weight))
         return _run(*route[1:], x, weight)
+
+    def _route(self, weight: torch.Tensor):
+        """The op and tiles of this linear: its 4-bit codes (``adaflash_hf.prepared.four_bit``) where it has them,
+        else the prepacked weight where oneDNN packs it, else ``F.linear``."""
+        four_bit = kernel_of(self)
+        if four_bit is None:
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach()) if can_pack(weight) else None
+            return _op_and_tiles(weight, self.bias, packed)
+        op = functools.partial(four_bit_linear, codes=four_bit[0], scales=four_bit[1], bias=self.bias)
+        features, out_features = weight.shape[1], weight.shape[0]
+        key = ("four_bit_linear", features, out_features, self.bias is not None, weight.device)
+        sample = functools.partial(_sample, features, torch.bfloat16, weight.device)
+        return op, tiles_for(key, op, sample, pads=(0.0,), candidates=FOUR_BIT_TILE_ROWS)

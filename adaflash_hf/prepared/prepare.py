@@ -16,11 +16,16 @@ prepared target runs it too, so "lossless" compares like with like.
 
 Settings:
 
-- ``dtype``: ``"auto"``, ``"bf16"``/``torch.bfloat16`` or ``"fp32"``/``torch.float32``. ``"auto"`` keeps fp32 where
-  the CPU reports no bf16 unit or torch has no oneDNN; elsewhere it times eager fp32 against the invariant bf16
+- ``dtype``: ``"auto"``, ``"bf16"``/``torch.bfloat16``, ``"fp32"``/``torch.float32`` or ``"int4"``. ``"auto"`` keeps
+  fp32 where the CPU reports no bf16 unit or torch has no oneDNN; elsewhere it times eager fp32 against the invariant bf16
   forward on copies of the target and takes the one with the most tokens per second that decodes no slower than
   fp32 (``adaflash_hf.prepared.choice``; the timings are kept per machine); bf16 also needs every linear of the target
   to find a tile. One logged line says why. Rotary frequencies stay fp32.
+  For a target whose linears are 4-bit already (fp32 weights dequantized from a Q4 GGUF, as ``load_target`` gives the
+  offline SmolLM2), "auto" times ``"int4"`` too.
+- ``"int4"``: the invariant bf16 forward with every linear whose weights are 4-bit in groups of 32 (all but the
+  output embedding, or it is refused) run on its own 4-bit codes, reading a quarter of bf16's bytes per weight
+  (``adaflash_hf.prepared.four_bit``); needs the fp32 weights of a 4-bit model and a CPU.
 - ``measure``: ``False`` makes ``"auto"`` decide from the CPU's flags alone (bf16 wherever it has a bf16 unit).
 - ``timer``: what ``"auto"`` times (``timer(model) -> {n: seconds}``); default: a forward of n = 1, 4, 8, 16 new
   tokens after a prompt, as ``generate`` verifies. ``adaflash serve`` times the engine's packed forward instead.
@@ -46,6 +51,7 @@ from torch.nn import Linear
 from transformers import DynamicCache, PreTrainedModel
 from transformers.utils import logging
 
+from adaflash_hf.prepared import four_bit
 from adaflash_hf.prepared.attention import KEY_BLOCK
 from adaflash_hf.prepared.choice import Timer, choose, forward_timer, timings_once
 from adaflash_hf.prepared.cpu import BF16_UNITS, cpu_model
@@ -55,12 +61,14 @@ from adaflash_hf.prepared.linear import linear_tiles
 
 logger = logging.get_logger(__name__)
 
+FOUR_BIT = "int4"
 DTYPES = {
     "auto": None,
     "fp32": torch.float32,
     "float32": torch.float32,
     "bf16": torch.bfloat16,
     "bfloat16": torch.bfloat16,
+    "int4": FOUR_BIT,
 }
 _ATTRIBUTE = "_adaflash_preparation"
 
@@ -68,13 +76,15 @@ _ATTRIBUTE = "_adaflash_preparation"
 @dataclass(frozen=True)
 class TargetPreparation:
     """What ``prepare_target`` did: the dtype, whether the forward is batch-invariant, why that dtype, the CPU's
-    bf16 flags, and the largest forward the check verified (0: not checked)."""
+    bf16 flags, the largest forward the check verified (0: not checked), and ``"int4"`` where the linears run on
+    their 4-bit codes (``dtype="int4"``; ``dtype`` is then bf16, the activations'), else ``""``."""
 
     dtype: torch.dtype
     invariant: bool
     reason: str
     bf16_units: tuple[str, ...]
     checked_rows: int
+    weights: str = ""
 
 
 def _check_settings(
@@ -92,6 +102,20 @@ def _check_settings(
         raise ValueError(
             f"dtype: expected one of {list(DTYPES)}, torch.float32 or torch.bfloat16, got {dtype!r}"
         )
+    if DTYPES[key] == FOUR_BIT:
+        if invariant is False:
+            raise ValueError(
+                "invariant: expected True or None with dtype='int4' (its forward is the invariant one)"
+            )
+        if not four_bit.available():
+            raise ValueError(
+                f"dtype='int4': expected a torch with the CPU kernel for 4-bit weights, got {torch.__version__}"
+            )
+        device = next(target.parameters()).device
+        if device.type != "cpu":
+            raise ValueError(
+                f"dtype='int4': expected a target on the CPU (its kernel is torch's CPU one), got {device}"
+            )
     if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
         raise ValueError(f"rows: expected an int >= 1 (the largest forward the check verifies), got {rows!r}")
     if invariant is not None and not isinstance(invariant, bool):
@@ -160,40 +184,65 @@ def prepare_target(
                     "row per call"
                 ),
             )
-        (logger.info if chosen == torch.bfloat16 else logger.warning)(f"prepare_target: {reason}")
+        (logger.info if chosen != torch.float32 else logger.warning)(f"prepare_target: {reason}")
     else:
-        name = "bf16" if requested == torch.bfloat16 else "fp32"
+        name = {torch.bfloat16: "bf16", torch.float32: "fp32"}.get(requested, requested)
         chosen, reason = requested, f"{name}: requested; this CPU's bf16 units: {', '.join(units) or 'none'}"
+    weights = FOUR_BIT if chosen == FOUR_BIT else ""
+    chosen = torch.bfloat16 if weights else chosen
     invariant = chosen == torch.bfloat16 if invariant is None else invariant
     if previous is not None:
-        if (previous.dtype, previous.invariant) == (chosen, invariant) and is_prepared(target) is not None:
+        same = (previous.dtype, previous.invariant, previous.weights) == (chosen, invariant, weights)
+        if same and is_prepared(target) is not None:
             return target
         raise ValueError(
             f"target: expected a target not yet prepared, got one prepared with dtype {previous.dtype}, "
-            f"invariant={previous.invariant}; prepare a fresh copy for dtype {chosen}, invariant={invariant}"
+            f"invariant={previous.invariant}; prepare a fresh copy for dtype {weights or chosen}, "
+            f"invariant={invariant}"
         )
-    _cast(target, chosen)
-    if invariant:
-        install_invariant_forward(target)
-        if check:
-            check_batch_invariance(target, rows)
-    settings = TargetPreparation(chosen, invariant, reason, units, rows if invariant and check else 0)
+    _prepare(target, chosen, invariant, weights)
+    if invariant and check:
+        check_batch_invariance(target, rows)
+    settings = TargetPreparation(
+        chosen, invariant, reason, units, rows if invariant and check else 0, weights
+    )
     setattr(target, _ATTRIBUTE, settings)
     return target
 
 
-def _measured_choice(target, timer: Timer) -> tuple[torch.dtype, str]:
-    """Eager fp32 or the invariant bf16 forward, whichever ``adaflash_hf.prepared.choice`` finds faster here."""
+def _prepare(target, dtype: torch.dtype, invariant: bool, weights: str = ""):
+    """Cast ``target`` (keeping 4-bit codes first where ``weights`` says so) and install the invariant forward."""
+    if weights == FOUR_BIT:
+        four_bit.attach_codes(target)  # raises, before anything changes, where a linear is not 4-bit
+    _cast(target, dtype)
+    if weights == FOUR_BIT:
+        four_bit.seal(target)
+    if invariant:
+        install_invariant_forward(target)
+    return target
 
-    def prepare_bf16(copied):
-        _cast(copied, torch.bfloat16)
-        install_invariant_forward(copied)
-        return copied
 
-    timings, source = timings_once(target, timer, prepare_bf16)
+def _measured_choice(target, timer: Timer) -> tuple[torch.dtype | str, str]:
+    """Eager fp32, the invariant bf16 forward or, where the target's linears are 4-bit, the same on their codes:
+    whichever ``adaflash_hf.prepared.choice`` finds fastest here."""
+    prepares = {"bf16": lambda copied: _prepare(copied, torch.bfloat16, True)}
+    if _four_bit_target(target):
+        prepares[FOUR_BIT] = lambda copied: _prepare(copied, torch.bfloat16, True, FOUR_BIT)
+    timings, source = timings_once(target, timer, prepares)
     best, why = choose(timings)
     kept = " (timings kept from an earlier run on this machine)" if source == "kept" else ""
-    return (torch.bfloat16 if best == "bf16" else torch.float32), why + kept
+    return {"bf16": torch.bfloat16, "fp32": torch.float32}.get(best, best), why + kept
+
+
+def _four_bit_target(target) -> bool:
+    """Whether ``target`` can run on 4-bit codes here: fp32 weights that are 4-bit, on a CPU with the kernel."""
+    if not four_bit.available() or next(target.parameters()).device.type != "cpu":
+        return False
+    output = target.get_output_embeddings()
+    linears = [m for m in target.modules() if isinstance(m, Linear) and m is not output]
+    return bool(linears) and all(
+        m.weight.dtype == torch.float32 and four_bit.four_bit_codes(m.weight) is not None for m in linears
+    )
 
 
 def _row_by_row_linears(target, dtype: torch.dtype) -> list[str]:

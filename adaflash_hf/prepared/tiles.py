@@ -8,7 +8,8 @@ order. Which row counts agree is a property of the library version and the ISA, 
 holds on every CPU.
 
 The construction. Every call of an op is made with exactly ``rows`` rows (the op's tile): a smaller call is padded up
-to it, a larger one split into tiles (the last one padded), outputs cropped. One shape means one kernel, one blocking
+to it (in a tile kept per thread, so a decode step allocates nothing), a larger one split into tiles (the last one
+padded), outputs cropped. One shape means one kernel, one blocking
 and one thread split for every call the op ever makes in this process, so the only thing a row's result can still
 depend on is its position inside the tile (a kernel may treat a tile's rows unevenly: register blocks, a tail of the
 tile). That is a property of one kernel at one shape, checked exhaustively when the op's tiles are made
@@ -29,6 +30,7 @@ elementwise and row-wise ops of the forward, ``adaflash_hf.prepared.forward``). 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 
 import torch
@@ -82,7 +84,7 @@ class Tiles:
     def __init__(
         self, name: str, op: Op, sample: Sampler, pads: Sequence, candidates: Sequence[int] = TILE_ROWS
     ):
-        self.name, self.pads = name, tuple(pads)
+        self.name, self.pads, self._kept = name, tuple(pads), threading.local()
         for rows in candidates:
             if position_invariant(op, sample, rows, self.pads):
                 self.rows = rows
@@ -101,11 +103,25 @@ class Tiles:
         count, size = inputs[0].shape[-2], self.rows
         if count == size and all(t.is_contiguous() and t.storage_offset() == 0 for t in inputs):
             return op(*inputs)  # already one tile, as a fresh tensor would be: as it is
+        if count < size:  # a decode step or a short verify: one tile, in this thread's kept buffers
+            return op(*(self._kept_tile(i, t) for i, t in enumerate(inputs)))[..., :count, :]
         whole = -(-count // size) * size
         padded = [padded_rows(t, whole, p) for t, p in zip(inputs, self.pads)]
         outputs = [op(*(_tile(t, start, size) for t in padded)) for start in range(0, whole, size)]
         out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-2)
         return out if whole == count else out[..., :count, :]
+
+    def _kept_tile(self, index: int, rows: torch.Tensor) -> torch.Tensor:
+        """``rows`` (fewer than a tile) at the start of a tile kept for input ``index`` of this shape, in this thread:
+        allocated once (padded, contiguous, aligned as a fresh tensor), its other rows left as earlier calls wrote
+        them, which cannot change a row's result (the position check draws them at random)."""
+        kept = self._kept.__dict__
+        key = (index, rows.shape[:-2], rows.shape[-1], rows.dtype, rows.device)
+        tile = kept.get(key)
+        if tile is None:
+            tile = kept[key] = rows.new_full((*rows.shape[:-2], self.rows, rows.shape[-1]), self.pads[index])
+        tile[..., : rows.shape[-2], :] = rows
+        return tile
 
 
 def _tile(rows: torch.Tensor, start: int, size: int) -> torch.Tensor:
@@ -120,14 +136,16 @@ def _tile(rows: torch.Tensor, start: int, size: int) -> torch.Tensor:
 _TILES: dict[tuple, Tiles] = {}
 
 
-def tiles_for(key: tuple, op: Op, sample: Sampler, pads: Sequence) -> Tiles:
+def tiles_for(
+    key: tuple, op: Op, sample: Sampler, pads: Sequence, candidates: Sequence[int] = TILE_ROWS
+) -> Tiles:
     """The tiles of the op named by ``key`` (its kind and every shape, dtype and device it depends on) at the current
     thread count, made on first use with ``op`` (any op of that key: a kernel's path depends on shapes, not
-    values)."""
+    values), the first position-invariant size of ``candidates``."""
     full_key = (*key, torch.get_num_threads())
     tiles = _TILES.get(full_key)
     if tiles is None:
-        tiles = _TILES[full_key] = Tiles(str(full_key), op, sample, pads)
+        tiles = _TILES[full_key] = Tiles(str(full_key), op, sample, pads, candidates)
     return tiles
 
 

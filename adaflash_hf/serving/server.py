@@ -430,12 +430,12 @@ def load_drafter_for(target, drafter: str | None):
 def prepare_served_target(target, dtype: str, learn: bool) -> None:
     """``--dtype``: "auto" runs ``prepare_target``'s choice, timed on the engine's packed forward of sixteen requests
     (bf16 with the batch-invariant forward where that serves more tokens per second than eager fp32 and decodes no
-    slower; fp32 elsewhere, and on a CPU without bf16 units), except with ``--learn``, whose trainer needs fp32
-    weights; "bf16" prepares a bf16 target whatever the CPU; "fp32"
-    leaves the target as loaded."""
+    slower, and the same on the target's 4-bit codes where its linears are 4-bit and that serves more; fp32
+    elsewhere, and on a CPU without bf16 units), except with ``--learn``, whose trainer needs fp32 weights; "bf16"
+    prepares a bf16 target whatever the CPU, "int4" one on its 4-bit codes; "fp32" leaves the target as loaded."""
     from adaflash_hf.prepared.prepare import prepare_target
 
-    if dtype == "bf16" or (dtype == "auto" and not learn):
+    if dtype in ("bf16", "int4") or (dtype == "auto" and not learn):
         prepare_target(target, dtype=dtype, timer=packed_forward_timer)
     elif dtype == "auto":
         logger.info("--dtype auto: fp32 with --learn (the trainer's drafter trains and publishes in fp32)")
@@ -476,10 +476,10 @@ def serve(options, learner_factory=None) -> int:
     limit_malloc_arenas()  # before any of the server's threads start (adaflash_hf.serving.memory)
     if options.learn and options.drafter == "none":
         raise ValueError("--learn: expected a drafter to train, got --drafter none (plain decoding)")
-    if options.learn and options.dtype == "bf16":
+    if options.learn and options.dtype in ("bf16", "int4"):
         raise ValueError(
             "--dtype: expected auto or fp32 with --learn (the trainer's drafter publishes weights in the serving "
-            "dtype, and AdamW on bf16 weights loses its small updates), got bf16"
+            f"dtype, and AdamW on bf16 weights loses its small updates), got {options.dtype}"
         )
     sock = bind(options.host, options.port, names=("--host", "--port"))
     engine, target, tokenizer = served_engine(

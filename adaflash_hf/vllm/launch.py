@@ -72,6 +72,11 @@ def usage_error(options) -> str | None:
             return f"{flag} {getattr(options, dest)}: expected no {flag} with --engine vllm ({why})"
     if options.learn and options.drafter == "none":
         return "--learn: expected a drafter to train, got --drafter none (plain decoding)"
+    if options.dtype not in VLLM_DTYPES:
+        return (
+            f"--dtype {options.dtype}: expected one of {', '.join(VLLM_DTYPES)} with --engine vllm (the 4-bit "
+            "forward is the embedded engine's)"
+        )
     if options.learn and options.dtype == "bf16":
         return (
             "--dtype bf16: expected auto or fp32 with --learn (the learner trains and publishes fp32 weights)"
