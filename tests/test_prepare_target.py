@@ -358,3 +358,14 @@ def test_sixteen_requests_at_once_equal_each_request_served_alone_on_a_prepared_
         rid = alone.add_request(prompt, params[i])
         references[rid] = prompt.tolist() + expected[i]
         assert finished_requests(alone.stream())[rid].output == expected[i], f"request {i} served alone"
+
+
+def test_a_prepared_target_decodes_the_same_in_and_out_of_inference_mode(target_factory):
+    # a decode step pads its one row into a tile kept per thread: made in one mode, written in the other
+    target = prepare_target(target_factory("qwen3"), dtype="bf16", rows=4)
+    with torch.inference_mode():
+        first = target(PROMPT[:, :1]).logits
+    with torch.no_grad():
+        second = target(PROMPT[:, :1]).logits
+    third = target(PROMPT[:, :1]).logits  # gradients on: the weights require them
+    assert torch.equal(first, second) and torch.equal(first, third.detach())

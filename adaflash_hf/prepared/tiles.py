@@ -103,7 +103,8 @@ class Tiles:
         count, size = inputs[0].shape[-2], self.rows
         if count == size and all(t.is_contiguous() and t.storage_offset() == 0 for t in inputs):
             return op(*inputs)  # already one tile, as a fresh tensor would be: as it is
-        if count < size:  # a decode step or a short verify: one tile, in this thread's kept buffers
+        if count < size and not any(t.requires_grad for t in inputs):
+            # a decode step or a short verify: one tile, in this thread's kept buffers
             return op(*(self._kept_tile(i, t) for i, t in enumerate(inputs)))[..., :count, :]
         whole = -(-count // size) * size
         padded = [padded_rows(t, whole, p) for t, p in zip(inputs, self.pads)]
@@ -119,7 +120,10 @@ class Tiles:
         key = (index, rows.shape[:-2], rows.shape[-1], rows.dtype, rows.device)
         tile = kept.get(key)
         if tile is None:
-            tile = kept[key] = rows.new_full((*rows.shape[:-2], self.rows, rows.shape[-1]), self.pads[index])
+            # a normal tensor, so that it is written inside and outside inference mode alike
+            with torch.inference_mode(False):
+                shape = (*rows.shape[:-2], self.rows, rows.shape[-1])
+                tile = kept[key] = torch.full(shape, self.pads[index], dtype=rows.dtype, device=rows.device)
         tile[..., : rows.shape[-2], :] = rows
         return tile
 
