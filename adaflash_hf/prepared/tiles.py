@@ -84,7 +84,7 @@ class Tiles:
     def __init__(
         self, name: str, op: Op, sample: Sampler, pads: Sequence, candidates: Sequence[int] = TILE_ROWS
     ):
-        self.name, self.pads, self._kept = name, tuple(pads), threading.local()
+        self.name, self.pads, self._kept = name, tuple(pads), {}
         for rows in candidates:
             if position_invariant(op, sample, rows, self.pads):
                 self.rows = rows
@@ -105,27 +105,32 @@ class Tiles:
             return op(*inputs)  # already one tile, as a fresh tensor would be: as it is
         if count < size and not any(t.requires_grad for t in inputs):
             # a decode step or a short verify: one tile, in this thread's kept buffers
-            return op(*(self._kept_tile(i, t) for i, t in enumerate(inputs)))[..., :count, :]
+            return op(*self._kept_tiles(inputs))[..., :count, :]
         whole = -(-count // size) * size
         padded = [padded_rows(t, whole, p) for t, p in zip(inputs, self.pads)]
         outputs = [op(*(_tile(t, start, size) for t in padded)) for start in range(0, whole, size)]
         out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-2)
         return out if whole == count else out[..., :count, :]
 
-    def _kept_tile(self, index: int, rows: torch.Tensor) -> torch.Tensor:
-        """``rows`` (fewer than a tile) at the start of a tile kept for input ``index`` of this shape, in this thread:
-        allocated once (padded, contiguous, aligned as a fresh tensor), its other rows left as earlier calls wrote
+    def _kept_tiles(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """``inputs`` (fewer rows than a tile) written at the start of tiles kept for this thread and these shapes:
+        allocated once (padded, contiguous, aligned as a fresh tensor), their other rows left as earlier calls wrote
         them, which cannot change a row's result (the position check draws them at random)."""
-        kept = self._kept.__dict__
-        key = (index, rows.shape[:-2], rows.shape[-1], rows.dtype, rows.device)
-        tile = kept.get(key)
-        if tile is None:
-            # a normal tensor, so that it is written inside and outside inference mode alike
-            with torch.inference_mode(False):
-                shape = (*rows.shape[:-2], self.rows, rows.shape[-1])
-                tile = kept[key] = torch.full(shape, self.pads[index], dtype=rows.dtype, device=rows.device)
-        tile[..., : rows.shape[-2], :] = rows
-        return tile
+        key = (threading.get_ident(), *(t.shape for t in inputs))
+        kept = self._kept.get(key)
+        if kept is None:
+            kept = self._kept[key] = [self._new_tile(t, pad) for t, pad in zip(inputs, self.pads)]
+        for (_, rows), t in zip(kept, inputs):
+            rows.copy_(t)
+        return [tile for tile, _ in kept]
+
+    def _new_tile(self, rows: torch.Tensor, pad) -> tuple[torch.Tensor, torch.Tensor]:
+        """A padded tile for inputs shaped like ``rows`` and the view of it their rows are written to; a normal tensor,
+        so that it is written inside and outside inference mode alike."""
+        with torch.inference_mode(False):
+            shape = (*rows.shape[:-2], self.rows, rows.shape[-1])
+            tile = torch.full(shape, pad, dtype=rows.dtype, device=rows.device)
+        return tile, tile.narrow(-2, 0, rows.shape[-2])
 
 
 def _tile(rows: torch.Tensor, start: int, size: int) -> torch.Tensor:
