@@ -74,8 +74,12 @@ def test_int4_runs_every_linear_but_the_output_embedding_on_its_codes_and_keeps_
     prepare_target(target, dtype="int4", rows=4)
     settings = is_prepared(target)
     assert (settings.dtype, settings.invariant, settings.weights) == (torch.bfloat16, True, "int4")
-    linears = [m for m in target.modules() if isinstance(m, torch.nn.Linear)]
-    assert all(four_bit.kernel_of(m) is not None for m in linears if m is not target.lm_head)
+    attention, mlp = target.model.layers[0].self_attn, target.model.layers[0].mlp
+    qkv, gate_up = (attention.q_proj, attention.k_proj, attention.v_proj), (mlp.gate_proj, mlp.up_proj)
+    fused = four_bit.kernel_of(attention.q_proj, qkv)[0]  # one set of codes for the three
+    assert fused.shape[0] == sum(m.out_features for m in qkv)
+    assert four_bit.kernel_of(mlp.up_proj, gate_up)[0] is four_bit.kernel_of(mlp.gate_proj, gate_up)[0]
+    assert all(four_bit.kernel_of(m) is not None for m in (attention.o_proj, mlp.down_proj))
     assert four_bit.kernel_of(target.lm_head) is None
     assert set(target.state_dict()) == keys
     logits = target(PROMPT).logits.float()

@@ -369,3 +369,18 @@ def test_a_prepared_target_decodes_the_same_in_and_out_of_inference_mode(target_
         second = target(PROMPT[:, :1]).logits
     third = target(PROMPT[:, :1]).logits  # gradients on: the weights require them
     assert torch.equal(first, second) and torch.equal(first, third.detach())
+
+
+def test_projections_of_one_input_run_as_one_linear_and_each_member_returns_its_part(target_factory):
+    target = prepare_target(target_factory("llama"), dtype="bf16", rows=4)
+    attention = target.model.layers[0].self_attn
+    x = torch.randn(1, 3, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    with torch.no_grad():
+        q, k, v = attention.q_proj(x), attention.k_proj(x), attention.v_proj(x)
+        # another input: the group runs again and this member takes its part
+        assert torch.equal(attention.k_proj(x.clone()), k)
+        for out, module in ((q, attention.q_proj), (k, attention.k_proj), (v, attention.v_proj)):
+            expected = x.float() @ module.weight.float().T
+            assert out.shape[-1] == module.out_features and torch.allclose(out.float(), expected, atol=0.05)
+        attention.k_proj.weight.mul_(2)  # a member's weight written: the group's weights are taken again
+        assert torch.equal(attention.k_proj(x), 2 * k)

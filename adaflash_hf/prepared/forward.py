@@ -4,7 +4,8 @@ plain ``generate``, assisted decoding, the serving engine's packed forward and t
 ``install_invariant_forward(target)`` makes every row of a forward bitwise what it would be among any other rows:
 
 - linears (q/k/v/o, the MLP, lm_head): every plain ``nn.Linear`` becomes ``InvariantLinear``
-  (``adaflash_hf.prepared.linear``, same parameters and state dict);
+  (``adaflash_hf.prepared.linear``, same parameters and state dict); the projections of one input (q/k/v, gate/up)
+  run as one linear over their concatenated weights;
 - attention: ``"ada_invariant"``, registered with ``transformers.AttentionInterface`` (and transformers'
   SDPA mask under the same name), calls ``adaflash_hf.prepared.attention.sequence_attention`` per
   sequence. It reads the dynamic cache ``generate`` uses: the n new queries are the cache's last n positions.
@@ -36,7 +37,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from adaflash_hf.prepared.attention import sequence_attention
-from adaflash_hf.prepared.linear import InvariantLinear
+from adaflash_hf.prepared.linear import InvariantLinear, group_projections
 
 ATTENTION_NAME = "ada_invariant"  # no "flash" in it: transformers would take it for a flash-attention kernel
 ROTARY_ROWS = 16
@@ -89,6 +90,7 @@ def install_invariant_forward(target) -> None:
     for module in target.modules():
         if type(module) is torch.nn.Linear:
             module.__class__ = InvariantLinear
+    group_projections(target)
     for module in rotary_modules(target):
         if "forward" not in vars(module):
             module.forward = types.MethodType(_padded_rotary_forward, module)

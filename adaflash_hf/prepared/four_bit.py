@@ -63,8 +63,11 @@ def available() -> bool:
 
 def attach_codes(target) -> list[str]:
     """Recover and keep the 4-bit codes of every ``nn.Linear`` of ``target`` (fp32 weights) except its output
-    embedding, before the cast; returns their names. Raises ``ValueError`` naming the first linear whose weights are
-    not 4-bit (nothing kept then)."""
+    embedding, before the cast; returns their names. Projections of one input that the prepared forward runs as one
+    (``adaflash_hf.prepared.linear.projection_groups``) keep one set of codes, concatenated. Raises ``ValueError``
+    naming the first linear whose weights are not 4-bit (nothing kept then)."""
+    from adaflash_hf.prepared.linear import projection_groups
+
     output = target.get_output_embeddings()
     found = {}
     for name, module in target.named_modules():
@@ -84,27 +87,42 @@ def attach_codes(target) -> list[str]:
         found[module] = codes
     if not found:
         raise ValueError("dtype='int4': expected linears with 4-bit weights, got a target without any")
-    for module, codes in found.items():
-        setattr(
-            module, ATTRIBUTE, [*kernel_weights(*codes), None]
-        )  # the weight's version, set after the cast
+    groups = [
+        g for g in projection_groups(target) if all(type(m) is torch.nn.Linear and m in found for m in g)
+    ]
+    grouped = {m for g in groups for m in g}
+    for members in [*groups, *((m,) for m in found if m not in grouped)]:
+        codes = torch.cat([found[m][0] for m in members])
+        steps_and_offsets = torch.cat([found[m][1] for m in members], dim=1)
+        kept = [
+            *kernel_weights(codes, steps_and_offsets),
+            None,
+            members,
+        ]  # versions: set after the cast (seal)
+        for module in members:
+            setattr(module, ATTRIBUTE, kept)
     return [name for name, module in target.named_modules() if module in found]
 
 
 def seal(target) -> None:
-    """Record each 4-bit linear's weight version (after the cast): a later write of the weight is then detected."""
+    """Record the 4-bit linears' weight versions (after the cast): a later write of a weight is then detected."""
     for module in target.modules():
         kept = getattr(module, ATTRIBUTE, None)
         if kept is not None:
-            kept[2] = module.weight._version
+            kept[2] = [m.weight._version for m in kept[3]]
 
 
-def kernel_of(module) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The module's packed codes and scales, or None where it has none; raises where its weight was written since."""
+def kernel_of(module, members: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The packed codes and scales of ``module`` run alone, or of its projection group ``members`` run as one; None
+    where it has none. Raises where a weight was written since, or where the codes were kept for other members."""
     kept = module.__dict__.get(ATTRIBUTE)
     if kept is None:
         return None
-    if kept[2] is not None and module.weight._version != kept[2]:
+    if tuple(kept[3]) != (members or (module,)):
+        raise RuntimeError(
+            "a 4-bit linear runs with other projections than its codes were kept for; prepare a fresh copy"
+        )
+    if kept[2] is not None and [m.weight._version for m in kept[3]] != kept[2]:
         raise RuntimeError(
             "a 4-bit linear's weight was written after prepare_target(dtype='int4'): its codes are no longer its "
             "weights; prepare a fresh copy of the target"

@@ -96,13 +96,52 @@ def linear_tiles(features: int, out_features: int, bias: bool, dtype: torch.dtyp
     return _op_and_tiles(weight, zeros, packed)[1]
 
 
+# Projections of one input that a prepared target runs as one linear over their concatenated weights: (attribute
+# names on one module). Each keeps its own parameters; the first computes the group, the others take their part.
+PROJECTION_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+GROUP = "_adaflash_group"  # on each member: (members, index)
+_STASH = "_adaflash_stash"  # on a member: (the input the group last ran on, this member's part of the output)
+
+
+def projection_groups(model) -> list[tuple[torch.nn.Linear, ...]]:
+    """Every ``PROJECTION_GROUPS`` group of ``model``'s modules whose members are linears with one input width, one
+    dtype and biases on all or none (the projections of one input)."""
+    groups = []
+    for module in model.modules():
+        for names in PROJECTION_GROUPS:
+            members = tuple(getattr(module, name, None) for name in names)
+            if not all(isinstance(m, torch.nn.Linear) for m in members):
+                continue
+            if len({(m.in_features, m.weight.dtype, m.bias is None) for m in members}) == 1:
+                groups.append(members)
+    return groups
+
+
+def group_projections(model) -> int:
+    """Mark ``model``'s projection groups (``projection_groups``) of ``InvariantLinear`` s to run as one; how many."""
+    groups = [g for g in projection_groups(model) if all(isinstance(m, InvariantLinear) for m in g)]
+    for members in groups:
+        for index, member in enumerate(members):
+            member.__dict__[GROUP] = (members, index)
+    return len(groups)
+
+
+def _group_weights(members) -> tuple[torch.Tensor, torch.Tensor | None]:
+    weight = torch.cat([m.weight.detach() for m in members])
+    bias = None if members[0].bias is None else torch.cat([m.bias.detach() for m in members])
+    return weight, bias
+
+
 class InvariantLinear(torch.nn.Linear):
     """``nn.Linear`` running ``invariant_linear``, on the prepacked weight where it serves (no gradient wanted, input
     in the weight's dtype); a prepared target's linears have this class (same parameters, same state dict).
 
     A linear of a 4-bit target (``prepare_target(dtype="int4")``) runs on its 4-bit codes whenever its input is bf16.
-    A decode step calls ~200 linears, so the op and its tiles are looked up once per weight (its storage, in-place
-    version and the thread count stamp it), not at every call."""
+    Projections of one input (``group_projections``: q/k/v, gate/up) run as one linear over their concatenated
+    weights: the first member's call computes all, each other member returns its part of that output when called on
+    the same input (and computes the group again, keeping its part, when called on another). A decode step calls
+    ~120 linears, so the op and its tiles are looked up once per weight (its storage, in-place version and the thread
+    count stamp it), not at every call."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
@@ -110,21 +149,42 @@ class InvariantLinear(torch.nn.Linear):
         wants_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
         if not four_bit and (wants_grad or x.dtype != weight.dtype or x.numel() == 0):
             return invariant_linear(x, weight, self.bias)
+        group = self.__dict__.get(GROUP)
+        if group is not None:
+            return self._grouped(x, *group)
         stamp = (weight.data_ptr(), weight._version, torch.get_num_threads())
         route = _ROUTES.get(self)
         if route is None or route[0] != stamp:
-            route = _ROUTES[self] = (stamp, *self._route(weight))
+            route = _ROUTES[self] = (stamp, *self._route(weight, self.bias, kernel_of(self)))
         return _run(*route[1:], x, weight)
 
-    def _route(self, weight: torch.Tensor):
-        """The op and tiles of this linear: its 4-bit codes (``adaflash_hf.prepared.four_bit``) where it has them,
-        else the prepacked weight where oneDNN packs it, else ``F.linear``."""
-        four_bit = kernel_of(self)
+    def _grouped(self, x: torch.Tensor, members, index: int) -> torch.Tensor:
+        stash = self.__dict__.pop(_STASH, None)
+        if stash is not None and stash[0] is x:
+            return stash[1]
+        leader = members[0]
+        stamp = (*((m.weight.data_ptr(), m.weight._version) for m in members), torch.get_num_threads())
+        route = _ROUTES.get(leader)
+        if route is None or route[0] != stamp:
+            weight, bias = _group_weights(members)
+            route = _ROUTES[leader] = (stamp, *self._route(weight, bias, kernel_of(leader, members)), weight)
+        op, tiles, weight = route[1:]
+        parts = _run(op, tiles, x, weight).split([m.out_features for m in members], dim=-1)
+        for member, part in zip(members, parts):
+            if member is not self:
+                member.__dict__[_STASH] = (x, part)
+        return parts[index]
+
+    @staticmethod
+    def _route(weight: torch.Tensor, bias: torch.Tensor | None, four_bit):
+        """The op and tiles of a linear of ``weight`` and ``bias``: on ``four_bit`` (its 4-bit codes, packed, and
+        scales: ``adaflash_hf.prepared.four_bit``) where given, else the prepacked weight where oneDNN packs it, else
+        ``F.linear``."""
         if four_bit is None:
             packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach()) if can_pack(weight) else None
-            return _op_and_tiles(weight, self.bias, packed)
-        op = functools.partial(four_bit_linear, codes=four_bit[0], scales=four_bit[1], bias=self.bias)
+            return _op_and_tiles(weight, bias, packed)
+        op = functools.partial(four_bit_linear, codes=four_bit[0], scales=four_bit[1], bias=bias)
         features, out_features = weight.shape[1], weight.shape[0]
-        key = ("four_bit_linear", features, out_features, self.bias is not None, weight.device)
+        key = ("four_bit_linear", features, out_features, bias is not None, weight.device)
         sample = functools.partial(_sample, features, torch.bfloat16, weight.device)
         return op, tiles_for(key, op, sample, pads=(0.0,), candidates=FOUR_BIT_TILE_ROWS)
