@@ -1,5 +1,6 @@
-"""``adaflash bench opd``: evaluation prompts never served, the full-draft acceptance read back from an engine's rounds
-(rechecked against its verification), its intervals, and the whole experiment end to end on a tiny target."""
+"""``adaflash bench opd`` and the evaluation it runs (``adaflash_hf.online.evaluate``): evaluation prompts never served,
+the full-draft acceptance read back from an engine's rounds (rechecked against its verification), its intervals, and
+the whole experiment end to end on a tiny target."""
 
 import json
 import os
@@ -13,6 +14,7 @@ from tokenizers.pre_tokenizers import Split
 from transformers import PreTrainedTokenizerFast
 
 from adaflash_hf.bench import opd, opd_report
+from adaflash_hf.online import evaluate
 from adaflash_hf.online.buffer import ReplayBuffer, Trajectory
 from adaflash_hf.online.loop import TrafficSource
 from adaflash_hf.serving import AdaFlashEngine
@@ -21,10 +23,10 @@ from tests.conftest import greedy_reference, make_batched_oracle, random_prompts
 
 def test_leading_matches_counts_proposals_equal_to_the_sequence_in_a_row():
     sequence = [5, 6, 7, 8, 9]
-    assert opd.leading_matches([7, 8, 0], sequence, anchor=1) == 2
-    assert opd.leading_matches([0, 8], sequence, anchor=1) == 0
+    assert evaluate.leading_matches([7, 8, 0], sequence, anchor=1) == 2
+    assert evaluate.leading_matches([0, 8], sequence, anchor=1) == 0
     assert (
-        opd.leading_matches([8, 9, 10], sequence, anchor=2) == 2
+        evaluate.leading_matches([8, 9, 10], sequence, anchor=2) == 2
     )  # the sequence ends: nothing beyond it counts
 
 
@@ -41,7 +43,7 @@ def char_tokenizer():
 def test_eval_prompts_are_never_served_by_the_traffic():
     tokenizer = char_tokenizer()
     config = {"seed": 0, "max_prompt_tokens": 4096, "prompts_per_domain": 300, "domains": ["chat"]}
-    prompts = opd.eval_prompts(tokenizer, config, per_domain=16)
+    prompts = evaluate.eval_prompts(tokenizer, config, per_domain=16)
     assert {d: len(p) for d, p in prompts.items()} == {"chat": 16, "code": 16, "math": 16}
     traffic = TrafficSource.from_domains(tokenizer, ["chat"], 300, seed=0, max_prompt_tokens=4096)
     served = {tuple(p) for p in traffic.phases[0][1]}
@@ -54,7 +56,7 @@ def test_eval_prompts_refuse_to_overlap_a_small_traffic_domain():
     with pytest.raises(
         ValueError, match=r"--eval-prompts-per-domain: expected at most 3 for traffic domain code"
     ):
-        opd.eval_prompts(tiny_tokenizer(), config, per_domain=8)
+        evaluate.eval_prompts(tiny_tokenizer(), config, per_domain=8)
 
 
 def test_an_evaluation_prompt_with_the_token_ids_of_a_served_one_is_refused():
@@ -65,7 +67,7 @@ def test_an_evaluation_prompt_with_the_token_ids_of_a_served_one_is_refused():
         match=r"evaluation prompts: expected none that the traffic serves, got evaluation prompt chat\[\d+\] with "
         r"the token ids of served prompt chat\[\d+\]",
     ):
-        opd.eval_prompts(char_tokenizer(), config, per_domain=16)
+        evaluate.eval_prompts(char_tokenizer(), config, per_domain=16)
 
 
 def test_an_evaluation_prompt_with_the_text_of_a_served_one_is_refused():
@@ -73,8 +75,8 @@ def test_an_evaluation_prompt_with_the_text_of_a_served_one_is_refused():
     with pytest.raises(
         ValueError, match=r"got evaluation prompt code\[1\] with the text of served prompt chat\[1\]: 'def f"
     ):
-        opd.check_unserved({"code": ["x", "def f(): pass"]}, {"code": [[3], [4]]}, served)
-    opd.check_unserved({"code": ["x"]}, {"code": [[3]]}, served)  # disjoint: accepted
+        evaluate.check_unserved({"code": ["x", "def f(): pass"]}, {"code": [[3], [4]]}, served)
+    evaluate.check_unserved({"code": ["x"]}, {"code": [[3]]}, served)  # disjoint: accepted
 
 
 def test_a_new_traffic_domain_is_evaluated_too_on_prompts_its_phase_never_served():
@@ -83,7 +85,7 @@ def test_a_new_traffic_domain_is_evaluated_too_on_prompts_its_phase_never_served
         "seed": 0, "max_prompt_tokens": 4096, "prompts_per_domain": 300, "domains": ["math", "translate"],
         "phase_prompts": [4, 360],
     }  # fmt: skip
-    prompts = opd.eval_prompts(tokenizer, config, per_domain=8)
+    prompts = evaluate.eval_prompts(tokenizer, config, per_domain=8)
     assert list(prompts) == ["chat", "code", "math", "translate"]
     traffic = TrafficSource.from_domains(
         tokenizer, ["math", "translate"], 300, max_prompt_tokens=4096, phase_prompts=[4, 360]
@@ -93,7 +95,7 @@ def test_a_new_traffic_domain_is_evaluated_too_on_prompts_its_phase_never_served
     with pytest.raises(
         ValueError, match=r"expected at most \d+ for traffic domain translate \(\d+ held-out prompts, 380"
     ):
-        opd.eval_prompts(tokenizer, {**config, "phase_prompts": [4, 380]}, per_domain=8)
+        evaluate.eval_prompts(tokenizer, {**config, "phase_prompts": [4, 380]}, per_domain=8)
 
 
 def test_each_replay_fraction_is_a_run_and_the_frozen_head_arm_freezes_the_head(tmp_path):
@@ -126,7 +128,9 @@ def test_a_replay_mix_never_replays_an_evaluation_prompt():
         "prompts_per_domain": 16,
         "domains": ["chat", "math", "code"],
     }
-    evaluation = {tuple(p) for ps in opd.eval_prompts(tokenizer, config, per_domain=8).values() for p in ps}
+    evaluation = {
+        tuple(p) for ps in evaluate.eval_prompts(tokenizer, config, per_domain=8).values() for p in ps
+    }
     traffic = TrafficSource.from_domains(tokenizer, config["domains"], 16, seed=0, max_prompt_tokens=4096)
     buffer = ReplayBuffer(train_threshold=8, replay_fraction=0.5, replay_domains=["chat", "math"])
     replayed = []
@@ -256,7 +260,7 @@ def oracle_eval(target_factory, drafter_factory):
 
 def test_full_draft_acceptance_of_an_oracle_drafter(oracle_eval):
     engine, prompts, expected = oracle_eval
-    summary, outputs = opd.evaluate_drafter(engine, prompts, max_new_tokens=40)
+    summary, outputs = evaluate.evaluate_drafter(engine, prompts, max_new_tokens=40)
     assert outputs == expected  # greedy serving is lossless
     for row in summary.values():
         curve = row["per_position"]
@@ -272,7 +276,7 @@ def test_unverified_proposals_count_in_adaptive_mode(target_factory, drafter_fac
     target = target_factory("llama")
     engine, prompts, expected = oracle_engine(target, drafter_factory(target), "adaflash")
     engine.gamma = 0.9  # a strict threshold: short verified drafts
-    summary, outputs = opd.evaluate_drafter(engine, prompts, max_new_tokens=40)
+    summary, outputs = evaluate.evaluate_drafter(engine, prompts, max_new_tokens=40)
     assert outputs == expected
     assert engine.round_recorder is None and engine.record_full_drafts is False  # restored
     for row in summary.values():
@@ -284,9 +288,9 @@ def test_unverified_proposals_count_in_adaptive_mode(target_factory, drafter_fac
 
 def test_a_wrong_reading_of_the_rounds_is_caught(oracle_eval, monkeypatch):
     engine, prompts, _ = oracle_eval
-    monkeypatch.setattr(opd, "leading_matches", lambda drafted, sequence, anchor: 0)
+    monkeypatch.setattr(evaluate, "leading_matches", lambda drafted, sequence, anchor: 0)
     with pytest.raises(RuntimeError, match=r"accepted \d+ drafts, but 0 leading proposals"):
-        opd.evaluate_drafter(engine, prompts, max_new_tokens=40)
+        evaluate.evaluate_drafter(engine, prompts, max_new_tokens=40)
 
 
 def _summary(tau, spread=0, flip=False):

@@ -15,15 +15,16 @@
    fewer fresh ones per buffer). Every run's settings are parsed as ``trainers/opd.py`` parses them before anything
    runs, so a bad setting fails at once. A run whose ``metrics.csv`` already has ``max_rounds`` rows is not rerun
    (delete its folder to rerun it).
-2. **Evaluation.** The starting drafter (round 0) and each run's checkpoint after every round serve a fixed evaluation
-   set in the engine's adaflash mode (the adaptive rule), greedy: ``--eval-prompts-per-domain`` held-out prompts of
-   every domain in ``DOMAINS`` and of the traffic's own (``evaluation_domains``: a new domain among them) that the
-   traffic never serves (``eval_prompts``), checked before any run starts. Every round's whole draft (all
-   ``block_size - 1`` proposals) is recorded, so besides τ (committed tokens per verify with the length head's
-   truncation) the evaluation reports what the full draft would have achieved (``evaluate_drafter``): per-position
-   acceptance (the share of rounds whose first j proposals all equal the target's greedy tokens), τ_full = 1 + the
-   mean accepted length of the full draft, and the length head's mean |â - a*|. Every evaluation's outputs must equal
-   the round-0 outputs token for token (lossless serving). Results are cached per (run, round) in ``OUT/eval``.
+2. **Evaluation** (``adaflash_hf.online.evaluate``). The starting drafter (round 0) and each run's checkpoint after
+   every round serve a fixed evaluation set in the engine's adaflash mode (the adaptive rule), greedy:
+   ``--eval-prompts-per-domain`` held-out prompts of every domain in ``DOMAINS`` and of the traffic's own
+   (``evaluation_domains``: a new domain among them) that the traffic never serves (``eval_prompts``), checked before
+   any run starts. Every round's whole draft (all ``block_size - 1`` proposals) is recorded, so besides τ (committed
+   tokens per verify with the length head's truncation) the evaluation reports what the full draft would have
+   achieved (``evaluate_drafter``): per-position acceptance (the share of rounds whose first j proposals all equal the
+   target's greedy tokens), τ_full = 1 + the mean accepted length of the full draft, and the length head's mean
+   |â - a*|. Every evaluation's outputs must equal the round-0 outputs token for token (lossless serving). Results are
+   cached per (run, round) in ``OUT/eval``.
 3. **Outputs** in ``OUT`` (``opd_report``): ``results.json`` (with per-prompt counts), ``table.md`` (τ with paired
    bootstrap 95% intervals over the prompts), ``tau_vs_rounds.png``, ``acceptance_per_position.png`` (round 0 against
    each run's last round) and ``head_error_vs_rounds.png``. ``experiments/goals.py opd`` grades the experiment's
@@ -33,15 +34,12 @@
 from __future__ import annotations
 
 import argparse
-import csv
 import hashlib
 import json
 import logging as std_logging
-import math
 import shlex
 import subprocess
 import time
-from collections import defaultdict
 from pathlib import Path
 
 from transformers.utils import logging
@@ -50,15 +48,21 @@ from adaflash_hf.bench import report
 from adaflash_hf.bench.opd_report import markdown_table, plot_head_error, plot_per_position, plot_tau
 from adaflash_hf.bench.targets import start_run
 from adaflash_hf.launch import int_at_least
-from adaflash_hf.modeling.length_head_adaflash import realised_acceptance
-from adaflash_hf.serving import AdaFlashEngine, AdmissionConfig, SamplingParams
-from adaflash_hf.stats import tau_of
+from adaflash_hf.online.evaluate import (
+    eval_prompts,
+    eval_texts,
+    evaluate_drafter,
+    evaluation_domains,
+    read_metrics,
+    served_counts,
+)
+from adaflash_hf.online.weights import checkpoints_by_round, load_state, sha256_file
+from adaflash_hf.serving import AdaFlashEngine, AdmissionConfig
 
 logger = logging.get_logger(__name__)
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIG = ROOT / "examples" / "configs" / "opd_bench.yaml"
-DOMAINS = ("chat", "code", "math")  # always evaluated, with the traffic's own domains (a new one among them)
 VARIANTS = {
     "none": ("no online updates (offline drafter)", ["--online_updates", "false"]),
     "ce": ("CE only, α=1 (OSD-style)", ["--alpha", "1.0"]),
@@ -78,210 +82,6 @@ CONFIG_ONLY = (
     "--output_dir",
     "--config",
 )
-
-
-# ---------------------------------------------------------------------------------------------- prompts
-def evaluation_domains(config: dict) -> tuple[str, ...]:
-    """``DOMAINS`` and then the traffic's other domains (a new one: ``adaflash_hf.data.SHIFT_DOMAINS``)."""
-    return DOMAINS + tuple(d for d in config["domains"] if d not in DOMAINS)
-
-
-def served_counts(config: dict) -> dict[str, int]:
-    """Per traffic domain, how many prompts of its held-out shuffle the traffic serves (the first ones)."""
-    counts = config.get("phase_prompts") or [int(config["prompts_per_domain"])] * len(config["domains"])
-    served: dict[str, int] = {}
-    for domain, count in zip(config["domains"], counts):
-        served[domain] = max(served.get(domain, 0), int(count))
-    return served
-
-
-def eval_prompts(
-    tokenizer, config: dict, per_domain: int, domains: tuple[str, ...] | None = None
-) -> dict[str, list[list[int]]]:
-    """``per_domain`` held-out prompts per domain (default ``evaluation_domains``) from the end of the shuffle whose
-    start is the traffic, as token ids (cut as the traffic cuts its prompts); refused if one has the text or the ids of
-    a served prompt (``check_unserved``). ``config``: the traffic settings (``domains``, ``prompts_per_domain``,
-    ``phase_prompts``, ``seed``, ``max_prompt_tokens``)."""
-    from adaflash_hf.data import prompt_ids
-
-    texts = eval_texts(config, per_domain, domains or evaluation_domains(config))
-    cut = int(config["max_prompt_tokens"])
-    prompts = {
-        domain: [prompt_ids(tokenizer, text, cut, too_long="keep_last")[0].tolist() for text in chosen]
-        for domain, chosen in texts.items()
-    }
-    check_unserved(texts, prompts, served_prompts(tokenizer, config))
-    return prompts
-
-
-def eval_texts(config: dict, per_domain: int, domains: tuple[str, ...]) -> dict[str, list[str]]:
-    """The texts of ``eval_prompts``.
-
-    The traffic (``TrafficSource.from_domains``) serves the first ``served_counts(config)[domain]`` rows of
-    ``load_domain(domain, "heldout", seed=seed)``'s shuffle; these are the last ``per_domain`` distinct texts, skipping
-    any text also served (the held-out sets hold a few duplicate texts). Raises if a traffic domain is too small for
-    the two to be disjoint.
-    """
-    from adaflash_hf.data import load_domain
-
-    seed, counts = int(config["seed"]), served_counts(config)
-    texts = {}
-    for domain in domains:
-        served = counts.get(domain, 0)
-        split = load_domain(domain, "heldout")
-        if per_domain < 1 or per_domain > len(split):
-            raise ValueError(
-                f"--eval-prompts-per-domain: expected 1..{len(split)} for {domain}, got {per_domain}"
-            )
-        if served and served + per_domain > len(split):
-            raise ValueError(
-                f"--eval-prompts-per-domain: expected at most {len(split) - served} for traffic domain {domain} "
-                f"({len(split)} held-out prompts, {served} served), got {per_domain}"
-            )
-        # The traffic's own call with every row: its first rows are exactly the ones served.
-        shuffled = load_domain(domain, "heldout", n=len(split), seed=seed)["prompt"]
-        served_texts = set(shuffled[:served])
-        chosen: list[str] = []
-        # From the end; a text that is also among the served ones (a duplicate) is skipped.
-        for text in reversed(shuffled):
-            if len(chosen) == per_domain:
-                break
-            if text not in served_texts and text not in chosen:
-                chosen.append(text)
-        if len(chosen) < per_domain:
-            raise ValueError(
-                f"--eval-prompts-per-domain: expected at most {len(chosen)} for {domain} (distinct texts not served), "
-                f"got {per_domain}"
-            )
-        texts[domain] = chosen
-    return texts
-
-
-def served_prompts(tokenizer, config: dict) -> dict[str, list[tuple[str, list[int]]]]:
-    """Per domain, ``(text, token ids)`` of every prompt the traffic of ``config`` serves: the rows and the
-    ``TrafficSource.from_domains`` call of ``trainers/opd.py``."""
-    from adaflash_hf.data import load_domain
-    from adaflash_hf.online.loop import TrafficSource
-
-    seed = int(config["seed"])
-    traffic = TrafficSource.from_domains(
-        tokenizer,
-        config["domains"],
-        int(config["prompts_per_domain"]),
-        seed=seed,
-        max_prompt_tokens=int(config["max_prompt_tokens"]),
-        phase_prompts=config.get("phase_prompts"),
-    )
-    return {
-        domain: list(zip(load_domain(domain, "heldout", n=len(prompts), seed=seed)["prompt"], prompts))
-        for domain, prompts in traffic.phases
-    }
-
-
-def check_unserved(
-    texts: dict[str, list[str]],
-    prompts: dict[str, list[list[int]]],
-    served: dict[str, list[tuple[str, list[int]]]],
-) -> None:
-    """Raise ``ValueError`` naming both prompts when an evaluation prompt (``texts`` and their ``prompts`` per domain)
-    has the text or the token ids of a ``served`` one."""
-    by_text = {text: (d, i) for d, rows in served.items() for i, (text, _) in enumerate(rows)}
-    by_ids = {tuple(ids): (d, i) for d, rows in served.items() for i, (_, ids) in enumerate(rows)}
-    for domain, chosen in texts.items():
-        for j, (text, ids) in enumerate(zip(chosen, prompts[domain])):
-            for same, hit in (("text", by_text.get(text)), ("token ids", by_ids.get(tuple(ids)))):
-                if hit is not None:
-                    raise ValueError(
-                        f"evaluation prompts: expected none that the traffic serves, got evaluation prompt "
-                        f"{domain}[{j}] with the {same} of served prompt {hit[0]}[{hit[1]}]: {text[:80]!r}"
-                    )
-
-
-# ---------------------------------------------------------------------------------------------- evaluation
-def leading_matches(drafted: list[int], sequence: list[int], anchor: int) -> int:
-    """How many of ``drafted`` (proposals for positions anchor+1, anchor+2, ...) equal ``sequence`` there, in a row."""
-    count = 0
-    for offset, token in enumerate(drafted, start=1):
-        if anchor + offset >= len(sequence) or sequence[anchor + offset] != token:
-            break
-        count += 1
-    return count
-
-
-def evaluate_drafter(
-    engine: AdaFlashEngine, prompts: dict[str, list[list[int]]], max_new_tokens: int
-) -> tuple[dict[str, dict], dict[str, list[list[int]]]]:
-    """Serve ``prompts`` greedily on ``engine``; per domain τ, τ_full, per-position acceptance, the length head's mean
-    |â - a*| and per-prompt counts (``opd_report``: intervals), and the outputs.
-
-    τ_full, the per-position curve and the head's error use only rounds whose whole draft lies inside the final
-    sequence (a* = the full draft's leading matches / (block_size - 1), the head's training target). Each round's
-    accepted count must equal min(leading matches, verified length): the greedy verification rule, rechecked here.
-    """
-    block = engine.drafter.config.block_size
-    rounds = defaultdict(list)
-    previous = engine.round_recorder, engine.record_full_drafts
-    engine.round_recorder = lambda request, record: rounds[request.request_id].append(record)
-    engine.record_full_drafts = True  # every block row's proposal, verified or not
-    params = SamplingParams(max_new_tokens=max_new_tokens)
-    try:
-        ids = {domain: [engine.add_request(p, params) for p in ps] for domain, ps in prompts.items()}
-        finished = {output.request_id: output.request for output in engine.stream() if output.finished}
-    finally:
-        engine.round_recorder, engine.record_full_drafts = previous
-    summary, outputs = {}, {}
-    for domain, request_ids in ids.items():
-        requests = [finished[r] for r in request_ids]
-        outputs[domain] = [list(request.output) for request in requests]
-        summary[domain] = _domain_summary([_request_counts(r, rounds[r.request_id], block) for r in requests])
-    return summary, outputs
-
-
-def _request_counts(request, records, block: int) -> dict:
-    """One request's rounds, counted (see ``evaluate_drafter``)."""
-    sequence = list(request.prompt) + list(request.output)
-    names = ("verifies", "accepted", "drafted", "full_rounds", "full_accepted", "head_rounds", "head_error")
-    counts = dict.fromkeys(names, 0)
-    counts["reached"] = [0] * (block - 1)
-    for record in records:
-        lead = leading_matches(record.drafted_tokens, sequence, record.context_length)
-        if min(lead, record.draft_length) != record.accepted and (
-            record.context_length + record.draft_length < len(sequence) - 1
-        ):
-            raise RuntimeError(
-                f"request {request.request_id}: accepted {record.accepted} drafts, but {lead} leading proposals "
-                f"match the output and {record.draft_length} were verified"
-            )
-        counts["verifies"] += 1
-        counts["accepted"] += record.accepted
-        counts["drafted"] += record.draft_length
-        if record.context_length + block - 1 < len(sequence):
-            counts["full_rounds"] += 1
-            counts["full_accepted"] += lead
-            if math.isfinite(record.predicted_acceptance):  # NaN: a lookup round, or no block verified
-                counts["head_rounds"] += 1
-                counts["head_error"] += abs(record.predicted_acceptance - realised_acceptance(lead, block))
-            for j in range(lead):
-                counts["reached"][j] += 1
-    return counts
-
-
-def _domain_summary(counts: list[dict]) -> dict:
-    total = {k: sum(c[k] for c in counts) for k in counts[0] if k != "reached"}
-    reached = [sum(column) for column in zip(*(c["reached"] for c in counts))]
-    full, verifies = total["full_rounds"], total["verifies"]
-    return {
-        "tau": tau_of(total["accepted"] + verifies, verifies),
-        "tau_full": 1.0 + total["full_accepted"] / full if full else 0.0,
-        "acceptance_rate": total["accepted"] / total["drafted"] if total["drafted"] else 0.0,
-        "mean_verify_length": total["drafted"] / verifies if verifies else 0.0,
-        "per_position": [r / full if full else 0.0 for r in reached],
-        "head_error": total["head_error"] / total["head_rounds"] if total["head_rounds"] else float("nan"),
-        "verifies": verifies,
-        "full_rounds": full,
-        # [accepted, verifies, full_rounds, full_accepted] per prompt: opd_report's bootstrap intervals
-        "per_prompt": [[c["accepted"], c["verifies"], c["full_rounds"], c["full_accepted"]] for c in counts],
-    }
 
 
 def _digest(outputs: dict[str, list[list[int]]]) -> str:
@@ -347,33 +147,6 @@ def run_variant(config_path: Path, config: dict, variant: str, output_dir: Path,
     return run_dir
 
 
-def read_metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.csv"
-    if not path.is_file():
-        return []
-    with open(path, newline="") as handle:
-        return [{k: _number(v) for k, v in row.items()} for row in csv.DictReader(handle)]
-
-
-def _number(value: str):
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return value
-
-
-def checkpoints_by_round(run_dir: Path) -> dict[int, Path]:
-    """Complete checkpoints of a run, keyed by the round after which each was written."""
-    from adaflash_hf.online.weights import verify_checkpoint
-
-    found = {}
-    for path in sorted((run_dir / "checkpoints").glob("checkpoint-*")):
-        state = verify_checkpoint(path)
-        if state is not None:
-            found[int(state["loop"]["round"])] = path
-    return found
-
-
 # ---------------------------------------------------------------------------------------------- CLI
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -424,7 +197,6 @@ def _evaluate_all(args, config, prompts, run_dirs, target) -> dict:
     from safetensors.torch import load_file
 
     from adaflash_hf import AdaFlashDrafter
-    from adaflash_hf.online.weights import load_state, sha256_file
 
     max_new = args.eval_max_new_tokens or int(config["max_new_tokens"])
     concurrency = int(config["concurrency"])

@@ -1,9 +1,9 @@
 """What ``adaflash bench opd`` reports: intervals, the table and the plots, from its evaluations.
 
-An evaluation summary (``opd.evaluate_drafter``) holds, per domain, the pooled figures (τ, τ_full, per-position
-acceptance, the length head's mean |â - a*|) and ``per_prompt`` counts ``[accepted, verifies, full_rounds,
-full_accepted]``. Every variant and round serves the same evaluation prompts, so intervals are paired bootstraps over
-the prompts (``bootstrap``; ``experiments/goals.py`` grades the experiment's goals with them).
+An evaluation summary (``online.evaluate.evaluate_drafter``) holds, per domain, the pooled figures (τ, τ_full,
+per-position acceptance, the length head's mean |â - a*|) and ``per_prompt`` counts ``[accepted, verifies,
+full_rounds, full_accepted]``. Every variant and round serves the same evaluation prompts, so intervals are paired
+bootstraps over the prompts (``bootstrap``; ``experiments/goals.py`` grades the experiment's goals with them).
 """
 
 from __future__ import annotations

@@ -337,6 +337,17 @@ def verify_checkpoint(path: str | Path) -> dict | None:
     return json.loads((Path(path) / CHECKPOINT_MANIFEST).read_text())["state"]
 
 
+def checkpoints_by_round(run_dir: Path) -> dict[int, Path]:
+    """The complete checkpoints of an online run (``save_online_checkpoint`` under ``run_dir/checkpoints``), keyed by
+    the round after which each was written."""
+    found = {}
+    for path in sorted((run_dir / "checkpoints").glob("checkpoint-*")):
+        state = verify_checkpoint(path)
+        if state is not None:
+            found[int(state["loop"]["round"])] = path
+    return found
+
+
 def latest_checkpoint(root: str | Path, prefix: str = "checkpoint-") -> Path | None:
     """The complete checkpoint under ``root`` with the greatest name (names are zero-padded versions); staging
     directories are skipped, and a newer checkpoint whose files do not match its manifest is refused with a warning
