@@ -329,11 +329,28 @@ def calibrate_target(
     budget_s: float = 1.5,
     **forward_kwargs,
 ) -> None:
-    """Time target forwards of each of ``sizes`` new tokens after ``context`` random tokens (a cropped dynamic cache,
-    as ``generate`` verifies) and feed them to ``cost``: one warm-up forward per size, then up to ``repeats`` passes
-    while ``budget_s`` lasts (the first pass always completes). Sizes go coarse to fine (1, the largest, the middle,
-    ...), so a pass cut short still spans the range, and every size is timed right after a 1-token forward, so a
-    neighbour's load hits both sides of the ratio that decides the choice."""
+    """Time target forwards of each of ``sizes`` new tokens after ``context`` random tokens (``forward_timer``) and
+    feed them to ``cost``: up to ``repeats`` passes while ``budget_s`` lasts (the first pass always completes). Sizes go
+    coarse to fine (1, the largest, the middle, ...), so a pass cut short still spans the range, and every size is
+    timed right after a 1-token forward, so a neighbour's load hits both sides of the ratio that decides the choice."""
+    order = _coarse_to_fine(sorted(set(sizes)))
+    forward = forward_timer(target, order, context, **forward_kwargs)
+    started = time.perf_counter()
+    for repeat in range(repeats):
+        if repeat and time.perf_counter() - started > budget_s:
+            break
+        for n in order:
+            cost.observe_target(1, forward(1))
+            if n != 1:
+                cost.observe_target(n, forward(n))
+    cost.calibrated = True
+
+
+def forward_timer(target, sizes: Sequence[int], context: int, **forward_kwargs) -> Callable[[int], float]:
+    """``forward(n)``: the seconds of a target forward of n new tokens after ``context`` random tokens (seed 0) on a
+    dynamic cache cropped back after each, as ``generate`` verifies. The context is prefilled and each of ``sizes`` is
+    run once, in that order, before it returns: the first forward of a shape pays for allocations (and a prepared
+    target's row plans probe)."""
     from transformers import DynamicCache
 
     device = next(target.parameters()).device
@@ -360,18 +377,9 @@ def calibrate_target(
         cache.crop(-n)
         return seconds
 
-    order = _coarse_to_fine(sorted(set(sizes)))
-    for n in order:
-        forward(n)  # warm-up: the first forward of a shape pays for allocations
-    started = time.perf_counter()
-    for repeat in range(repeats):
-        if repeat and time.perf_counter() - started > budget_s:
-            break
-        for n in order:
-            cost.observe_target(1, forward(1))
-            if n != 1:
-                cost.observe_target(n, forward(n))
-    cost.calibrated = True
+    for n in sizes:
+        forward(n)  # warm-up
+    return forward
 
 
 def _synchronize(device: torch.device) -> None:

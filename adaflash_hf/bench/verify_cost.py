@@ -18,13 +18,13 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
-import time
 
 import torch
 from tqdm.auto import tqdm
 
 from adaflash_hf.bench.report import add_record_options, parse_record_args, print_record, table
 from adaflash_hf.bench.targets import preparation
+from adaflash_hf.cost_model import forward_timer
 from adaflash_hf.launch import int_at_least
 from adaflash_hf.prepared.cpu import cpu_record
 
@@ -51,27 +51,9 @@ def build_arm(target, arm: str):
 @torch.inference_mode()
 def measure_curve(target, max_tokens: int = 16, context: int = 200, repeats: int = 5) -> dict:
     """Median seconds of forwards of 1..max_tokens new tokens after ``context`` tokens, and their median ratio to the
-    1-token forward timed just before each."""
-    from transformers import DynamicCache
-
-    device = next(target.parameters()).device
-    vocab = target.get_input_embeddings().weight.shape[0]
-    ids = torch.randint(0, vocab, (1, context + max_tokens), generator=torch.Generator().manual_seed(0)).to(
-        device
-    )
-    cache = DynamicCache()
-    target(input_ids=ids[:, :context], cache=cache, use_cache=True, logits_to_keep=1)
-
-    def forward(n: int) -> float:
-        started = time.perf_counter()
-        target(input_ids=ids[:, context : context + n], cache=cache, use_cache=True, logits_to_keep=n)
-        seconds = time.perf_counter() - started
-        cache.crop(-n)
-        return seconds
-
+    1-token forward timed just before each (``cost_model.forward_timer``)."""
     sizes = range(1, max_tokens + 1)
-    for n in sizes:
-        forward(n)  # warm-up: allocations, and the row plans' probes on a prepared target
+    forward = forward_timer(target, sizes, context)
     seconds = {n: [] for n in sizes}
     ratios = {n: [] for n in sizes}
     for _ in range(repeats):
