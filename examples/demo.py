@@ -3,9 +3,10 @@
     make demo                      # sets up .venv, then runs this file
     python examples/demo.py --prompts-per-domain 1 --max-new-tokens 64
 
-The target goes through ``adaflash_hf.prepare_target`` first (``--dtype auto``): bf16 with a batch-invariant forward
-on a CPU with bf16 units (``avx512_bf16``, ``amx_bf16``), where verifying several tokens costs about what one costs;
-fp32 elsewhere. For a few held-out prompts per domain (chat, code, math) it runs plain greedy ``generate`` of that
+The target goes through ``adaflash_hf.prepare_target`` first (``--dtype auto``): timed on this CPU, bf16 with a
+batch-invariant forward on a CPU with bf16 units (``avx512_bf16``, ``amx_bf16``), where verifying several tokens costs
+about what one costs, or the same forward on the target's own 4-bit codes (the offline GGUF is 4-bit), whichever
+serves most; fp32 elsewhere. For a few held-out prompts per domain (chat, code, math) it runs plain greedy ``generate`` of that
 target and two AdaFlash modes side by side: the default (``adaflash_length_mode="auto"``: goodput under greedy; ``adaflash_draft_source="auto"``: each
 round verifies the drafter's block or a prompt-lookup continuation) and the drafter alone
 (``adaflash_draft_source="diffusion"``: block drafts only). It
@@ -106,10 +107,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "2")))
     parser.add_argument(
         "--dtype",
-        choices=("auto", "fp32", "bf16"),
+        choices=("auto", "fp32", "bf16", "int4"),
         default="auto",
-        help="auto: adaflash_hf.prepare_target's choice (bf16 with the batch-invariant forward where this CPU has "
-        "bf16 units, else fp32); fp32: the target as loaded",
+        help="auto: adaflash_hf.prepare_target's choice, timed here (bf16 with the batch-invariant forward, or on the "
+        "target's 4-bit codes, where this CPU has bf16 units and it is faster, else fp32); fp32: the target as loaded",
     )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)

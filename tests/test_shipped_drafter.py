@@ -91,7 +91,9 @@ def test_demo_runs_and_checks_against_plain_greedy(capsys):
     assert "default  tau" in out and "diffusion tau" in out and 'adaflash_draft_source="diffusion"' in out
     assert "On this CPU (measured in this run) a 2-token verify forward costs" in out
     # the target goes through prepare_target's choice for this CPU, and the demo says which
-    assert re.search(r"target: prepare_target: (bf16|fp32): .*plain greedy below is this target's own", out)
+    assert re.search(
+        r"target: prepare_target: (bf16|fp32|int4): .*plain greedy below is this target's own", out
+    )
 
 
 def test_shipped_remote_code_is_the_current_modeling_code():

@@ -5,7 +5,7 @@ A step is ``DrafterTrainer``'s without data loading, feature lookup and schedule
 variants run it under ``torch.autocast("cpu", bfloat16)``, as accelerate does for ``bf16=True`` with ``use_cpu=True``
 (float32 master weights, CE in float32). No target model is loaded: the context features (``--context-layers`` target
 layers), the tied embedding and lm_head are random tensors of the real target's shapes and the trainer's batch
-(``SHAPES``), the first tokens of each sequence prompt (unsupervised). Speed does not depend on the values.
+(``shapes``), the first tokens of each sequence prompt (unsupervised). Speed does not depend on the values.
 
 Variants (``VARIANTS``) start from ``today`` (the original recipe: dense [Q, S + Q] mask, float32, full
 vocabulary, 24 anchors) and change the attention layout and anchor count, bf16 autocast, the vocabulary (``dv``: a
@@ -69,21 +69,10 @@ VARIANT_DEFAULTS = {
     "soft_target_weight": 0.0,
 }
 SOFT_TOPK = 32  # the corpus builder's default --topk
-# SmolLM2-135M-Instruct, the default target of trainers/train_drafter.py, and the trainer's default batch.
+# The trainer's default batch; the real shapes are those of the default target of trainers/train_drafter.py
+# (SmolLM2-135M-Instruct, ``shapes``).
 SHAPES = {
-    "real": {
-        "hidden_size": 576,
-        "num_attention_heads": 9,
-        "num_key_value_heads": 3,
-        "head_dim": 64,
-        "intermediate_size": 1536,
-        "vocab_size": 49152,
-        "num_hidden_layers": 30,
-        "batch": 4,
-        "seq": 448,
-        "prompt": 64,
-        "draft_vocab": 8192,
-    },
+    "real": {"batch": 4, "seq": 448, "prompt": 64, "draft_vocab": 8192},
     "quick": {
         "hidden_size": 64,
         "num_attention_heads": 4,
@@ -98,7 +87,27 @@ SHAPES = {
         "draft_vocab": 128,
     },
 }
+TARGET_SHAPE = (
+    "hidden_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "vocab_size",
+    "num_hidden_layers",
+)
 BLOCK = 16
+
+
+def shapes(quick: bool) -> dict:
+    """``SHAPES["quick"]``, or the default target's ``TARGET_SHAPE`` read from its config with ``SHAPES["real"]``'s
+    batch (the config needs the offline SmolLM2 package; ``--quick`` runs without it)."""
+    if quick:
+        return SHAPES["quick"]
+    from adaflash_hf.assets import load_target_config
+
+    config = load_target_config()
+    return {name: getattr(config, name) for name in TARGET_SHAPE} | SHAPES["real"]
 
 
 def top_label_vocab(
@@ -118,13 +127,7 @@ def top_label_vocab(
 
 def _setup(variant: str, shape: dict, context_layers: int):
     spec = {**VARIANT_DEFAULTS, **VARIANTS[variant]}
-    target_config = LlamaConfig(
-        **{k: shape[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim")},
-        intermediate_size=shape["intermediate_size"],
-        vocab_size=shape["vocab_size"],
-        num_hidden_layers=shape["num_hidden_layers"],
-        tie_word_embeddings=True,
-    )
+    target_config = LlamaConfig(**{k: shape[k] for k in TARGET_SHAPE}, tie_word_embeddings=True)
     torch.manual_seed(0)
     # No spare vocabulary row in SmolLM2: the drafter learns its mask embedding, as train_drafter.py builds it.
     config = AdaFlashConfig.for_target(
@@ -147,11 +150,11 @@ def _setup(variant: str, shape: dict, context_layers: int):
 
 
 def measure_variant(
-    variant: str, quick: bool, steps: int, warmup: int, threads: int, context_layers: int
+    variant: str, shape: dict, steps: int, warmup: int, threads: int, context_layers: int
 ) -> dict:
-    """Median blocks/s and peak memory of ``steps`` training steps of ``variant``, in this process."""
+    """Median blocks/s and peak memory of ``steps`` training steps of ``variant`` at ``shape`` (``shapes``), in this
+    process."""
     torch.set_num_threads(threads)
-    shape = SHAPES["quick" if quick else "real"]
     spec, drafter, args = _setup(variant, shape, context_layers)
     batch, seq, hidden, vocab = shape["batch"], shape["seq"], shape["hidden_size"], shape["vocab_size"]
     g = torch.Generator().manual_seed(0)
@@ -227,10 +230,10 @@ def measure_variant(
     }
 
 
-def _measure_isolated(variant, quick, steps, warmup, threads, context_layers) -> dict:
+def _measure_isolated(variant, shape, steps, warmup, threads, context_layers) -> dict:
     """One fresh process per variant, so the RSS high-water mark belongs to that variant alone; a variant whose
     process failed (killed for memory, say) is a row with its ``error``, and the others go on."""
-    spec = [variant, quick, steps, warmup, threads, context_layers]
+    spec = [variant, shape, steps, warmup, threads, context_layers]
     return {"variant": variant} | in_fresh_process(
         "adaflash_hf.bench.train", "measure_variant", spec, threads
     )
@@ -238,9 +241,10 @@ def _measure_isolated(variant, quick, steps, warmup, threads, context_layers) ->
 
 def run(args) -> dict:
     measure = measure_variant if args.in_process else _measure_isolated
+    shape = shapes(args.quick)
     entries = []
     for variant in args.variants:
-        entry = measure(variant, args.quick, args.steps, args.warmup, args.threads, args.context_layers)
+        entry = measure(variant, shape, args.steps, args.warmup, args.threads, args.context_layers)
         entries.append(entry)
         print(f"{variant}: {json.dumps(entry)}", file=sys.stderr, flush=True)
     today = next((e for e in entries if e["variant"] == "today" and "error" not in e), None)
@@ -249,7 +253,7 @@ def run(args) -> dict:
         entry["speedup_vs_today"] = entry["blocks_per_s"] / today["blocks_per_s"] if ok else None
     settings = {
         "shape": "quick" if args.quick else "real",
-        **SHAPES["quick" if args.quick else "real"],
+        **shape,
         "context_layers": args.context_layers,
         "block_size": BLOCK,
         "threads": args.threads,

@@ -61,13 +61,11 @@ def available() -> bool:
     )
 
 
-def attach_codes(target) -> list[str]:
+def attach_codes(target, groups: list[tuple[torch.nn.Linear, ...]]) -> list[str]:
     """Recover and keep the 4-bit codes of every ``nn.Linear`` of ``target`` (fp32 weights) except its output
-    embedding, before the cast; returns their names. Projections of one input that the prepared forward runs as one
-    (``adaflash_hf.prepared.linear.projection_groups``) keep one set of codes, concatenated. Raises ``ValueError``
-    naming the first linear whose weights are not 4-bit (nothing kept then)."""
-    from adaflash_hf.prepared.linear import projection_groups
-
+    embedding, before the cast; returns their names. The projections of one input in ``groups``, which the prepared
+    forward runs as one (``adaflash_hf.prepared.linear.projection_groups``), keep one set of codes, concatenated.
+    Raises ``ValueError`` naming the first linear whose weights are not 4-bit (nothing kept then)."""
     output = target.get_output_embeddings()
     found = {}
     for name, module in target.named_modules():
@@ -87,9 +85,7 @@ def attach_codes(target) -> list[str]:
         found[module] = codes
     if not found:
         raise ValueError("dtype='int4': expected linears with 4-bit weights, got a target without any")
-    groups = [
-        g for g in projection_groups(target) if all(type(m) is torch.nn.Linear and m in found for m in g)
-    ]
+    groups = [g for g in groups if all(type(m) is torch.nn.Linear and m in found for m in g)]
     grouped = {m for g in groups for m in g}
     for members in [*groups, *((m,) for m in found if m not in grouped)]:
         codes = torch.cat([found[m][0] for m in members])

@@ -57,7 +57,7 @@ from adaflash_hf.prepared.choice import Timer, choose, forward_timer, timings_on
 from adaflash_hf.prepared.cpu import BF16_UNITS, cpu_model
 from adaflash_hf.prepared.cpu import bf16_units as detect_bf16_units
 from adaflash_hf.prepared.forward import install_invariant_forward, rotary_modules, runs_invariant_forward
-from adaflash_hf.prepared.linear import linear_tiles
+from adaflash_hf.prepared.linear import linear_tiles, projection_groups
 
 logger = logging.get_logger(__name__)
 
@@ -213,7 +213,7 @@ def prepare_target(
 def _prepare(target, dtype: torch.dtype, invariant: bool, weights: str = ""):
     """Cast ``target`` (keeping 4-bit codes first where ``weights`` says so) and install the invariant forward."""
     if weights == FOUR_BIT:
-        four_bit.attach_codes(target)  # raises, before anything changes, where a linear is not 4-bit
+        four_bit.attach_codes(target, projection_groups(target))  # raises, changing nothing, unless 4-bit
     _cast(target, dtype)
     if weights == FOUR_BIT:
         four_bit.seal(target)
