@@ -90,3 +90,15 @@ def test_bad_counts_are_usage_errors_before_any_step(capsys, flags, message):
         bench.main(["--quick", *flags])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_real_shapes_are_the_default_targets_and_quick_shapes_read_no_target(monkeypatch):
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(hidden_size=96, num_attention_heads=6, num_key_value_heads=2, head_dim=16)
+    monkeypatch.setattr("adaflash_hf.assets.load_target_config", lambda: config)
+    shape = bench.shapes(quick=False)
+    assert {k: shape[k] for k in bench.TARGET_SHAPE} == {k: getattr(config, k) for k in bench.TARGET_SHAPE}
+    assert shape["batch"] == bench.SHAPES["real"]["batch"]
+    monkeypatch.setattr("adaflash_hf.assets.load_target_config", lambda: pytest.fail("read a target config"))
+    assert bench.shapes(quick=True) == bench.SHAPES["quick"]
