@@ -35,7 +35,7 @@ import io
 import json
 import random
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 
 import datasets
 import torch
@@ -127,6 +127,21 @@ def prompt_ids(
     if max_tokens is None or ids.shape[1] <= max_tokens:
         return ids
     return ids[:, -max_tokens:] if too_long == "keep_last" else None
+
+
+def in_turn(per_domain: Mapping[str, Sequence], count: int, cycle: bool = False) -> list:
+    """``count`` rows taking the domains in turn: row i is row i // D of domain i % D (D domains, in ``per_domain``'s
+    order), so a benchmark's prompts mix its domains evenly. A domain out of rows skips its turns (fewer than ``count``
+    come back), or, with ``cycle``, starts over."""
+    domains = list(per_domain)
+    picked = []
+    for i in range(count):
+        rows, row = per_domain[domains[i % len(domains)]], i // len(domains)
+        if cycle:
+            row %= len(rows)
+        if row < len(rows):
+            picked.append(rows[row])
+    return picked
 
 
 # ---- chat: ShareGPT --------------------------------------------------------------------------------------

@@ -80,13 +80,10 @@ def parse_labelled(values: list[str], option: str, what: str, check=str) -> dict
 
 def load_prompts(domains: list[str], split: str, count: int, seed: int, max_chars: int) -> list[str]:
     """``count`` prompt texts of ``domains`` in turn (each domain's rows shuffled with ``seed``, cycled if short)."""
-    from adaflash_hf.data import load_domain
+    from adaflash_hf.data import in_turn, load_domain
 
     texts = {d: [row["prompt"][-max_chars:] for row in load_domain(d, split, seed=seed)] for d in domains}
-    return [
-        texts[domains[i % len(domains)]][(i // len(domains)) % len(texts[domains[i % len(domains)]])]
-        for i in range(count)
-    ]
+    return in_turn(texts, count, cycle=True)
 
 
 def scrape(url: str) -> dict[str, float]:
