@@ -23,7 +23,7 @@ import json
 import sys
 from pathlib import Path
 
-from adaflash_hf.bench.opd_report import bootstrap, pooled_tau
+from adaflash_hf.online.evaluate import bootstrap, pooled_tau
 
 NEW_DOMAIN_GAIN = 0.25
 OTHER_DOMAINS_FLOOR = -0.05

@@ -13,7 +13,7 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Split
 from transformers import PreTrainedTokenizerFast
 
-from adaflash_hf.bench import opd, opd_report
+from adaflash_hf.bench import opd
 from adaflash_hf.online import evaluate
 from adaflash_hf.online.buffer import ReplayBuffer, Trajectory
 from adaflash_hf.online.loop import TrafficSource
@@ -302,12 +302,12 @@ def _summary(tau, spread=0, flip=False):
 
 
 def test_tau_intervals_hold_the_pooled_tau_and_need_prompts_of_one_count():
-    low, high = opd_report.tau_interval(_summary(1.4, spread=20))
+    low, high = evaluate.tau_interval(_summary(1.4, spread=20))
     assert low < 1.4 < high
     with pytest.raises(
         ValueError, match=r"paired: expected non-empty per-prompt lists of one length, got lengths"
     ):
-        opd_report.bootstrap(opd_report.pooled_tau, [[1, 2, 0, 0]], [[1, 2, 0, 0]] * 2)
+        evaluate.bootstrap(evaluate.pooled_tau, [[1, 2, 0, 0]], [[1, 2, 0, 0]] * 2)
 
 
 def test_launch_args_may_not_change_the_traffic(capsys):

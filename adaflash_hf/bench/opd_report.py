@@ -1,21 +1,18 @@
-"""What ``adaflash bench opd`` reports: intervals, the table and the plots, from its evaluations.
+"""What ``adaflash bench opd`` reports: the table and the plots, from its evaluations.
 
 An evaluation summary (``online.evaluate.evaluate_drafter``) holds, per domain, the pooled figures (τ, τ_full,
-per-position acceptance, the length head's mean |â - a*|) and ``per_prompt`` counts ``[accepted, verifies,
-full_rounds, full_accepted]``. Every variant and round serves the same evaluation prompts, so intervals are paired
-bootstraps over the prompts (``bootstrap``; ``experiments/goals.py`` grades the experiment's goals with them).
+per-position acceptance, the length head's mean |â - a*|) and ``per_prompt`` counts. Every variant and round serves
+the same evaluation prompts, so τ's intervals are paired bootstraps over the prompts (``online.evaluate.bootstrap``;
+``experiments/goals.py`` grades the experiment's goals with them).
 """
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 from adaflash_hf.bench.report import panels, save, table
-from adaflash_hf.stats import tau_of
+from adaflash_hf.online.evaluate import tau_interval
 
-ACCEPTED, VERIFIES, FULL_ROUNDS, FULL_ACCEPTED = range(4)
-RESAMPLES = 2000
 COLORS = {
     "none": "tab:gray",
     "ce": "tab:blue",
@@ -30,36 +27,6 @@ def color(variant: str) -> str | None:
     if variant.startswith("replay-"):
         return REPLAY_COLORS[sum(map(ord, variant)) % len(REPLAY_COLORS)]  # the same in every process
     return COLORS.get(variant)
-
-
-# ---------------------------------------------------------------------------------------------- intervals
-def pooled_tau(rows: list[list[float]]) -> float:
-    """τ of per-prompt counts: committed tokens per verify, pooled over the prompts."""
-    verifies = sum(r[VERIFIES] for r in rows)
-    return tau_of(sum(r[ACCEPTED] for r in rows) + verifies, verifies)
-
-
-def bootstrap(statistic, *paired: list, resamples: int = RESAMPLES, seed: int = 0) -> tuple[float, float]:
-    """95% percentile interval of ``statistic(*resampled)`` over ``resamples`` resamples of the prompts with
-    replacement, every list in ``paired`` resampled with the same prompt indices (they hold the same prompts in the
-    same order)."""
-    sizes = {len(p) for p in paired}
-    if len(sizes) != 1 or 0 in sizes:
-        raise ValueError(
-            f"paired: expected non-empty per-prompt lists of one length, got lengths {sorted(sizes)}"
-        )
-    (n,) = sizes
-    rng = random.Random(seed)
-    values = []
-    for _ in range(resamples):
-        picks = [rng.randrange(n) for _ in range(n)]
-        values.append(statistic(*[[p[i] for i in picks] for p in paired]))
-    values.sort()
-    return values[int(0.025 * (resamples - 1))], values[int(0.975 * (resamples - 1))]
-
-
-def tau_interval(summary: dict) -> tuple[float, float]:
-    return bootstrap(pooled_tau, summary["per_prompt"])
 
 
 # ---------------------------------------------------------------------------------------------- table

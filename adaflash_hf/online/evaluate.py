@@ -4,14 +4,16 @@
 serves (``online.loop.TrafficSource.from_domains``), and refuses any with the text or the token ids of a served one.
 ``evaluate_drafter`` serves them greedily on an engine and reads every round's whole draft back: τ, τ_full (what the
 full draft would have committed), per-position acceptance and the length head's mean |â - a*|, per domain, with
-per-prompt counts for intervals. ``read_metrics`` reads a run's per-round metrics back. ``adaflash bench opd`` uses
-them on each round's checkpoint; a learner can use them on its own drafter.
+per-prompt counts for intervals (``tau_interval``, ``bootstrap``: paired over the prompts). ``read_metrics`` reads a
+run's per-round metrics back. ``adaflash bench opd`` uses them on each round's checkpoint; a learner can use them on
+its own drafter.
 """
 
 from __future__ import annotations
 
 import csv
 import math
+import random
 from collections import defaultdict
 from pathlib import Path
 
@@ -21,6 +23,9 @@ from adaflash_hf.serving import AdaFlashEngine, SamplingParams
 from adaflash_hf.stats import tau_of
 
 DOMAINS = ("chat", "code", "math")  # always evaluated, with the traffic's own domains (a new one among them)
+# Where a summary's ``per_prompt`` row holds each count.
+ACCEPTED, VERIFIES, FULL_ROUNDS, FULL_ACCEPTED = range(4)
+RESAMPLES = 2000
 
 
 # ---------------------------------------------------------------------------------------------- prompts
@@ -154,7 +159,7 @@ def evaluate_drafter(
     engine: AdaFlashEngine, prompts: dict[str, list[list[int]]], max_new_tokens: int
 ) -> tuple[dict[str, dict], dict[str, list[list[int]]]]:
     """Serve ``prompts`` greedily on ``engine``; per domain τ, τ_full, per-position acceptance, the length head's mean
-    |â - a*| and per-prompt counts (``opd_report``: intervals), and the outputs.
+    |â - a*| and per-prompt counts (``tau_interval``), and the outputs.
 
     τ_full, the per-position curve and the head's error use only rounds whose whole draft lies inside the final
     sequence (a* = the full draft's leading matches / (block_size - 1), the head's training target). Each round's
@@ -221,9 +226,39 @@ def _domain_summary(counts: list[dict]) -> dict:
         "head_error": total["head_error"] / total["head_rounds"] if total["head_rounds"] else float("nan"),
         "verifies": verifies,
         "full_rounds": full,
-        # [accepted, verifies, full_rounds, full_accepted] per prompt: opd_report's bootstrap intervals
+        # per prompt, at ACCEPTED, VERIFIES, FULL_ROUNDS, FULL_ACCEPTED: the bootstrap intervals (tau_interval)
         "per_prompt": [[c["accepted"], c["verifies"], c["full_rounds"], c["full_accepted"]] for c in counts],
     }
+
+
+# ---------------------------------------------------------------------------------------------- intervals
+def pooled_tau(rows: list[list[float]]) -> float:
+    """τ of per-prompt counts: committed tokens per verify, pooled over the prompts."""
+    verifies = sum(r[VERIFIES] for r in rows)
+    return tau_of(sum(r[ACCEPTED] for r in rows) + verifies, verifies)
+
+
+def bootstrap(statistic, *paired: list, resamples: int = RESAMPLES, seed: int = 0) -> tuple[float, float]:
+    """95% percentile interval of ``statistic(*resampled)`` over ``resamples`` resamples of the prompts with
+    replacement, every list in ``paired`` resampled with the same prompt indices (they hold the same prompts in the
+    same order)."""
+    sizes = {len(p) for p in paired}
+    if len(sizes) != 1 or 0 in sizes:
+        raise ValueError(
+            f"paired: expected non-empty per-prompt lists of one length, got lengths {sorted(sizes)}"
+        )
+    (n,) = sizes
+    rng = random.Random(seed)
+    values = []
+    for _ in range(resamples):
+        picks = [rng.randrange(n) for _ in range(n)]
+        values.append(statistic(*[[p[i] for i in picks] for p in paired]))
+    values.sort()
+    return values[int(0.025 * (resamples - 1))], values[int(0.975 * (resamples - 1))]
+
+
+def tau_interval(summary: dict) -> tuple[float, float]:
+    return bootstrap(pooled_tau, summary["per_prompt"])
 
 
 # ---------------------------------------------------------------------------------------------- a run's metrics
