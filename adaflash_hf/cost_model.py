@@ -329,12 +329,12 @@ def calibrate_target(
     budget_s: float = 1.5,
     **forward_kwargs,
 ) -> None:
-    """Time target forwards of each of ``sizes`` new tokens after ``context`` random tokens (``forward_timer``) and
+    """Time target forwards of each of ``sizes`` new tokens after ``context`` random tokens (``verify_timer``) and
     feed them to ``cost``: up to ``repeats`` passes while ``budget_s`` lasts (the first pass always completes). Sizes go
     coarse to fine (1, the largest, the middle, ...), so a pass cut short still spans the range, and every size is
     timed right after a 1-token forward, so a neighbour's load hits both sides of the ratio that decides the choice."""
     order = _coarse_to_fine(sorted(set(sizes)))
-    forward = forward_timer(target, order, context, **forward_kwargs)
+    forward = verify_timer(target, order, context, **forward_kwargs)
     started = time.perf_counter()
     for repeat in range(repeats):
         if repeat and time.perf_counter() - started > budget_s:
@@ -346,7 +346,7 @@ def calibrate_target(
     cost.calibrated = True
 
 
-def forward_timer(target, sizes: Sequence[int], context: int, **forward_kwargs) -> Callable[[int], float]:
+def verify_timer(target, sizes: Sequence[int], context: int, **forward_kwargs) -> Callable[[int], float]:
     """``forward(n)``: the seconds of a target forward of n new tokens after ``context`` random tokens (seed 0) on a
     dynamic cache cropped back after each, as ``generate`` verifies. The context is prefilled and each of ``sizes`` is
     run once, in that order, before it returns: the first forward of a shape pays for allocations (and a prepared

@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 
 from adaflash_hf.bench.report import add_record_options, parse_record_args, print_record, table
 from adaflash_hf.bench.targets import preparation
-from adaflash_hf.cost_model import forward_timer
+from adaflash_hf.cost_model import verify_timer
 from adaflash_hf.launch import int_at_least
 from adaflash_hf.prepared.cpu import cpu_record
 
@@ -51,9 +51,9 @@ def build_arm(target, arm: str):
 @torch.inference_mode()
 def measure_curve(target, max_tokens: int = 16, context: int = 200, repeats: int = 5) -> dict:
     """Median seconds of forwards of 1..max_tokens new tokens after ``context`` tokens, and their median ratio to the
-    1-token forward timed just before each (``cost_model.forward_timer``)."""
+    1-token forward timed just before each (``cost_model.verify_timer``)."""
     sizes = range(1, max_tokens + 1)
-    forward = forward_timer(target, sizes, context)
+    forward = verify_timer(target, sizes, context)
     seconds = {n: [] for n in sizes}
     ratios = {n: [] for n in sizes}
     for _ in range(repeats):
