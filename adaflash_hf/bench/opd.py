@@ -16,15 +16,11 @@
    runs, so a bad setting fails at once. A run whose ``metrics.csv`` already has ``max_rounds`` rows is not rerun
    (delete its folder to rerun it).
 2. **Evaluation** (``adaflash_hf.online.evaluate``). The starting drafter (round 0) and each run's checkpoint after
-   every round serve a fixed evaluation set in the engine's adaflash mode (the adaptive rule), greedy:
-   ``--eval-prompts-per-domain`` held-out prompts of every domain in ``DOMAINS`` and of the traffic's own
-   (``evaluation_domains``: a new domain among them) that the traffic never serves (``eval_prompts``), checked before
-   any run starts. Every round's whole draft (all ``block_size - 1`` proposals) is recorded, so besides τ (committed
-   tokens per verify with the length head's truncation) the evaluation reports what the full draft would have
-   achieved (``evaluate_drafter``): per-position acceptance (the share of rounds whose first j proposals all equal the
-   target's greedy tokens), τ_full = 1 + the mean accepted length of the full draft, and the length head's mean
-   |â - a*|. Every evaluation's outputs must equal the round-0 outputs token for token (lossless serving). Results are
-   cached per (run, round) in ``OUT/eval``.
+   every round serve (``evaluation_engine``, greedy) ``--eval-prompts-per-domain`` held-out prompts of every domain
+   in ``DOMAINS`` and of the traffic's own (``evaluation_domains``) that the traffic never serves (``eval_prompts``,
+   checked before any run starts); ``evaluate_drafter`` reports τ and what the full draft would have achieved
+   (per-position acceptance, τ_full, the length head's mean |â - a*|). Every evaluation's outputs must equal the
+   round-0 outputs token for token (lossless serving). Results are cached per (run, round) in ``OUT/eval``.
 3. **Outputs** in ``OUT`` (``opd_report``): ``results.json`` (with per-prompt counts), ``table.md`` (τ with paired
    bootstrap 95% intervals over the prompts), ``tau_vs_rounds.png``, ``acceptance_per_position.png`` (round 0 against
    each run's last round) and ``head_error_vs_rounds.png``. ``experiments/goals.py opd`` grades the experiment's
@@ -53,11 +49,11 @@ from adaflash_hf.online.evaluate import (
     eval_texts,
     evaluate_drafter,
     evaluation_domains,
+    evaluation_engine,
     read_metrics,
     served_counts,
 )
 from adaflash_hf.online.weights import checkpoints_by_round, load_state, sha256_file
-from adaflash_hf.serving import AdaFlashEngine, AdmissionConfig
 
 logger = logging.get_logger(__name__)
 
@@ -208,10 +204,6 @@ def _evaluate_all(args, config, prompts, run_dirs, target) -> dict:
         "head_error": True,  # records carry â (an older evaluation, without it, is recomputed)
     }
     base = AdaFlashDrafter.from_pretrained(config["drafter_init"], dtype=target.dtype).eval()
-    longest = max(len(p) for ps in prompts.values() for p in ps)
-    admission = AdmissionConfig(
-        max_running=concurrency, token_budget=concurrency * base.config.block_size + longest
-    )
     initial = {n: t.clone() for n, t in base.state_dict().items()}
     initial_digest = hashlib.sha256(
         b"".join(t.float().numpy().tobytes() for t in initial.values())
@@ -229,11 +221,7 @@ def _evaluate_all(args, config, prompts, run_dirs, target) -> dict:
                 return cached
         load_state(base, initial if weights is None else load_file(str(weights)))
         started = time.perf_counter()
-        # The adaptive rule: τ and acceptance measure the drafter, not this machine's verify costs.
-        # The drafter's blocks every step: what OPD learns from (a lookup round has no block).
-        engine = AdaFlashEngine(
-            target, base, admission=admission, length_mode="adaptive", draft_source="diffusion"
-        )
+        engine = evaluation_engine(target, base, prompts, concurrency)
         summary, outputs = evaluate_drafter(engine, prompts, max_new)
         record = {"settings": key, "summary": summary, "outputs": _digest(outputs)}
         report.write_json(path, record)

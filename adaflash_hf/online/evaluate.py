@@ -19,7 +19,7 @@ from pathlib import Path
 
 from adaflash_hf.modeling.length_head_adaflash import realised_acceptance
 from adaflash_hf.online.loop import TrafficSource
-from adaflash_hf.serving import AdaFlashEngine, SamplingParams
+from adaflash_hf.serving import AdaFlashEngine, AdmissionConfig, SamplingParams
 from adaflash_hf.stats import tau_of
 
 DOMAINS = ("chat", "code", "math")  # always evaluated, with the traffic's own domains (a new one among them)
@@ -182,6 +182,20 @@ def evaluate_drafter(
         outputs[domain] = [list(request.output) for request in requests]
         summary[domain] = _domain_summary([_request_counts(r, rounds[r.request_id], block) for r in requests])
     return summary, outputs
+
+
+def evaluation_engine(
+    target, drafter, prompts: dict[str, list[list[int]]], concurrency: int
+) -> AdaFlashEngine:
+    """The engine an evaluation of ``drafter`` on ``prompts`` serves on, ``concurrency`` requests at a time, with a
+    token budget that never binds. The adaptive rule: τ and acceptance measure the drafter, not this machine's verify
+    costs. The drafter's blocks every step: what online distillation learns from (a lookup round has no block)."""
+    longest = max(len(p) for ps in prompts.values() for p in ps)
+    budget = concurrency * drafter.config.block_size + longest
+    admission = AdmissionConfig(max_running=concurrency, token_budget=budget)
+    return AdaFlashEngine(
+        target, drafter, admission=admission, length_mode="adaptive", draft_source="diffusion"
+    )
 
 
 def _request_counts(request, records, block: int) -> dict:
