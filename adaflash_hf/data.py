@@ -32,6 +32,7 @@ import functools
 import gzip
 import hashlib
 import io
+import itertools
 import json
 import random
 import re
@@ -142,6 +143,32 @@ def in_turn(per_domain: Mapping[str, Sequence], count: int, cycle: bool = False)
         if row < len(rows):
             picked.append(rows[row])
     return picked
+
+
+def heldout_rows(domains: Sequence[str], per_domain: int, option: str) -> dict[str, list[dict]]:
+    """``per_domain`` held-out rows of each domain (the first of its shuffle with seed 0), refused beyond a domain's
+    held-out set with an error naming ``option`` (the command's option that asked for them)."""
+    rows = {}
+    for domain in domains:
+        available = len(load_domain(domain, "heldout"))
+        if per_domain > available:
+            raise ValueError(
+                f"{option}: expected at most {available} (the held-out {domain} prompts), got {per_domain}"
+            )
+        rows[domain] = list(load_domain(domain, "heldout", per_domain))
+    return rows
+
+
+def heldout_prompt_ids(tokenizer, domains: Sequence[str], count: int, max_tokens: int) -> list[torch.Tensor]:
+    """``count`` held-out prompts as token ids ``[L]``, the domains in turn (``in_turn``), each domain's in its
+    canonical order with those longer than ``max_tokens`` skipped; fewer where a domain runs out."""
+    per_domain = {}
+    for domain in domains:
+        ids = (
+            prompt_ids(tokenizer, row, max_tokens, too_long="skip") for row in load_domain(domain, "heldout")
+        )
+        per_domain[domain] = list(itertools.islice((p[0] for p in ids if p is not None), count))
+    return in_turn(per_domain, count)
 
 
 # ---- chat: ShareGPT --------------------------------------------------------------------------------------

@@ -651,25 +651,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def _heldout_rows(domains: list[str], per_domain: int) -> dict[str, list[dict]]:
-    """``per_domain`` held-out rows of each domain, refused (naming the option) beyond a domain's held-out set."""
-    from adaflash_hf.data import load_domain
-
-    rows = {}
-    for domain in domains:
-        available = len(load_domain(domain, "heldout"))
-        if per_domain > available:
-            raise ValueError(
-                f"--prompts-per-domain: expected at most {available} (the held-out {domain} prompts), got {per_domain}"
-            )
-        rows[domain] = list(load_domain(domain, "heldout", per_domain))
-    return rows
-
-
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     start_run(args.threads)
-    from adaflash_hf.data import prompt_ids
+    from adaflash_hf.data import heldout_rows, prompt_ids
 
     # The drafter and the prompts before the target: a bad folder or prompt count fails in seconds.
     drafter = None if args.drafter is None else AdaFlashDrafter.from_pretrained(args.drafter).eval()
@@ -677,7 +662,7 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError(
             f"--min-len: expected 0..{drafter.config.block_size - 1} (the drafter's block_size - 1), got {args.min_len}"
         )
-    rows = _heldout_rows(args.domains, args.prompts_per_domain)
+    rows = heldout_rows(args.domains, args.prompts_per_domain, "--prompts-per-domain")
     target, tokenizer, baselines, settings = load_run_target(args, "generate", argv)
     if drafter is not None:
         drafter = drafter.to(next(target.parameters()).dtype)

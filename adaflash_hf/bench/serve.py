@@ -32,7 +32,6 @@ Exit status 1 when a mode is not lossless.
 from __future__ import annotations
 
 import argparse
-import itertools
 import statistics
 import time
 from pathlib import Path
@@ -323,14 +322,9 @@ def write_outputs(results: dict, output_dir: Path) -> None:
 
 def heldout_prompts(tokenizer, count: int, max_prompt_tokens: int) -> list[torch.Tensor]:
     """``count`` held-out prompts, chat/code/math in turn, each at most ``max_prompt_tokens`` long."""
-    from adaflash_hf.data import in_turn, load_domain, prompt_ids
+    from adaflash_hf.data import heldout_prompt_ids
 
-    per_domain = {}
-    for domain in DOMAINS:
-        rows = load_domain(domain, "heldout")
-        ids = (prompt_ids(tokenizer, row, max_prompt_tokens, too_long="skip") for row in rows)
-        per_domain[domain] = list(itertools.islice((p[0] for p in ids if p is not None), count))
-    prompts = in_turn(per_domain, count)
+    prompts = heldout_prompt_ids(tokenizer, DOMAINS, count, max_prompt_tokens)
     if len(prompts) < count:
         raise ValueError(
             f"--max-prompt-tokens: expected a length {count} held-out prompts fit in (the requests of the highest "
