@@ -6,6 +6,7 @@ import re
 import pytest
 
 from adaflash_hf.bench import generate as bench
+from adaflash_hf.online.evaluate import length_head_figures
 from tests.conftest import BENCH_PROMPTS as PROMPTS
 
 NEW_TOKENS = 24
@@ -75,7 +76,7 @@ def test_length_head_figures_count_diffusion_rounds_and_score_only_uncensored_on
         "predicted_acceptance": [0.5, 0.9, 0.2, 1.0, 0.6],
         "sources": ["diffusion", "diffusion", "diffusion", "diffusion", "lookup"],
     }
-    figures = bench.length_head_figures([stats])
+    figures = length_head_figures([stats])
     assert figures["k_hat_histogram"] == [0, 1, 1, 2]  # the lookup round is not a k̂ choice
     # Rounds 0 and 2 rejected a verified draft (a* exact); rounds 1 and 3 accepted all they verified (censored).
     assert figures["head_abs_error"] == pytest.approx((abs(0.5 - 1 / 3) + abs(0.2 - 0)) / 2)

@@ -59,7 +59,7 @@ from adaflash_hf.bench.targets import (
     timed_baselines,
 )
 from adaflash_hf.launch import int_at_least, number_in
-from adaflash_hf.modeling.length_head_adaflash import length_head_error, realised_acceptance
+from adaflash_hf.online.evaluate import acceptance_per_position, length_head_figures
 from adaflash_hf.stats import tau_of
 
 logger = logging.get_logger(__name__)
@@ -400,16 +400,6 @@ def _account(record: dict, calls, prompt_length: int, final_length: int, method:
             )
 
 
-def acceptance_per_position(verified: list[int], accepted: list[int]) -> list[float | None]:
-    """P(draft j accepted | draft j verified) for j = 1..max verified; None where never verified."""
-    width = max(verified, default=0)
-    out = []
-    for j in range(width):
-        attempts = sum(k > j for k in verified)
-        out.append(sum(a > j for a, k in zip(accepted, verified) if k > j) / attempts if attempts else None)
-    return out
-
-
 def _summarise(records: list[dict]) -> dict:
     verified = [k for r in records for k in r["verify_lengths"]]
     accepted = [a for r in records for a in r["accepted_lengths"]]
@@ -456,36 +446,6 @@ def _summarise(records: list[dict]) -> dict:
         row["lookup_acceptance"] = sum(a for _, a in lookup) / verified if verified else None
         row.update(length_head_figures([r["stats"] for r in records]))
     return row
-
-
-def length_head_figures(stats: list[dict]) -> dict:
-    """The diffusion rounds' k̂ histogram (``k_hat_histogram[k]``: rounds that verified k drafts) and the length
-    head's mean |â - a*|, where a* = accepted / (block_size - 1) is the realised fraction of the whole block. a* is
-    known exactly only in rounds that rejected a verified draft (a round that accepted all k̂ would have accepted
-    k̂ or more of the full block), so the error is over those rounds; ``head_censored`` is the share of the others.
-    """
-    block = stats[0]["block_size"]
-    rounds = [
-        (k, a, p)
-        for s in stats
-        for k, a, p, source in zip(
-            s["verify_lengths"], s["accepted_lengths"], s["predicted_acceptance"], s["sources"]
-        )
-        if source == "diffusion"
-    ]
-    histogram = [0] * block
-    for k, _, _ in rounds:
-        histogram[k] += 1
-    exact = [
-        float(length_head_error(torch.tensor(p), realised_acceptance(torch.tensor(a), block)))
-        for k, a, p in rounds
-        if a < k
-    ]
-    return {
-        "k_hat_histogram": histogram,
-        "head_abs_error": statistics.fmean(exact) if exact else None,
-        "head_censored": 1 - len(exact) / len(rounds) if rounds else None,
-    }
 
 
 # ------------------------------------------------------------------------------------------------------- outputs

@@ -6,7 +6,8 @@ serves (``online.loop.TrafficSource.from_domains``), and refuses any with the te
 full draft would have committed), per-position acceptance and the length head's mean |â - a*|, per domain, with
 per-prompt counts for intervals (``tau_interval``, ``bootstrap``: paired over the prompts). ``read_metrics`` reads a
 run's per-round metrics back. ``adaflash bench opd`` uses them on each round's checkpoint; a learner can use them on
-its own drafter.
+its own drafter. Any drafter's recorded rounds (``generate``'s statistics, say) give its acceptance per position and
+its length head's error (``acceptance_per_position``, ``length_head_figures``: ``adaflash bench generate``).
 """
 
 from __future__ import annotations
@@ -14,10 +15,13 @@ from __future__ import annotations
 import csv
 import math
 import random
+import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from adaflash_hf.modeling.length_head_adaflash import realised_acceptance
+import torch
+
+from adaflash_hf.modeling.length_head_adaflash import length_head_error, realised_acceptance
 from adaflash_hf.online.loop import TrafficSource
 from adaflash_hf.serving import AdaFlashEngine, AdmissionConfig, SamplingParams
 from adaflash_hf.stats import tau_of
@@ -242,6 +246,48 @@ def _domain_summary(counts: list[dict]) -> dict:
         "full_rounds": full,
         # per prompt, at ACCEPTED, VERIFIES, FULL_ROUNDS, FULL_ACCEPTED: the bootstrap intervals (tau_interval)
         "per_prompt": [[c["accepted"], c["verifies"], c["full_rounds"], c["full_accepted"]] for c in counts],
+    }
+
+
+# ---------------------------------------------------------------------------------------------- a drafter's rounds
+def acceptance_per_position(verified: list[int], accepted: list[int]) -> list[float | None]:
+    """P(draft j accepted | draft j verified) for j = 1..max verified; None where never verified."""
+    width = max(verified, default=0)
+    out = []
+    for j in range(width):
+        attempts = sum(k > j for k in verified)
+        out.append(sum(a > j for a, k in zip(accepted, verified) if k > j) / attempts if attempts else None)
+    return out
+
+
+def length_head_figures(stats: list[dict]) -> dict:
+    """Of ``stats`` (``AdaFlashStats.to_dict()``, one per call), the diffusion rounds' k̂ histogram
+    (``k_hat_histogram[k]``: rounds that verified k drafts) and the length head's mean |â - a*|, where a* = accepted /
+    (block_size - 1) is the realised fraction of the whole block. a* is known exactly only in rounds that rejected a
+    verified draft (a round that accepted all k̂ would have accepted k̂ or more of the full block), so the error is
+    over those rounds; ``head_censored`` is the share of the others.
+    """
+    block = stats[0]["block_size"]
+    rounds = [
+        (k, a, p)
+        for s in stats
+        for k, a, p, source in zip(
+            s["verify_lengths"], s["accepted_lengths"], s["predicted_acceptance"], s["sources"]
+        )
+        if source == "diffusion"
+    ]
+    histogram = [0] * block
+    for k, _, _ in rounds:
+        histogram[k] += 1
+    exact = [
+        float(length_head_error(torch.tensor(p), realised_acceptance(torch.tensor(a), block)))
+        for k, a, p in rounds
+        if a < k
+    ]
+    return {
+        "k_hat_histogram": histogram,
+        "head_abs_error": statistics.fmean(exact) if exact else None,
+        "head_censored": 1 - len(exact) / len(rounds) if rounds else None,
     }
 
 
