@@ -561,3 +561,24 @@ def no_target(monkeypatch):
         raise AssertionError("the target loaded before the options were checked")
 
     monkeypatch.setattr("adaflash_hf.assets.load_target", load_target)
+
+
+def snapped(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` moved to 16 levels per group of 32 inputs, as a Q4_1 GGUF's dequantized weights are."""
+    out, features = weight.shape
+    groups = weight.reshape(out, features // 32, 32)
+    for _ in range(4):  # a fixed point: the levels recomputed from the snapped group give the same group back
+        low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+        step = (high - low) / 15
+        groups = low + step * torch.round((groups - low) / step)
+    return groups.reshape(out, features)
+
+
+def four_bit_target(target_factory, kind="llama", seed=0):
+    target = target_factory(kind, seed=seed)
+    output = target.get_output_embeddings()
+    with torch.no_grad():
+        for module in target.modules():
+            if isinstance(module, torch.nn.Linear) and module is not output:
+                module.weight.copy_(snapped(module.weight))
+    return target

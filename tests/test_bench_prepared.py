@@ -91,6 +91,13 @@ def test_an_unknown_dtype_is_a_usage_error_before_the_target_loads(no_target, ca
     assert re.search(r"argument --dtype: invalid choice: 'fp16'", capsys.readouterr().err)
 
 
+def test_int4_without_prepared_is_a_usage_error_before_the_target_loads(no_target, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--quick", "--dtype", "int4"])
+    assert exit_info.value.code == 2
+    assert "--dtype int4: expected --prepared with it" in capsys.readouterr().err
+
+
 def test_bench_serve_reports_the_prepared_target_against_the_fastest_plain_batched_decoding(
     target_factory, drafter_factory
 ):

@@ -6,12 +6,13 @@ import torch
 
 from adaflash_hf.bench import verify_cost
 from adaflash_hf.prepared.cpu import cpu_model
+from tests.conftest import four_bit_target
 
 
 def test_the_record_holds_every_arms_curve_and_the_cpu(target_factory):
     record = verify_cost.run_verify_cost(
-        target_factory("llama"), verify_cost.ARMS, max_tokens=3, context=70, repeats=1, progress=False
-    )
+        four_bit_target(target_factory), verify_cost.ARMS, max_tokens=3, context=70, repeats=1, progress=False
+    )  # a 4-bit target, so that the int4 arm runs too
     assert list(record["arms"]) == list(verify_cost.ARMS)
     for arm, result in record["arms"].items():
         assert sorted(result["relative"]) == [1, 2, 3] and all(v > 0 for v in result["relative"].values()), (
@@ -21,6 +22,7 @@ def test_the_record_holds_every_arms_curve_and_the_cpu(target_factory):
     assert record["arms"]["fp32"]["prepared"] is None
     assert record["arms"]["prepared-bf16"]["prepared"]["dtype"] == "torch.bfloat16"
     assert record["arms"]["prepared-fp32"]["prepared"]["invariant"] is True
+    assert record["arms"]["prepared-int4"]["prepared"]["weights"] == "int4"
     assert set(record["cpu"]) >= {"model", "bf16_units", "missing_bf16_units"}
     table = verify_cost.markdown_table(record)
     assert cpu_model() in table and "bf16 units" in table and "| 3 |" in table

@@ -12,34 +12,20 @@ from adaflash_hf.cost_model import CostModel, use_cost_model
 from adaflash_hf.prepared import four_bit
 from adaflash_hf.prepared.prepare import is_prepared
 from adaflash_hf.serving import AdaFlashEngine, AdmissionConfig, SamplingParams
-from tests.conftest import finished_requests, greedy_reference, make_batched_oracle, random_prompts
+from tests.conftest import (
+    finished_requests,
+    four_bit_target,
+    greedy_reference,
+    make_batched_oracle,
+    random_prompts,
+    snapped,
+)
 
 pytestmark = pytest.mark.skipif(
     not four_bit.available(), reason="this torch has no CPU kernel for 4-bit weights"
 )
 
 PROMPT = torch.randint(0, 500, (1, 70), generator=torch.Generator().manual_seed(5))
-
-
-def snapped(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` moved to 16 levels per group of 32 inputs, as a Q4_1 GGUF's dequantized weights are."""
-    out, features = weight.shape
-    groups = weight.reshape(out, features // 32, 32)
-    for _ in range(4):  # a fixed point: the levels recomputed from the snapped group give the same group back
-        low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
-        step = (high - low) / 15
-        groups = low + step * torch.round((groups - low) / step)
-    return groups.reshape(out, features)
-
-
-def four_bit_target(target_factory, kind="llama", seed=0):
-    target = target_factory(kind, seed=seed)
-    output = target.get_output_embeddings()
-    with torch.no_grad():
-        for module in target.modules():
-            if isinstance(module, torch.nn.Linear) and module is not output:
-                module.weight.copy_(snapped(module.weight))
-    return target
 
 
 def test_the_codes_of_a_four_bit_weight_are_recovered_and_other_weights_give_none():

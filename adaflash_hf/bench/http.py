@@ -82,7 +82,8 @@ def load_prompts(domains: list[str], split: str, count: int, seed: int, max_char
     """``count`` prompt texts of ``domains`` in turn (each domain's rows shuffled with ``seed``, cycled if short)."""
     from adaflash_hf.data import in_turn, load_domain
 
-    texts = {d: [row["prompt"][-max_chars:] for row in load_domain(d, split, seed=seed)] for d in domains}
+    shuffled = {d: load_domain(d, split, n=len(load_domain(d, split)), seed=seed) for d in domains}
+    texts = {d: [row["prompt"][-max_chars:] for row in rows] for d, rows in shuffled.items()}
     return in_turn(texts, count, cycle=True)
 
 

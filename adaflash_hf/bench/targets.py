@@ -13,6 +13,7 @@ Each is a private copy of the loaded target (``load_target``'s object is shared 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging as std_logging
 import os
 from pathlib import Path
@@ -26,7 +27,7 @@ from adaflash_hf.launch import CONFIG_HELP, int_at_least, number_in, parse_args_
 from adaflash_hf.prepared.cpu import cpu_model
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-DTYPE_CHOICES = (*DTYPES, "auto")
+DTYPE_CHOICES = (*DTYPES, "int4", "auto")  # int4: a prepared target on its 4-bit codes (--prepared)
 DEFAULT_DRAFTER = Path(__file__).resolve().parents[2] / "examples" / "drafters" / "smollm2-135m-adaflash"
 
 
@@ -59,6 +60,10 @@ def parse_run_args(parser, argv: list[str] | None, quick: dict, full: dict, comp
     """The options, those left out taking ``quick``'s values under ``--quick`` and ``full``'s otherwise; a usage error
     unless the ``compared`` option includes plain (every other one is checked against it)."""
     args = parse_args_with_config(parser, argv)
+    if args.dtype == "int4" and not args.prepared:
+        parser.error(
+            "--dtype int4: expected --prepared with it (the 4-bit codes run in the prepared forward)"
+        )
     for name, value in (quick if args.quick else full).items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -120,7 +125,8 @@ def add_target_options(parser) -> None:
         "--dtype",
         choices=DTYPE_CHOICES,
         default="fp32",
-        help="the target's dtype (default fp32; auto: bf16 where this CPU has avx512_bf16 or amx_bf16)",
+        help="the target's dtype (default fp32; auto: bf16 where this CPU has avx512_bf16 or amx_bf16, timed with "
+        "--prepared; int4, with --prepared: a 4-bit target on its own codes)",
     )
     parser.add_argument(
         "--prepared",
@@ -159,11 +165,11 @@ def timed_baselines(baselines: dict | None) -> tuple[dict, dict]:
 
 
 def preparation(target) -> dict:
-    """What ``prepare_target`` chose for the prepared ``target``, for a record: dtype, invariant and why."""
+    """What ``prepare_target`` chose for the prepared ``target``, for a record (``TargetPreparation``'s fields)."""
     from adaflash_hf.prepared.prepare import is_prepared
 
     settings = is_prepared(target)
-    return {"dtype": str(settings.dtype), "invariant": settings.invariant, "reason": settings.reason}
+    return {**dataclasses.asdict(settings), "dtype": str(settings.dtype)}
 
 
 def plain_baselines(loaded, names, target, prepared: dict | None) -> dict:

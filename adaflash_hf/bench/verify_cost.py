@@ -5,8 +5,8 @@ relative to a 1-token forward, for each way of running the target.
                                [--threads 1] [--arms fp32 bf16 prepared-bf16 prepared-fp32] [--output FILE.json]
 
 Arms: ``fp32`` and ``bf16`` are the target as transformers runs it (SDPA attention; bf16 by ``.to``);
-``prepared-bf16`` and ``prepared-fp32`` are ``adaflash_hf.prepare_target(dtype=..., invariant=True)`` (the
-batch-invariant forward, checked); ``prepared`` is ``prepare_target``'s own choice on this host (``dtype="auto"``).
+``prepared-bf16``, ``prepared-fp32`` and ``prepared-int4`` are ``adaflash_hf.prepare_target(dtype=...,
+invariant=True)`` (the batch-invariant forward, checked; int4 on a 4-bit target's own codes); ``prepared`` is ``prepare_target``'s own choice on this host (``dtype="auto"``).
 Each arm gets its own copy of the target. Per repeat and size, a 1-token forward is timed right before the n-token one
 on the same cropped dynamic cache (as ``generate`` verifies), so a neighbour's load hits both sides of the ratio; the
 record holds the median ratio, the median milliseconds per size, the CPU's model and bf16 flags, and the settings
@@ -28,7 +28,7 @@ from adaflash_hf.cost_model import verify_timer
 from adaflash_hf.launch import int_at_least
 from adaflash_hf.prepared.cpu import cpu_record
 
-ARMS = ("fp32", "bf16", "prepared-bf16", "prepared-fp32", "prepared")
+ARMS = ("fp32", "bf16", "prepared-bf16", "prepared-fp32", "prepared-int4", "prepared")
 DEFAULT_ARMS = ("fp32", "bf16", "prepared-bf16", "prepared-fp32")
 
 

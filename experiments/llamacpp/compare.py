@@ -110,22 +110,6 @@ def time_transformers(target, prompts: list[list[int]], new_tokens: int, **gener
     return produced / seconds, texts
 
 
-def heldout(tokenizer, count: int, max_tokens: int = 256) -> list[list[int]]:
-    """``count`` held-out prompts, chat / code / math in turn, each at most ``max_tokens`` ids."""
-    from adaflash_hf.data import load_domain, prompt_ids
-
-    domains = ("chat", "code", "math")
-    fitting = {
-        d: (
-            ids[0].tolist()
-            for row in load_domain(d, "heldout")
-            if (ids := prompt_ids(tokenizer, row, max_tokens, "skip")) is not None
-        )
-        for d in domains
-    }
-    return [next(fitting[domains[i % len(domains)]]) for i in range(count)]
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("runs/llamacpp"))
@@ -142,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from adaflash_hf import AdaFlashDrafter, prepare_target
     from adaflash_hf.assets import load_target, smollm2_gguf_path
+    from adaflash_hf.data import heldout_prompt_ids
     from adaflash_hf.prepared.prepare import is_prepared
     from adaflash_hf.serving.server import DEFAULT_DRAFTER
 
@@ -149,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     gguf = gguf_of(args.out, args.llama_cpp_dir)
     target, tokenizer = load_target()
-    prompts = heldout(tokenizer, args.prompts)
+    prompts = [p.tolist() for p in heldout_prompt_ids(tokenizer, ("chat", "code", "math"), args.prompts, 256)]
     prompts_file = args.out / "prompts.json"
     prompts_file.write_text(json.dumps(prompts))
     rows = {
