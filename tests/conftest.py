@@ -263,6 +263,23 @@ def make_batched_oracle(target, drafter):
     return oracle, weight
 
 
+def serve_with_oracle(
+    target, oracle, weight, prompts, expected, indices, max_new_tokens=16, **engine_settings
+):
+    """``(engine, outputs)``: the ``prompts`` at ``indices`` served together by an ``AdaFlashEngine`` of ``target`` and
+    the batched ``oracle`` (``make_batched_oracle``), armed with ``expected`` continuations; up to 5 running."""
+    from adaflash_hf.serving import AdaFlashEngine, AdmissionConfig, SamplingParams
+
+    engine = AdaFlashEngine(target, oracle, admission=AdmissionConfig(max_running=5), **engine_settings)
+    references = {}
+    oracle.arm(engine, references, weight)
+    params = SamplingParams(max_new_tokens=max_new_tokens)
+    ids = {i: engine.add_request(prompts[i], params) for i in indices}
+    references.update({rid: prompts[i].tolist() + expected[i] for i, rid in ids.items()})
+    finished = finished_requests(engine.stream())
+    return engine, [finished[ids[i]].output for i in indices]
+
+
 def random_prompts(n, seed, max_len=40):
     """``n`` seeded prompts of 1..``max_len`` token ids below 500."""
     g = torch.Generator().manual_seed(seed)

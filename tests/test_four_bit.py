@@ -11,13 +11,12 @@ from adaflash_hf import prepare_target
 from adaflash_hf.cost_model import CostModel, use_cost_model
 from adaflash_hf.prepared import four_bit
 from adaflash_hf.prepared.prepare import is_prepared
-from adaflash_hf.serving import AdaFlashEngine, AdmissionConfig, SamplingParams
 from tests.conftest import (
-    finished_requests,
     four_bit_target,
     greedy_reference,
     make_batched_oracle,
     random_prompts,
+    serve_with_oracle,
     snapped,
 )
 
@@ -167,15 +166,7 @@ def test_engine_batched_equals_serial_equals_plain_on_the_int4_target(prepared, 
     oracle.to(torch.bfloat16)
 
     def run(indices):
-        engine = AdaFlashEngine(
-            target, oracle, length_mode="goodput", admission=AdmissionConfig(max_running=5)
-        )
-        references = {}
-        oracle.arm(engine, references, weight)
-        ids = {i: engine.add_request(prompts[i], SamplingParams(max_new_tokens=16)) for i in indices}
-        references.update({rid: prompts[i].tolist() + expected[i] for i, rid in ids.items()})
-        finished = finished_requests(engine.stream())
-        return engine, [finished[ids[i]].output for i in indices]
+        return serve_with_oracle(target, oracle, weight, prompts, expected, indices, length_mode="goodput")
 
     engine, batched = run(range(len(prompts)))
     assert batched == expected

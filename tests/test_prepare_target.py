@@ -21,6 +21,7 @@ from tests.conftest import (
     greedy_reference,
     make_batched_oracle,
     random_prompts,
+    serve_with_oracle,
 )
 
 # 70 tokens: generation crosses the attention's key-block boundary at 128 only with longer runs; the prompt
@@ -289,19 +290,9 @@ def test_engine_batched_equals_serial_equals_plain_on_the_prepared_bf16_target(
     oracle.to(torch.bfloat16)
 
     def run(indices):
-        engine = AdaFlashEngine(
-            target,
-            oracle,
-            length_mode=length_mode,
-            draft_source=source,
-            admission=AdmissionConfig(max_running=5),
+        return serve_with_oracle(
+            target, oracle, weight, prompts, expected, indices, length_mode=length_mode, draft_source=source
         )
-        references = {}
-        oracle.arm(engine, references, weight)
-        ids = {i: engine.add_request(prompts[i], SamplingParams(max_new_tokens=16)) for i in indices}
-        references.update({rid: prompts[i].tolist() + expected[i] for i, rid in ids.items()})
-        finished = finished_requests(engine.stream())
-        return engine, [finished[ids[i]].output for i in indices]
 
     engine, batched = run(range(len(prompts)))
     assert batched == expected
