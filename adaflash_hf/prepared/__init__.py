@@ -5,6 +5,7 @@ and batched serving equal plain greedy decoding of the same target token for tok
 - ``prepare.py``: ``prepare_target`` (cast, install, check) and ``is_prepared``; the public entry point is
   ``adaflash_hf.prepare_target``;
 - ``forward.py``: the batch-invariant forward it installs on the model (linears, attention, rotary embeddings);
+- ``lean.py``: a Llama decoder layer run as one function of the same ops (bitwise transformers' layer, less Python);
 - ``tiles.py``: the construction under it: every call of an op at one fixed row count, checked for row position;
 - ``linear.py``, ``attention.py``: the linear (oneDNN's prepacked kernels) and the causal attention run in tiles;
 - ``cpu.py``: what this CPU offers bf16 matrix products (its model and bf16 flags).

@@ -6,6 +6,8 @@ plain ``generate``, assisted decoding, the serving engine's packed forward and t
 - linears (q/k/v/o, the MLP, lm_head): every plain ``nn.Linear`` becomes ``InvariantLinear``
   (``adaflash_hf.prepared.linear``, same parameters and state dict); the projections of one input (q/k/v, gate/up)
   run as one linear over their concatenated weights;
+- layers: a Llama decoder layer runs as one function of the same ops (``adaflash_hf.prepared.lean``), bitwise the
+  transformers layer with less Python;
 - attention: ``"ada_invariant"``, registered with ``transformers.AttentionInterface`` (and transformers'
   SDPA mask under the same name), calls ``adaflash_hf.prepared.attention.sequence_attention`` per
   sequence. It reads the dynamic cache ``generate`` uses: the n new queries are the cache's last n positions.
@@ -37,6 +39,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from adaflash_hf.prepared.attention import sequence_attention
+from adaflash_hf.prepared.lean import install_lean_layers
 from adaflash_hf.prepared.linear import InvariantLinear, group_projections
 
 ATTENTION_NAME = "ada_invariant"  # no "flash" in it: transformers would take it for a flash-attention kernel
@@ -51,6 +54,8 @@ def invariant_attention_forward(
     if dropout:
         raise ValueError(f"{ATTENTION_NAME} attention: expected dropout 0 (inference only), got {dropout}")
     start = key.shape[2] - query.shape[2]
+    if query.shape[0] == 1 and attention_mask is None:  # a decode step or a verify of generate
+        return sequence_attention(query[0], key[0], value[0], start, scaling).transpose(0, 1)[None], None
     outputs = []
     for b in range(query.shape[0]):
         allowed = None
@@ -91,6 +96,7 @@ def install_invariant_forward(target) -> None:
         if type(module) is torch.nn.Linear:
             module.__class__ = InvariantLinear
     group_projections(target)
+    install_lean_layers(target)
     for module in rotary_modules(target):
         if "forward" not in vars(module):
             module.forward = types.MethodType(_padded_rotary_forward, module)

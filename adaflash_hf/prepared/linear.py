@@ -132,6 +132,16 @@ def _group_weights(members) -> tuple[torch.Tensor, torch.Tensor | None]:
     return weight, bias
 
 
+def runs_fast(module: torch.nn.Linear, x: torch.Tensor) -> bool:
+    """Whether ``InvariantLinear`` ``module`` runs ``x`` on its kept route (its 4-bit codes for a bf16 input, else its
+    prepacked weight where one serves) rather than through ``invariant_linear``: an input in the weight's dtype that
+    wants no gradient."""
+    if ATTRIBUTE in module.__dict__ and x.dtype == torch.bfloat16:
+        return True
+    wants_grad = torch.is_grad_enabled() and (x.requires_grad or module.weight.requires_grad)
+    return not wants_grad and x.dtype == module.weight.dtype and x.numel() > 0
+
+
 class InvariantLinear(torch.nn.Linear):
     """``nn.Linear`` running ``invariant_linear``, on the prepacked weight where it serves (no gradient wanted, input
     in the weight's dtype); a prepared target's linears have this class (same parameters, same state dict).
@@ -145,9 +155,7 @@ class InvariantLinear(torch.nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
-        four_bit = ATTRIBUTE in self.__dict__ and x.dtype == torch.bfloat16
-        wants_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-        if not four_bit and (wants_grad or x.dtype != weight.dtype or x.numel() == 0):
+        if not runs_fast(self, x):
             return invariant_linear(x, weight, self.bias)
         group = self.__dict__.get(GROUP)
         if group is not None:
@@ -162,14 +170,7 @@ class InvariantLinear(torch.nn.Linear):
         stash = self.__dict__.pop(_STASH, None)
         if stash is not None and stash[0] is x:
             return stash[1]
-        leader = members[0]
-        stamp = (*((m.weight.data_ptr(), m.weight._version) for m in members), torch.get_num_threads())
-        route = _ROUTES.get(leader)
-        if route is None or route[0] != stamp:
-            weight, bias = _group_weights(members)
-            route = _ROUTES[leader] = (stamp, *self._route(weight, bias, kernel_of(leader, members)), weight)
-        op, tiles, weight = route[1:]
-        parts = _run(op, tiles, x, weight).split([m.out_features for m in members], dim=-1)
+        parts = group_output(members, x)
         for member, part in zip(members, parts):
             if member is not self:
                 member.__dict__[_STASH] = (x, part)
@@ -188,3 +189,21 @@ class InvariantLinear(torch.nn.Linear):
         key = ("four_bit_linear", features, out_features, bias is not None, weight.device)
         sample = functools.partial(_sample, features, torch.bfloat16, weight.device)
         return op, tiles_for(key, op, sample, pads=(0.0,), candidates=FOUR_BIT_TILE_ROWS)
+
+
+def group_output(members: tuple[InvariantLinear, ...], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The outputs of a projection group (``group_projections``) on ``x``, each a view of ``group_matrix``'s."""
+    return group_matrix(members, x).split([m.out_features for m in members], dim=-1)
+
+
+def group_matrix(members: tuple[InvariantLinear, ...], x: torch.Tensor) -> torch.Tensor:
+    """The members' outputs on ``x`` side by side ``[..., sum of out_features]``, computed as one linear over their
+    concatenated weights. For inputs its members run on their fast path (``runs_fast``)."""
+    leader = members[0]
+    stamp = (*((m.weight.data_ptr(), m.weight._version) for m in members), torch.get_num_threads())
+    route = _ROUTES.get(leader)
+    if route is None or route[0] != stamp:
+        weight, bias = _group_weights(members)
+        route = _ROUTES[leader] = (stamp, *leader._route(weight, bias, kernel_of(leader, members)), weight)
+    op, tiles, weight = route[1:]
+    return _run(op, tiles, x, weight)
