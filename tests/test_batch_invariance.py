@@ -237,6 +237,36 @@ def test_tiles_run_one_row_per_call_when_a_rows_position_changes_it():
     assert torch.equal(tiles.run(op, x), x)
 
 
+def test_a_small_shape_that_agrees_with_the_tile_runs_its_calls_as_they_are():
+    calls = []
+
+    def op(x):
+        calls.append(x.shape[-2])
+        return x * 3
+
+    tiles = Tiles("test", op, _sample, pads=(0.0,), small=1)
+    assert (tiles.rows, tiles.small) == (16, 1)
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(3))
+    calls.clear()
+    assert torch.equal(tiles.run(op, x[:1]), x[:1] * 3)
+    assert torch.equal(tiles.run(op, x[:2]), x[:2] * 3)
+    assert calls == [1, 16]
+
+
+def test_a_small_shape_whose_rows_differ_from_the_tiles_is_refused():
+    # a kernel whose one-row path sums in another order, in a few outputs only
+    def op(x):
+        out = x * 2
+        if x.shape[-2] == 1:
+            out = out + (x[:, :1] > 1.5) * 1e-3
+        return out
+
+    tiles = Tiles("test", op, _sample, pads=(0.0,), small=1)
+    assert (tiles.rows, tiles.small) == (16, 0)
+    x = torch.full((1, 4), 2.0)
+    assert torch.equal(tiles.run(op, x), x * 2)
+
+
 def test_a_rows_result_depending_on_its_neighbours_is_refused():
     def op(x):
         return x + x.roll(1, dims=-2) * 1e-3

@@ -82,7 +82,7 @@ def _op_and_tiles(weight: torch.Tensor, bias: torch.Tensor | None, packed: torch
     features, out_features = weight.shape[1], weight.shape[0]
     key = (kind, features, out_features, bias is not None, weight.dtype, weight.device, weight.stride())
     return op, tiles_for(
-        key, op, functools.partial(_sample, features, weight.dtype, weight.device), pads=(0.0,)
+        key, op, functools.partial(_sample, features, weight.dtype, weight.device), pads=(0.0,), small=1
     )
 
 
@@ -188,7 +188,7 @@ class InvariantLinear(torch.nn.Linear):
         features, out_features = weight.shape[1], weight.shape[0]
         key = ("four_bit_linear", features, out_features, bias is not None, weight.device)
         sample = functools.partial(_sample, features, torch.bfloat16, weight.device)
-        return op, tiles_for(key, op, sample, pads=(0.0,), candidates=FOUR_BIT_TILE_ROWS)
+        return op, tiles_for(key, op, sample, pads=(0.0,), candidates=FOUR_BIT_TILE_ROWS, small=1)
 
 
 def group_output(members: tuple[InvariantLinear, ...], x: torch.Tensor) -> tuple[torch.Tensor, ...]:

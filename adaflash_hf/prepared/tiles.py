@@ -18,6 +18,14 @@ position of a padded tile (the call a 1-token decode step makes). Where it holds
 row count, including counts never seen; no probe of other row counts is needed, nor made. Each tile is contiguous
 and 64-byte aligned, as a fresh tensor is, so strides and alignment are the same for every call too.
 
+A second, small shape. A decode step calls each op with one row (an attention block with one query per head of a
+GQA group), and a padded tile costs more than that call: 2x for the bf16 output embedding, 1.6x for a 4-bit linear
+on one AMD EPYC. So an op may name a ``small`` row count that it runs as is, in calls of exactly ``small`` rows,
+where that shape gives every row bitwise what the tile gives it (``small_agrees``: each run of ``small`` rows of
+random tiles, called alone, equals the same rows of the whole tile). One more shape is one more kernel path; the
+check is what admits it, on this machine, as the position check admits a tile. Where it fails, ``small`` calls go in
+tiles like any other.
+
 Tile sizes tried: ``TILE_ROWS`` in order (16 covers a decode step and a full 16-token verify in one call; 32 and 64
 for kernels whose register blocks do not divide 16). Where none is position-invariant the op runs one row per call
 (one shape, one position: invariant whatever the kernel does, and slow); it warns, and ``prepare_target`` reports it.
@@ -42,6 +50,10 @@ TILE_ROWS = (16, 32, 64)
 # Tiles of random rows checked row by row against each row alone when an op's tiles are made. A path that sums in
 # another order differs in few outputs once rounded to bf16, so each round draws rows of widely spread magnitudes.
 POSITION_ROUNDS = 3
+# Tiles of random rows whose small calls are checked against the tile's call. More rounds than the position check: a
+# second shape is a second kernel path (on one AMD EPYC oneDNN's bf16 linear with 1536 inputs gives one row in six
+# another result at one row than at sixteen; its 576-input linears and the 4-bit kernel gave none in 2,400 draws).
+SMALL_ROUNDS = 8
 
 Op = Callable[..., torch.Tensor]
 Sampler = Callable[[int, torch.Generator], tuple[torch.Tensor, ...]]
@@ -76,19 +88,49 @@ def position_invariant(
     return True
 
 
+@torch.no_grad()
+def small_agrees(op: Op, sample: Sampler, rows: int, small: int, rounds: int = SMALL_ROUNDS) -> bool:
+    """Whether ``op`` called with ``small`` rows gives each of them bitwise what a call of ``rows`` rows gives it: in
+    ``rounds`` tiles of random rows, every run of ``small`` consecutive rows called alone equals those rows of the
+    tile's call. With ``position_invariant(op, sample, rows)``, a row's result is then the same in either shape."""
+    generator = torch.Generator().manual_seed(rows + small)
+    for _ in range(rounds):
+        batch = sample(rows, generator)
+        together = op(*batch)
+        for start in range(0, rows - small + 1, small):
+            alone = op(
+                *(
+                    t[..., start : start + small, :].clone(memory_format=torch.contiguous_format)
+                    for t in batch
+                )
+            )
+            if not torch.equal(together[..., start : start + small, :], alone):
+                return False
+    return True
+
+
 class Tiles:
-    """How one row-wise op is called (module docstring): always ``rows`` rows. ``op(*inputs)`` takes tensors with rows
-    on dim -2 and returns rows on dim -2; ``sample(rows, generator)`` draws random inputs for the position check;
-    ``pads`` holds the padding value of each input."""
+    """How one row-wise op is called (module docstring): always ``rows`` rows, or exactly ``small`` where that shape
+    agrees (``self.small``, 0 where none). ``op(*inputs)`` takes tensors with rows on dim -2 and returns rows on dim
+    -2; ``sample(rows, generator)`` draws random inputs for the checks; ``pads`` holds the padding value of each
+    input."""
 
     def __init__(
-        self, name: str, op: Op, sample: Sampler, pads: Sequence, candidates: Sequence[int] = TILE_ROWS
+        self,
+        name: str,
+        op: Op,
+        sample: Sampler,
+        pads: Sequence,
+        candidates: Sequence[int] = TILE_ROWS,
+        small: int = 0,
     ):
-        self.name, self.pads, self._kept = name, tuple(pads), {}
+        self.name, self.pads, self._kept, self.small = name, tuple(pads), {}, 0
         for rows in candidates:
             if position_invariant(op, sample, rows, self.pads):
                 self.rows = rows
-                logger.debug(f"tiles {name}: {rows} rows")
+                if 0 < small < rows and small_agrees(op, sample, rows, small):
+                    self.small = small
+                logger.debug(f"tiles {name}: {rows} rows, small calls of {self.small or 'none'}")
                 return
         self.rows = 1
         logger.warning(
@@ -104,33 +146,35 @@ class Tiles:
         if count == size and all(t.is_contiguous() and t.storage_offset() == 0 for t in inputs):
             return op(*inputs)  # already one tile, as a fresh tensor would be: as it is
         if count < size and not any(t.requires_grad for t in inputs):
-            # a decode step or a short verify: one tile, in this thread's kept buffers
-            return op(*self._kept_tiles(inputs))[..., :count, :]
+            # a decode step (its small shape where it has one) or a short verify: in this thread's kept buffers
+            if count == self.small:
+                return op(*self._kept_tiles(inputs, count))
+            return op(*self._kept_tiles(inputs, size))[..., :count, :]
         whole = -(-count // size) * size
         padded = [padded_rows(t, whole, p) for t, p in zip(inputs, self.pads)]
         outputs = [op(*(_tile(t, start, size) for t in padded)) for start in range(0, whole, size)]
         out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-2)
         return out if whole == count else out[..., :count, :]
 
-    def _kept_tiles(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """``inputs`` (fewer rows than a tile) written at the start of tiles kept for this thread and these shapes:
-        allocated once (padded, contiguous, aligned as a fresh tensor), their other rows left as earlier calls wrote
-        them, which cannot change a row's result (the position check draws them at random)."""
-        key = (threading.get_ident(), *(t.shape for t in inputs))
+    def _kept_tiles(self, inputs: Sequence[torch.Tensor], size: int) -> list[torch.Tensor]:
+        """``inputs`` (at most ``size`` rows) written at the start of tiles of ``size`` rows kept for this thread and
+        these shapes: allocated once (padded, contiguous, aligned as a fresh tensor), their other rows left as earlier
+        calls wrote them, which cannot change a row's result (the position check draws them at random)."""
+        key = (threading.get_ident(), size, *(t.shape for t in inputs))
         kept = self._kept.get(key)
         if kept is None:
-            kept = self._kept[key] = [self._new_tile(t, pad) for t, pad in zip(inputs, self.pads)]
+            kept = self._kept[key] = [_new_tile(t, pad, size) for t, pad in zip(inputs, self.pads)]
         for (_, rows), t in zip(kept, inputs):
             rows.copy_(t)
         return [tile for tile, _ in kept]
 
-    def _new_tile(self, rows: torch.Tensor, pad) -> tuple[torch.Tensor, torch.Tensor]:
-        """A padded tile for inputs shaped like ``rows`` and the view of it their rows are written to; a normal tensor,
-        so that it is written inside and outside inference mode alike."""
-        with torch.inference_mode(False):
-            shape = (*rows.shape[:-2], self.rows, rows.shape[-1])
-            tile = torch.full(shape, pad, dtype=rows.dtype, device=rows.device)
-        return tile, tile.narrow(-2, 0, rows.shape[-2])
+
+def _new_tile(rows: torch.Tensor, pad, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A tile of ``size`` rows, padded, for inputs shaped like ``rows`` and the view of it their rows are written to; a
+    normal tensor, so that it is written inside and outside inference mode alike."""
+    with torch.inference_mode(False):
+        tile = torch.full((*rows.shape[:-2], size, rows.shape[-1]), pad, dtype=rows.dtype, device=rows.device)
+    return tile, tile.narrow(-2, 0, rows.shape[-2])
 
 
 def _tile(rows: torch.Tensor, start: int, size: int) -> torch.Tensor:
@@ -146,15 +190,15 @@ _TILES: dict[tuple, Tiles] = {}
 
 
 def tiles_for(
-    key: tuple, op: Op, sample: Sampler, pads: Sequence, candidates: Sequence[int] = TILE_ROWS
+    key: tuple, op: Op, sample: Sampler, pads: Sequence, candidates: Sequence[int] = TILE_ROWS, small: int = 0
 ) -> Tiles:
     """The tiles of the op named by ``key`` (its kind and every shape, dtype and device it depends on) at the current
     thread count, made on first use with ``op`` (any op of that key: a kernel's path depends on shapes, not
-    values), the first position-invariant size of ``candidates``."""
-    full_key = (*key, torch.get_num_threads())
+    values), the first position-invariant size of ``candidates``, and ``small`` calls where they agree."""
+    full_key = (*key, small, torch.get_num_threads())
     tiles = _TILES.get(full_key)
     if tiles is None:
-        tiles = _TILES[full_key] = Tiles(str(full_key), op, sample, pads, candidates)
+        tiles = _TILES[full_key] = Tiles(str(full_key), op, sample, pads, candidates, small)
     return tiles
 
 
