@@ -16,13 +16,14 @@ half of fp32's. So where the CPU reports a bf16 unit, ``prepare_target(dtype="au
 A timer is a function ``timer(model) -> {n: seconds}``: the default (``forward_timer``) times a forward of n new tokens
 after a prompt, as ``generate`` verifies; ``adaflash serve`` passes one that times the engine's packed forward of
 sixteen requests with n rows each. The timings are kept per machine (CPU model and flags, torch and its threads, the
-target's architecture, the timer) under ``$ADAFLASH_CACHE`` (default ``~/.cache/adaflash_hf``; empty: not kept), so a
-second process chooses without timing.
+target's architecture, the timer, transformers' version and a digest of the forward's code) under
+``$ADAFLASH_CACHE`` (default ``~/.cache/adaflash_hf``; empty: not kept), so a second process chooses without timing.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import json
 import os
@@ -32,6 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import transformers
 from transformers import DynamicCache
 from transformers.utils import logging
 
@@ -101,6 +103,16 @@ def measure_candidates(target, timer: Timer, prepares: dict[str, Callable]) -> d
     return timings
 
 
+@functools.cache
+def forward_code_digest() -> str:
+    """A digest of the prepared forward's code (this package's ``prepared`` modules): timings kept under another
+    version of it are not this forward's."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def timings_path(target, timer: Timer, candidates: tuple[str, ...] = ("bf16",)) -> Path | None:
     """Where this machine's timings of ``target``'s candidates under ``timer`` are kept (None: not kept)."""
     root = os.environ.get("ADAFLASH_CACHE", str(Path.home() / ".cache" / "adaflash_hf"))
@@ -114,6 +126,8 @@ def timings_path(target, timer: Timer, candidates: tuple[str, ...] = ("bf16",)) 
         "onednn_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", ""),
         "capability": torch.backends.cpu.get_cpu_capability(),
         "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "forward": forward_code_digest(),
         "threads": torch.get_num_threads(),
         "target": [
             type(target).__name__,
