@@ -192,6 +192,46 @@ def test_attention_rows_do_not_depend_on_the_query_count_or_the_masked_tail(dtyp
             assert torch.equal(out[:, position - first], alone[:, 0]), (first, end)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_engines_requests_attend_as_each_would_alone_whether_stacked_or_not(dtype):
+    # decode steps and verifies of one key block share an SDPA call; a prefill and a verify across a key block do not
+    from adaflash_hf.kernels.verify_packing import SlotPacking
+    from adaflash_hf.prepared.attention import _stacking_rows, slot_invariant_attention
+
+    generator = torch.Generator().manual_seed(4)
+    heads, kv_heads, dim, capacity = 6, 2, 16, 256
+    key_pool, value_pool = (
+        torch.randn(8, capacity, kv_heads, dim, generator=generator).to(dtype) for _ in range(2)
+    )
+    requests = [(0, 10, 1), (3, 70, 1), (5, 75, 4), (1, 100, 5), (2, 60, 8), (6, 0, 70), (7, 130, 1)]
+    slots, starts, lengths = (list(column) for column in zip(*requests))
+    packing = SlotPacking.build(slots, starts, lengths, 8, torch.device("cpu"))
+    query = torch.randn(sum(lengths), heads, dim, generator=generator).to(dtype)
+    out = slot_invariant_attention(query, key_pool, value_pool, packing)
+    assert _stacking_rows(kv_heads, dim, 128, dtype, torch.device("cpu")) > 0  # stacked on this machine
+    for slot, start, offset, length in zip(slots, starts, packing.offsets, lengths):
+        alone = sequence_attention(
+            query[offset : offset + length].transpose(0, 1),
+            key_pool[slot, : start + length].transpose(0, 1),
+            value_pool[slot, : start + length].transpose(0, 1),
+            start,
+        )
+        assert torch.equal(out[offset : offset + length], alone.transpose(0, 1)), (slot, start, length)
+
+
+def test_stacking_tiles_that_change_each_others_results_is_refused(monkeypatch):
+    from adaflash_hf.prepared import attention
+
+    real = F.scaled_dot_product_attention
+
+    def leaky(query, *args, **kwargs):  # a kernel whose result for an entry depends on the stack's size
+        out = real(query, *args, **kwargs)
+        return out + (query.shape[0] - 1) * 1e-3
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", leaky)
+    assert not attention.stacking_agrees(2, 16, 64, torch.float32, torch.device("cpu"), 16)
+
+
 def _sample(rows, generator):
     scale = torch.exp2(torch.randint(-8, 9, (rows, 4), generator=generator).float())
     return (torch.randn(rows, 4, generator=generator) * scale,)

@@ -113,9 +113,25 @@ def slot_invariant_attention(
     scale: float | None = None,
 ) -> torch.Tensor:
     """The packed row ``query [T, Hq, D]``, request i's rows to slot ``packing.slots[i]`` of the pools
-    ``[slots, capacity, Hkv, D]`` (this forward's keys already written) -> ``[T, Hq, D]``."""
+    ``[slots, capacity, Hkv, D]`` (this forward's keys already written) -> ``[T, Hq, D]``.
+
+    Requests whose new rows sit in one key block and fill at most one tile (decode steps and verifies) go through
+    ``stacked_block_attention``, those of one key block in one call; the others (prefills) through
+    ``sequence_attention`` each."""
     out = torch.empty_like(query)
+    heads, dim = query.shape[1], query.shape[2]
+    kv_heads = key_pool.shape[2]
+    scale = dim**-0.5 if scale is None else scale
+    by_span: dict[int, list[tuple[int, int, int, int]]] = {}
     for slot, start, offset, length in zip(packing.slots, packing.starts, packing.offsets, packing.lengths):
+        block = start // KEY_BLOCK
+        span = (block + 1) * KEY_BLOCK
+        rows = heads // kv_heads * length
+        if (start + length - 1) // KEY_BLOCK == block and rows <= _stacking_rows(
+            kv_heads, dim, span, query.dtype, query.device
+        ):
+            by_span.setdefault(span, []).append((slot, start, offset, length))
+            continue
         end = start + length
         attended = sequence_attention(
             query[offset : offset + length].transpose(0, 1),
@@ -125,4 +141,83 @@ def slot_invariant_attention(
             scale,
         )
         out[offset : offset + length] = attended.transpose(0, 1)
+    for span, requests in by_span.items():
+        stacked_block_attention(out, query, key_pool, value_pool, requests, span, scale)
     return out
+
+
+def stacked_block_attention(out, query, key_pool, value_pool, requests, span: int, scale: float) -> None:
+    """Requests ``(slot, start, offset, length)`` whose new rows all sit in the key block ending at ``span``: their
+    rows in one SDPA call, one request per batch entry, each entry the tile ``sequence_attention`` would give that
+    request alone (its rows first, padding rows after). Written into
+    ``out [T, Hq, D]``."""
+    heads, dim = query.shape[1], query.shape[2]
+    kv_heads = key_pool.shape[2]
+    group = heads // kv_heads
+    rows = _stacking_rows(kv_heads, dim, span, query.dtype, query.device)
+    count = len(requests)
+    slots = torch.tensor([r[0] for r in requests], device=query.device)
+    # [count, Hkv, span, D]; past a request's length its slot holds zeros or its own rejected drafts' keys, where
+    # sequence_attention has zeros: masked, so a finite key there changes no bit (the module docstring)
+    keys, values = (pool[slots, :span].transpose(1, 2).contiguous() for pool in (key_pool, value_pool))
+    tile = query.new_zeros(count, kv_heads, rows, dim)
+    mask = torch.ones(count, 1, rows, span, dtype=torch.bool, device=query.device)
+    for index, (_, start, offset, length) in enumerate(requests):
+        tile[index, :, : group * length] = (
+            query[offset : offset + length].transpose(0, 1).reshape(kv_heads, group * length, dim)
+        )
+        mask[index, 0, : group * length] = _causal_rows(start, start + length, span, group, query.device)
+    attended = F.scaled_dot_product_attention(tile, keys, values, attn_mask=mask, scale=scale)
+    for index, (_, _, offset, length) in enumerate(requests):
+        part = attended[index, :, : group * length].reshape(heads, length, dim)
+        out[offset : offset + length] = part.transpose(0, 1)
+
+
+def _stacking_rows(kv_heads: int, dim: int, span: int, dtype, device) -> int:
+    """The row count of the attention tile for this key span where stacking requests in one call gives each the
+    result of its own call (``stacking_agrees``), else 0 (every request through ``sequence_attention``)."""
+    key = (kv_heads, dim, span, dtype, device, torch.get_num_threads())
+    rows = _STACKING.get(key)
+    if rows is None:
+        sample = functools.partial(_sample, kv_heads, dim, span, dtype, device)
+        keys = torch.randn(kv_heads, span, dim, generator=torch.Generator().manual_seed(span)).to(
+            device, dtype
+        )
+        op = functools.partial(block_attention, keys=keys, values=keys.flip(1), scale=dim**-0.5)
+        tiles = tiles_for(("attention", kv_heads, dim, span, dtype, device), op, sample, pads=(0.0, True))
+        rows = (
+            tiles.rows
+            if tiles.rows > 1 and stacking_agrees(kv_heads, dim, span, dtype, device, tiles.rows)
+            else 0
+        )
+        _STACKING[key] = rows
+    return rows
+
+
+_STACKING: dict[tuple, int] = {}
+STACKING_ROUNDS = 8
+
+
+@torch.no_grad()
+def stacking_agrees(kv_heads: int, dim: int, span: int, dtype, device, rows: int) -> bool:
+    """Whether SDPA over a stack of tiles (``[count, Hkv, rows, D]``, each entry its own keys, values and mask) gives
+    every entry bitwise what that tile's own call gives it, for stacks of 2 to 9 entries of random tiles."""
+    generator = torch.Generator().manual_seed(span + rows)
+    for count in range(2, 2 + STACKING_ROUNDS):
+        entries = []
+        for _ in range(count):
+            query, allowed = _sample(kv_heads, dim, span, dtype, device, rows, generator)
+            keys, values = (
+                torch.randn(kv_heads, span, dim, generator=generator).to(device, dtype) for _ in range(2)
+            )
+            entries.append((query, allowed, keys, values))
+        stacked = F.scaled_dot_product_attention(
+            *(torch.stack([e[i] for e in entries]) for i in (0, 2, 3)),
+            attn_mask=torch.stack([e[1] for e in entries])[:, None],
+            scale=dim**-0.5,
+        )
+        for index, (query, allowed, keys, values) in enumerate(entries):
+            alone = block_attention(query, allowed, keys=keys, values=values, scale=dim**-0.5)
+            if not torch.equal(stacked[index], alone):
+                return False
+    return True

@@ -1,5 +1,6 @@
 """Batch-invariant linear layer: a linear whose every row's result is the same whatever the number of rows in the
-call, because every call of one weight is made at one shape (``adaflash_hf.prepared.tiles``).
+call, because every call of one weight is made at one shape (``adaflash_hf.prepared.tiles``), or at one row where
+that shape is checked to agree with it.
 
 ``invariant_linear(x, weight, bias, packed)`` flattens ``x [..., K]`` to rows and runs them in tiles of the op
 ``(op, K, N, bias, dtype, device, weight strides)``, then reshapes back. The op is oneDNN's linear on a prepacked

@@ -18,9 +18,8 @@ position of a padded tile (the call a 1-token decode step makes). Where it holds
 row count, including counts never seen; no probe of other row counts is needed, nor made. Each tile is contiguous
 and 64-byte aligned, as a fresh tensor is, so strides and alignment are the same for every call too.
 
-A second, small shape. A decode step calls each op with one row (an attention block with one query per head of a
-GQA group), and a padded tile costs more than that call: 2x for the bf16 output embedding, 1.6x for a 4-bit linear
-on one AMD EPYC. So an op may name a ``small`` row count that it runs as is, in calls of exactly ``small`` rows,
+A second, small shape. A decode step calls each linear with one row, and a padded tile costs more than that call: 2x
+for the bf16 output embedding, 1.6x for a 4-bit linear on one AMD EPYC. So an op may name a ``small`` row count that it runs as is, in calls of exactly ``small`` rows,
 where that shape gives every row bitwise what the tile gives it (``small_agrees``: each run of ``small`` rows of
 random tiles, called alone, equals the same rows of the whole tile). One more shape is one more kernel path; the
 check is what admits it, on this machine, as the position check admits a tile. Where it fails, ``small`` calls go in
