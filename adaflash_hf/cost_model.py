@@ -69,6 +69,10 @@ class CostModel:
         # wall time beyond the forward is what a profile does not price. running requests -> recent seconds.
         self.plain_steps: dict[int, deque] = {}
         self.plain_overhead: deque = deque(maxlen=32)  # seconds of plain steps outside the target forward
+        # Rows per call of the target's linears where it runs them in fixed tiles (a prepared target): a step of
+        # one row more than a whole number of tiles makes one more call of every linear. None: not known yet; 0: not
+        # tiled.
+        self.tile_rows: int | None = None
 
     @classmethod
     def profile(cls, target_seconds: dict[int, float], drafter_seconds: float = 0.0) -> CostModel:
@@ -142,20 +146,31 @@ class CostModel:
         """``verify tokens -> seconds`` of an engine step with ``running`` requests and ``prefill_tokens``.
 
         Once 16 steps with at least three different verify sizes are known: a least-squares fit of seconds on
-        [1, verify tokens, prefill tokens, running, single] over the last 256 steps (refitted without the points
+        [1, verify tokens, prefill tokens, running, single, tiles] over the last 256 steps (refitted without the points
         more than three median deviations, or 1% of a median step, off; slopes clamped at 0). A packed step's cost
         is close to linear in these, and a fit over every step is far steadier than per-size medians that few
         steps reach. ``single`` (1 for a forward of one token, its coefficient of either sign) is the jump between
         a one-row forward and any larger one: on a CPU a 1-token step runs matrix-vector kernels and a larger one
         matrix-matrix kernels, a jump that a line through the larger sizes would miss (BENCHMARKS.md, "Verify
-        cost"). Before that: the per-size curve at verify + prefill tokens."""
+        cost"). ``tiles`` (``ceil(rows / tile_rows)`` of a target whose linears run in tiles, else 0) is the step a
+        line misses on a prepared target: 16 requests' anchors fill one 16-row tile, and one draft more makes every
+        linear run a second. Before that: the per-size curve at verify + prefill tokens."""
         coefficients = self._step_fit()
         if coefficients is None:
             curve = self.target_curve(running)
             return None if curve is None else (lambda n: curve(n + prefill_tokens))
-        a, per_verify, per_prefill, per_request, single = coefficients
+        a, per_verify, per_prefill, per_request, single, per_tile = coefficients
         base = a + per_prefill * prefill_tokens + per_request * running
-        return lambda n: max(base + per_verify * n + (single if n + prefill_tokens == 1 else 0.0), 1e-6)
+
+        def seconds(n: int) -> float:
+            rows = n + prefill_tokens
+            jumps = (single if rows == 1 else 0.0) + per_tile * self._tiles(rows)
+            return max(base + per_verify * n + jumps, 1e-6)
+
+        return seconds
+
+    def _tiles(self, rows: int) -> int:
+        return -(-rows // self.tile_rows) if self.tile_rows else 0
 
     def _step_fit(self) -> list[float] | None:
         if self._fit[0] == self._seen:
@@ -165,16 +180,17 @@ class CostModel:
         if len(rows) >= 16 and len({r[0] for r in rows}) >= 3:
             data = torch.tensor(rows, dtype=torch.float64)
             single = (data[:, :1] + data[:, 1:2] == 1).to(torch.float64)
-            x = torch.cat([torch.ones(len(rows), 1, dtype=torch.float64), data[:, :3], single], dim=1)
+            tiles = torch.tensor([[self._tiles(int(v) + int(p))] for v, p, _, _ in rows], dtype=torch.float64)
+            x = torch.cat([torch.ones(len(rows), 1, dtype=torch.float64), data[:, :3], single, tiles], dim=1)
             y = data[:, 3:]
-            ridge = 1e-6 * torch.eye(5, dtype=torch.float64)
+            ridge = 1e-6 * torch.eye(6, dtype=torch.float64)
             for _ in range(2):
                 solution = torch.linalg.solve(x.T @ x + ridge, x.T @ y)
                 residual = (x @ solution - y).abs().flatten()
                 keep = residual <= 3 * residual.median() + 0.01 * y.abs().median()  # floor: exact timings
                 x, y = x[keep], y[keep]
             slopes = [max(0.0, float(c)) for c in solution[1:4, 0]]
-            coefficients = [float(solution[0]), *slopes, float(solution[4])]
+            coefficients = [float(solution[0]), *slopes, float(solution[4]), max(0.0, float(solution[5]))]
         self._fit = (self._seen, coefficients)
         return coefficients
 

@@ -41,6 +41,7 @@ from adaflash_hf.drafting import (
     plan_round,
 )
 from adaflash_hf.lookup import LookupProposal
+from adaflash_hf.prepared.linear import row_tile
 
 # The forward sizes an engine's first step times (those within its token budget), once each: its step fit takes over
 # after 16 steps. ``generate`` times 1..16 new tokens (``calibrate_target``'s defaults).
@@ -334,6 +335,8 @@ class GoodputPolicy(DraftingPolicy):
 
     def start(self, slots, step):
         self._calibrate(step)
+        if self.kind == "engine" and self.cost.tile_rows is None:
+            self.cost.tile_rows = row_tile(self.target)
         options = tuple((g,) if (g := s.state.lookups.gains(s.proposal)) else () for s in slots)
         kinds = tuple(("lookup",) if o else () for o in options)
         for slot in slots:

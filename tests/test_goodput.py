@@ -201,6 +201,36 @@ def test_the_engine_step_fit_has_no_jump_where_steps_never_have_one_token():
         assert curve(n) == pytest.approx(measured(n), rel=0.02)
 
 
+def test_the_engine_step_fit_of_a_tiled_target_prices_the_tile_one_draft_opens():
+    # A prepared target's linears run in 16-row tiles: 16 requests' anchors fill one, a 17th row costs a second
+    def measured(n):
+        return 0.02 + 0.0002 * n + 0.025 * -(-n // 16)
+
+    sizes = [16, 17, 18, 20, 24, 32, 33, 40, 48, 16, 16, 19, 22, 28, 36, 16]
+    cost = CostModel()
+    cost.tile_rows = 16
+    _engine_steps(cost, measured, sizes, running=16)
+    curve = cost.step_curve(running=16)
+    assert curve(17) - curve(16) == pytest.approx(measured(17) - measured(16), rel=0.05)
+    assert curve(32) == pytest.approx(measured(32), rel=0.02)
+    # a line through the same steps spreads the jump over every row and prices the 17th row at a fraction of it
+    line = CostModel()
+    _engine_steps(line, measured, sizes, running=16)
+    assert line.step_curve(running=16)(17) - line.step_curve(running=16)(16) < 0.5 * (
+        measured(17) - measured(16)
+    )
+
+
+def test_the_row_tile_of_a_prepared_target_is_its_linears_tile(target_factory):
+    from adaflash_hf import prepare_target
+    from adaflash_hf.prepared.linear import _ROUTES, row_tile
+
+    target = prepare_target(target_factory("llama"), dtype="bf16", rows=4)
+    rows = {_ROUTES[m][2].rows for m in target.modules() if m in _ROUTES}  # every linear's tile (one here)
+    assert len(rows) == 1 and row_tile(target) == rows.pop()
+    assert row_tile(target_factory("llama")) == 0
+
+
 def test_calibration_times_every_size_and_marks_the_model(target_factory):
     target = target_factory("llama")
     cost = CostModel()

@@ -54,6 +54,7 @@ from adaflash_hf.bench.targets import (
 )
 from adaflash_hf.launch import int_at_least
 from adaflash_hf.serving import AdaFlashEngine, AdmissionConfig, SamplingParams
+from adaflash_hf.serving.cache import packed_forward_timer
 from adaflash_hf.stats import tau_of
 
 logger = logging.get_logger(__name__)
@@ -368,7 +369,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_run_args(parser, argv, QUICK, FULL, "modes")
     start_run(args.threads)
     drafter = _load_drafter(args, parser)
-    target, tokenizer, baselines, settings = load_run_target(args, "serve", argv)
+    # "auto" times what the engine runs, as `adaflash serve --dtype auto` does
+    target, tokenizer, baselines, settings = load_run_target(args, "serve", argv, timer=packed_forward_timer)
     if args.drafter == "random" and args.modes != ["plain"]:
         drafter = _random_drafter(target)
     if drafter is not None:

@@ -102,14 +102,15 @@ def machine_settings() -> dict:
     }
 
 
-def load_run_target(args, name: str, argv: list[str] | None) -> tuple:
-    """The target of ``--target`` as ``--dtype`` and ``--prepared`` ask (``benchmarked_target``), its tokenizer, the
-    ``--plain-baselines`` (``plain_baselines``), and what the record says about the run's target and drafter and the
-    command that started it."""
+def load_run_target(args, name: str, argv: list[str] | None, timer=None) -> tuple:
+    """The target of ``--target`` as ``--dtype`` and ``--prepared`` ask (``benchmarked_target``; ``timer``: what
+    ``--dtype auto`` times, as ``prepare_target`` takes it), its tokenizer, the ``--plain-baselines``
+    (``plain_baselines``), and what the record says about the run's target and drafter and the command that started
+    it."""
     from adaflash_hf.assets import load_target
 
     loaded, tokenizer = load_target(args.target)
-    target, prepared = benchmarked_target(loaded, args.dtype, args.prepared)
+    target, prepared = benchmarked_target(loaded, args.dtype, args.prepared, timer)
     settings = {
         "target": args.target,
         "target_dtype": str(next(target.parameters()).dtype).removeprefix("torch."),
@@ -144,15 +145,15 @@ def add_target_options(parser) -> None:
     )
 
 
-def benchmarked_target(loaded, dtype: str, prepared: bool):
-    """A copy of ``loaded`` in ``dtype``, through ``prepare_target`` when ``prepared``; and the preparation's record
-    (dtype, invariant, why) or None."""
+def benchmarked_target(loaded, dtype: str, prepared: bool, timer=None):
+    """A copy of ``loaded`` in ``dtype``, through ``prepare_target`` (with ``timer``) when ``prepared``; and the
+    preparation's record (dtype, invariant, why) or None."""
     from adaflash_hf.prepared.cpu import bf16_units
     from adaflash_hf.prepared.prepare import choose_dtype, prepare_target
 
     target = copy.deepcopy(loaded)
     if prepared:
-        return target, preparation(prepare_target(target, dtype=dtype))
+        return target, preparation(prepare_target(target, dtype=dtype, timer=timer))
     chosen = DTYPES.get(dtype) or choose_dtype(next(target.parameters()).device, bf16_units())[0]
     return target.to(chosen), None
 

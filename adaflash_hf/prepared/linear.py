@@ -208,3 +208,20 @@ def group_matrix(members: tuple[InvariantLinear, ...], x: torch.Tensor) -> torch
         route = _ROUTES[leader] = (stamp, *leader._route(weight, bias, kernel_of(leader, members)), weight)
     op, tiles, weight = route[1:]
     return _run(op, tiles, x, weight)
+
+
+def row_tile(model) -> int | None:
+    """Rows per call of most of ``model``'s linear calls: the tile of the routes its invariant linears have run on
+    (each projection group counted once), the most common one; 0 for a model without invariant linears; None while
+    none has run yet (0 too for what is not a torch module)."""
+    if not isinstance(model, torch.nn.Module):
+        return 0
+    linears = [m for m in model.modules() if isinstance(m, InvariantLinear)]
+    if not linears:
+        return 0
+    counts: dict[int, int] = {}
+    for module in linears:
+        route = _ROUTES.get(module)
+        if route is not None:
+            counts[route[2].rows] = counts.get(route[2].rows, 0) + 1
+    return max(counts, key=counts.get) if counts else None
