@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from adaflash_hf.atomic import atomic_write_json
+from adaflash_hf.prepared.choice import forward_code_digest
 from adaflash_hf.prepared.cpu import bf16_units, cpu_model
 
 
@@ -443,6 +444,7 @@ def calibration_path(target, kind: str) -> Path | None:
         "dtype": str(parameter.dtype),
         "target": [type(target).__name__, *(getattr(config, name, None) for name in names)],
         "forward": type(target).forward.__qualname__ + str(getattr(target, "_adaflash_preparation", "")),
+        "forward_code": forward_code_digest(),
     }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return Path(root) / "cost" / f"{kind}-{digest}.json"

@@ -11,9 +11,10 @@ on the prepared target, on the same inputs, in the same order and dtype, so a la
 transformers layer's (``tests/test_lean_forward.py`` compares them for prefills, decode steps, verifies and the
 engine's packed forward); only the Python between the ops goes.
 
-Installed by ``install_invariant_forward`` on the layers whose classes are exactly transformers' Llama ones
-(``LlamaDecoderLayer`` with ``LlamaAttention``, ``LlamaMLP``, ``LlamaRMSNorm``) and whose projections run as
-groups; other architectures keep transformers' layer. A call runs transformers' layer instead where the lean one
+The rotary arithmetic is transformers' own ``apply_rotary_pos_emb``'s (a Hub kernel swapped in for it with
+``kernelize`` is not followed). Installed by ``install_invariant_forward`` on the layers whose classes are exactly
+transformers' Llama ones (``LlamaDecoderLayer`` with ``LlamaAttention``, ``LlamaMLP``, ``LlamaRMSNorm``) and whose
+projections run as groups; other architectures keep transformers' layer. A call runs transformers' layer instead where the lean one
 would not be the same: gradients enabled, hidden states in another dtype than the linears' or empty, or a forward
 hook or pre-hook on one of the layer's modules (other than transformers' own output-capturing hooks, which record
 nothing from a layer's inner modules with this attention: it returns no attention weights).
