@@ -35,7 +35,8 @@ Settings:
 - ``rows``: the check (``check=True``) runs, after a prefill, forwards of n = 2..rows new tokens and one of
   ``2 * rows + 8`` (several tiles in one call, as the engine's packed forward makes), windows straddling a key block,
   and raises unless every row's logits equal the same token decoded alone, bitwise. The construction makes a check of
-  every row count unnecessary (one shape per op); this is the end-to-end proof on this machine, at this thread count.
+  every row count unnecessary (one shape per op, and a one-row shape only where it was checked to agree with it);
+  this is the end-to-end proof on this machine, at this thread count.
 - ``bf16_units``: the CPU's bf16 flags, read from /proc/cpuinfo when None (``adaflash_hf.prepared.cpu.bf16_units``).
 
 ``is_prepared(target)`` returns the settings (``TargetPreparation``) while the target still has them, else None.
