@@ -23,8 +23,8 @@ plain ``generate``, assisted decoding, the serving engine's packed forward and t
 Why this is invariant by construction: every linear and every attention block runs in tiles of one row count per op
 (``adaflash_hf.prepared.tiles``), so no library sees a second shape and picks a second kernel; what remains, a row's
 position inside its tile, is checked for every position when the op's tiles are made. A linear whose one-row call
-gives every row bitwise what its tile gives it (checked then too) runs a decode step's single row as it is. ``prepare_target``'s check then
-runs the whole forward as a bitwise proof on this machine.
+gives every row bitwise what its tile gives it (checked then too) runs a decode step's single row as it is.
+``prepare_target``'s check then runs the whole forward as a bitwise proof on this machine.
 
 Not covered: static caches (the query positions come from the dynamic cache's length), sliding-window layers
 beyond what transformers' mask says; on GPUs it ran (one H200) but cuBLAS is not oneDNN: the tiles' position check

@@ -5,19 +5,19 @@ transformers' Llama decoder layer makes nine module calls a layer (two norms, th
 linears), each through ``nn.Module.__call__`` and its hook and kwargs plumbing, and the projections of one input
 (q/k/v, gate/up) hand their parts around through the group's stash (``adaflash_hf.prepared.linear``).
 ``lean_layer_forward`` runs the same layer as one function: the norms' own ``forward``, each projection group as one
-linear call, the rotary embedding's ops once over the query and key heads together, the cache's ``update`` and the registered
-attention function with the arguments ``LlamaAttention`` gives it. Every op is the one the transformers layer runs
-on the prepared target, on the same inputs, in the same order and dtype, so a layer's output is bitwise the
-transformers layer's (``tests/test_lean_forward.py`` compares them for prefills, decode steps, verifies and the
+linear call, the rotary embedding's ops once over the query and key heads together, the cache's ``update`` and the
+registered attention function with the arguments ``LlamaAttention`` gives it. Every op is the one the transformers
+layer runs on the prepared target, on the same inputs, in the same order and dtype, so a layer's output is bitwise
+the transformers layer's (``tests/test_lean_forward.py`` compares them for prefills, decode steps, verifies and the
 engine's packed forward); only the Python between the ops goes.
 
 The rotary arithmetic is transformers' own ``apply_rotary_pos_emb``'s (a Hub kernel swapped in for it with
 ``kernelize`` is not followed). Installed by ``install_invariant_forward`` on the layers whose classes are exactly
 transformers' Llama ones (``LlamaDecoderLayer`` with ``LlamaAttention``, ``LlamaMLP``, ``LlamaRMSNorm``) and whose
-projections run as groups; other architectures keep transformers' layer. A call runs transformers' layer instead where the lean one
-would not be the same: gradients enabled, hidden states in another dtype than the linears' or empty, or a forward
-hook or pre-hook on one of the layer's modules (other than transformers' own output-capturing hooks, which record
-nothing from a layer's inner modules with this attention: it returns no attention weights).
+projections run as groups; other architectures keep transformers' layer. A call runs transformers' layer instead
+where the lean one would not be the same: gradients enabled, hidden states in another dtype than the linears' or
+empty, or a forward hook or pre-hook on one of the layer's modules (other than transformers' own output-capturing
+hooks, which record nothing from a layer's inner modules with this attention: it returns no attention weights).
 """
 
 from __future__ import annotations

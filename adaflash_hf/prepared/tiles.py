@@ -19,9 +19,10 @@ row count, including counts never seen; no probe of other row counts is needed, 
 and 64-byte aligned, as a fresh tensor is, so strides and alignment are the same for every call too.
 
 A second, small shape. A decode step calls each linear with one row, and a padded tile costs more than that call: 2x
-for the bf16 output embedding, 1.6x for a 4-bit linear on one AMD EPYC. So an op may name a ``small`` row count that it runs as is, in calls of exactly ``small`` rows,
-where that shape gives every row bitwise what the tile gives it (``small_agrees``: each run of ``small`` rows of
-random tiles, called alone, equals the same rows of the whole tile). One more shape is one more kernel path; the
+for the bf16 output embedding, 1.6x for a 4-bit linear on one AMD EPYC. So an op may name a ``small`` row count that
+it runs as is, in calls of exactly ``small`` rows, where that shape gives every row bitwise what the tile gives it
+(``small_agrees``: each run of ``small`` rows of random tiles, called alone, equals the same rows of the whole
+tile). One more shape is one more kernel path; the
 check is what admits it, on this machine, as the position check admits a tile. Where it fails, ``small`` calls go in
 tiles like any other.
 
