@@ -147,9 +147,9 @@ class CostModel:
         """``verify tokens -> seconds`` of an engine step with ``running`` requests and ``prefill_tokens``.
 
         Once 16 steps with at least three different verify sizes are known: a least-squares fit of seconds on
-        [1, verify tokens, prefill tokens, running, single, tiles] over the last 256 steps (refitted without the points
-        more than three median deviations, or 1% of a median step, off; slopes clamped at 0). A packed step's cost
-        is close to linear in these, and a fit over every step is far steadier than per-size medians that few
+        [1, verify tokens, prefill tokens, running, single, tiles] over the last 256 steps (refitted without the
+        points more than three median deviations, or 1% of a median step, off; slopes clamped at 0). A packed step's
+        cost is close to linear in these, and a fit over every step is far steadier than per-size medians that few
         steps reach. ``single`` (1 for a forward of one token, its coefficient of either sign) is the jump between
         a one-row forward and any larger one: on a CPU a 1-token step runs matrix-vector kernels and a larger one
         matrix-matrix kernels, a jump that a line through the larger sizes would miss (BENCHMARKS.md, "Verify
@@ -181,7 +181,11 @@ class CostModel:
         if len(rows) >= 16 and len({r[0] for r in rows}) >= 3:
             data = torch.tensor(rows, dtype=torch.float64)
             single = (data[:, :1] + data[:, 1:2] == 1).to(torch.float64)
-            tiles = torch.tensor([[self._tiles(int(v) + int(p))] for v, p, _, _ in rows], dtype=torch.float64)
+            tiles = (
+                torch.ceil((data[:, :1] + data[:, 1:2]) / self.tile_rows)
+                if self.tile_rows
+                else torch.zeros_like(single)
+            )
             x = torch.cat([torch.ones(len(rows), 1, dtype=torch.float64), data[:, :3], single, tiles], dim=1)
             y = data[:, 3:]
             ridge = 1e-6 * torch.eye(6, dtype=torch.float64)

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from adaflash_hf.kernels.verify_packing import SlotPacking
-from adaflash_hf.prepared.tiles import tiles_for
+from adaflash_hf.prepared.tiles import Tiles, tiles_for
 
 KEY_BLOCK = 64
 
@@ -66,6 +66,15 @@ def _keys_of_block(keys: torch.Tensor, values: torch.Tensor, span: int) -> tuple
     )
 
 
+def _block_tiles(kv_heads: int, dim: int, span: int, dtype, device, op) -> Tiles:
+    """The tiles of the attention over a key block ending at ``span`` (made with ``op`` on first use): the one shape
+    ``sequence_attention`` and ``stacked_block_attention`` both run a request's rows in."""
+    # no small shape: SDPA's result for a row differs between a 3-row and a 16-row call in about 1 random draw of 70
+    # (one AMD EPYC), too rare for the tiles' check to see in a few rounds
+    sample = functools.partial(_sample, kv_heads, dim, span, dtype, device)
+    return tiles_for(("attention", kv_heads, dim, span, dtype, device), op, sample, pads=(0.0, True))
+
+
 def sequence_attention(
     query: torch.Tensor,
     keys: torch.Tensor,
@@ -94,11 +103,7 @@ def sequence_attention(
             mask = mask & extra.repeat(group, 1)
         block_keys, block_values = _keys_of_block(keys, values, span)
         op = functools.partial(block_attention, keys=block_keys, values=block_values, scale=scale)
-        key = ("attention", kv_heads, dim, span, query.dtype, query.device)
-        sample = functools.partial(_sample, kv_heads, dim, span, query.dtype, query.device)
-        # no small shape: SDPA's result for a row differs between a 3-row and a 16-row call in about 1 random draw of
-        # 70 (one AMD EPYC), too rare for the tiles' check to see in a few rounds
-        tiles = tiles_for(key, op, sample, pads=(0.0, True))
+        tiles = _block_tiles(kv_heads, dim, span, query.dtype, query.device, op)
         # rows of the call: (head of the GQA group, query), the group's heads sharing their key/value head
         block_query = query[:, first:last].reshape(kv_heads, group * rows, dim)
         outputs.append(tiles.run(op, block_query, mask).reshape(heads, rows, dim))
@@ -149,8 +154,7 @@ def slot_invariant_attention(
 def stacked_block_attention(out, query, key_pool, value_pool, requests, span: int, scale: float) -> None:
     """Requests ``(slot, start, offset, length)`` whose new rows all sit in the key block ending at ``span``: their
     rows in one SDPA call, one request per batch entry, each entry the tile ``sequence_attention`` would give that
-    request alone (its rows first, padding rows after). Written into
-    ``out [T, Hq, D]``."""
+    request alone (its rows first, padding rows after). Written into ``out [T, Hq, D]``."""
     heads, dim = query.shape[1], query.shape[2]
     kv_heads = key_pool.shape[2]
     group = heads // kv_heads
@@ -179,12 +183,11 @@ def _stacking_rows(kv_heads: int, dim: int, span: int, dtype, device) -> int:
     key = (kv_heads, dim, span, dtype, device, torch.get_num_threads())
     rows = _STACKING.get(key)
     if rows is None:
-        sample = functools.partial(_sample, kv_heads, dim, span, dtype, device)
         keys = torch.randn(kv_heads, span, dim, generator=torch.Generator().manual_seed(span)).to(
             device, dtype
         )
         op = functools.partial(block_attention, keys=keys, values=keys.flip(1), scale=dim**-0.5)
-        tiles = tiles_for(("attention", kv_heads, dim, span, dtype, device), op, sample, pads=(0.0, True))
+        tiles = _block_tiles(kv_heads, dim, span, dtype, device, op)
         rows = (
             tiles.rows
             if tiles.rows > 1 and stacking_agrees(kv_heads, dim, span, dtype, device, tiles.rows)

@@ -22,9 +22,8 @@ A second, small shape. A decode step calls each linear with one row, and a padde
 for the bf16 output embedding, 1.6x for a 4-bit linear on one AMD EPYC. So an op may name a ``small`` row count that
 it runs as is, in calls of exactly ``small`` rows, where that shape gives every row bitwise what the tile gives it
 (``small_agrees``: each run of ``small`` rows of random tiles, called alone, equals the same rows of the whole
-tile). One more shape is one more kernel path; the
-check is what admits it, on this machine, as the position check admits a tile. Where it fails, ``small`` calls go in
-tiles like any other.
+tile). One more shape is one more kernel path; the check is what admits it, on this machine, as the position check
+admits a tile. Where it fails, ``small`` calls go in tiles like any other.
 
 Tile sizes tried: ``TILE_ROWS`` in order (16 covers a decode step and a full 16-token verify in one call; 32 and 64
 for kernels whose register blocks do not divide 16). Where none is position-invariant the op runs one row per call
