@@ -450,3 +450,46 @@ def test_serve_with_the_vllm_engine_learns_from_its_traffic_and_serves_the_new_v
         if server.poll() is None:
             server.kill()
     assert list((learn / "checkpoints").glob("checkpoint-*"))
+
+
+HANDLER_RELEASE = """
+import gc, json, sys, torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+from vllm import _custom_ops as ops
+if not ops._supports_onednn:
+    print(json.dumps({"skip": "this vLLM build has no oneDNN matmul handler"}))
+    sys.exit(0)
+if sys.argv[1] == "patched":
+    from adaflash_hf.vllm.compat import release_handlers_outside_modes
+    assert release_handlers_outside_modes() and release_handlers_outside_modes()  # idempotent
+handler = ops.create_onednn_mm(torch.randn(64, 32, dtype=torch.bfloat16).t(), 32)
+address, real, released = handler.handler_tensor.item(), handler.dtor, []
+handler.dtor = lambda value: (released.append(value if type(value) is int else repr(value)), real(value))
+cycle = [handler]
+cycle.append(cycle)  # freed by the garbage collector, as the drafter's dropped layers are
+del handler
+with FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv()):  # what torch.compile traces under
+    del cycle
+    gc.collect()
+print(json.dumps({"released": released, "address": address}))
+"""
+
+
+@needs_vllm
+def test_a_onednn_handler_freed_while_compiling_is_released_outside_the_fake_tensor_mode():
+    """vLLM's own destructor, run by the collector under torch.compile's fake-tensor mode, hands the mode a real
+    tensor (in the bf16 warm-up it recursed until the worker died); the plugin's releases the handler itself."""
+    runs = {}
+    for variant in ("stock", "patched"):
+        result = subprocess.run(
+            [str(VLLM_PYTHON), "-c", HANDLER_RELEASE, variant], capture_output=True, text=True, timeout=300
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs[variant] = json.loads(result.stdout.strip().splitlines()[-1]) | {"stderr": result.stderr}
+    if "skip" in runs["patched"]:
+        pytest.skip(runs["patched"]["skip"])
+    stock, patched = runs["stock"], runs["patched"]
+    assert stock["released"] != [stock["address"]] and "Exception ignored" in stock["stderr"]
+    assert patched["released"] == [patched["address"]], patched
+    assert "Exception ignored" not in patched["stderr"], patched["stderr"][-3000:]

@@ -8,7 +8,8 @@ declares, so the same folder runs in stock vLLM at a fixed length and here adapt
 ``AdaFlashProposer`` (``proposer``) for ``speculative_config={"method": "dflash", ...}``. Settings come from the
 environment (``rounds.Settings``; ``ADAFLASH_VLLM_POLICY`` = adaptive | goodput | fixed, ``ADAFLASH_VLLM_WEIGHTS``,
 ``ADAFLASH_VLLM_RECORDS``); ``ADAFLASH_VLLM_DISABLE=1`` leaves vLLM stock. ``worker`` has the RPCs
-(``adaflash_stats``, ``adaflash_reload``). ``adaflash serve --engine vllm`` (``launch``) starts vLLM's OpenAI server
+(``adaflash_stats``, ``adaflash_reload``); ``compat`` holds a fix to vLLM's CPU build that lets a DFlash drafter start
+in bf16 under torch.compile. ``adaflash serve --engine vllm`` (``launch``) starts vLLM's OpenAI server
 with all of it and, with ``--learn``, trains beside it.
 
 Nothing here but ``launch`` and ``rounds`` may be imported without vLLM.
@@ -27,6 +28,9 @@ def register() -> None:
         return
     from vllm import ModelRegistry
 
+    from adaflash_hf.vllm.compat import release_handlers_outside_modes
+
+    release_handlers_outside_modes()
     ModelRegistry.register_model(ARCHITECTURE, "adaflash_hf.vllm.model:AdaFlashDFlashForCausalLM")
     import vllm.v1.worker.gpu_model_runner as runner
 
