@@ -201,7 +201,12 @@ def test_the_vllm_command_carries_the_drafter_the_dtype_and_the_plugin(tmp_path)
         8123,
     )
     spec = json.loads(command[command.index("--speculative-config") + 1])
-    assert spec == {"method": "dflash", "model": str(tmp_path / "d"), "num_speculative_tokens": 15}
+    assert spec == {
+        "method": "dflash",
+        "model": str(tmp_path / "d"),
+        "num_speculative_tokens": 15,
+        "disable_eagle_block_drop": True,  # a DFlash drafter's cached context is valid to the last block
+    }
     assert command[command.index("--dtype") + 1] == "float32"  # auto: fp32, the exact one
     assert command[command.index("--max-num-batched-tokens") + 1] == "512"
     assert "--no-enable-prefix-caching" in command and command[-1] == "--enforce-eager"

