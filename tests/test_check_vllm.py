@@ -108,3 +108,23 @@ def test_no_engine_starting_is_an_error_naming_each_engines_failure(tmp_path):
     assert line.startswith("check_vllm run: error: expected at least one vLLM engine to run, got none of 2")
     assert "vllm_plain_bfloat16: ValueError: Free memory on device" in line and "vllm_dflash_bfloat16" in line
     assert "{}" not in result.stdout
+
+
+def test_repeats_run_every_engine_again_in_the_reverse_order_and_summarize_medians(tmp_path):
+    result, engines = run_script(tmp_path, "--dtype", "float32", "--repeats", "3", *STOCK)
+    assert result.returncode == 0, result.stderr
+    started = ["speculative_config" in e for e in engines]
+    assert started == [False, True, True, False, False, True]  # plain, DFlash; DFlash, plain; plain, DFlash
+    report = json.loads((tmp_path / "check" / "vllm.json").read_text())
+    assert report["repeats"] == 3 and sorted(row["repeat"] for row in report["rows"]) == [0, 0, 1, 1, 2, 2]
+    summary = {row["engine"]: row for row in report["summary"]}
+    plain, dflash = summary["vllm_plain_float32"], summary["vllm_dflash_float32"]
+    assert len(plain["runs"]) == 3 and plain["median_tokens_per_s"] == sorted(plain["runs"])[1]
+    assert dflash["vs_vllm_plain"] == dflash["median_tokens_per_s"] / plain["median_tokens_per_s"]
+
+
+def test_repeats_below_one_is_a_usage_error():
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "run", "--repeats", "0"], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 2 and "--repeats: expected an int >= 1, got 0" in result.stderr

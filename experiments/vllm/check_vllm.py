@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -157,6 +158,48 @@ def run_engine(out: Path, name: str, dtype: str, concurrency: list[int], max_tok
     return rows
 
 
+def _engine_process(out: Path, name: str, dtype: str, concurrency: list[int], max_tokens: int,
+                    speculative_tokens: int, extra: dict) -> list[dict]:  # fmt: skip
+    part = out / f"rows-{name}_{dtype}.json"
+    part.unlink(missing_ok=True)
+    code = (
+        "import json, sys; sys.path.insert(0, sys.argv[1]); from check_vllm import run_engine; "
+        "from pathlib import Path; a = json.loads(sys.argv[2]); "
+        "rows = run_engine(Path(a['out']), a['name'], a['dtype'], a['c'], a['t'], a['k'], a['extra']); "
+        "Path(a['part']).write_text(json.dumps(rows))"
+    )
+    args = {"out": str(out), "name": name, "dtype": dtype, "c": concurrency, "t": max_tokens}
+    args |= {"k": speculative_tokens, "extra": extra, "part": str(part)}
+    subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent), json.dumps(args)])
+    return (
+        json.loads(part.read_text())
+        if part.is_file()
+        else [{"engine": f"{name}_{dtype}", "error": "no result"}]
+    )
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """Per engine and concurrency: the median tokens/s over the repeats, each repeat's, and the ratio of the medians
+    to vLLM plain decoding of the same dtype."""
+    runs: dict[tuple[str, int], list[float]] = {}
+    for row in rows:
+        if "tokens_per_s" in row:
+            runs.setdefault((row["engine"], row["concurrency"]), []).append(row["tokens_per_s"])
+    medians = {key: statistics.median(values) for key, values in runs.items()}
+    summary = []
+    for (engine, c), values in runs.items():
+        dtype = engine.rsplit("_", 1)[1]
+        plain = medians.get((f"vllm_plain_{dtype}", c))
+        entry = {
+            "engine": engine,
+            "concurrency": c,
+            "median_tokens_per_s": medians[(engine, c)],
+            "runs": values,
+        }
+        summary.append(entry | ({"vs_vllm_plain": medians[(engine, c)] / plain} if plain else {}))
+    return summary
+
+
 def run(
     out: Path,
     concurrency: list[int],
@@ -166,32 +209,28 @@ def run(
     gpu_memory_utilization: float | None = None,
     methods: tuple[str, ...] = METHODS,
     eager: bool = False,
+    repeats: int = 1,
 ) -> int:
     """Every engine in a fresh process of its own (vLLM's CPU build does not always tear one down cleanly enough
-    for the next). Exit status 0 when at least one engine ran, 1 when none did (each error is recorded)."""
+    for the next), ``repeats`` times. Exit status 0 when at least one engine ran, 1 when none did (each error is
+    recorded)."""
     prompts = json.loads((out / "prompts.json").read_text())
     results: dict = {"max_tokens": max_tokens, "num_speculative_tokens": speculative_tokens, "rows": []}
-    results |= {"prompts": len(prompts), "host": _host(), "enforce_eager": eager}
+    results |= {"prompts": len(prompts), "host": _host(), "enforce_eager": eager, "repeats": repeats}
     extra = {} if gpu_memory_utilization is None else {"gpu_memory_utilization": gpu_memory_utilization}
     extra |= {"enforce_eager": True} if eager else {}
-    for dtype in dtypes:
-        for name in methods:
-            part = out / f"rows-{name}_{dtype}.json"
-            part.unlink(missing_ok=True)
-            code = (
-                "import json, sys; sys.path.insert(0, sys.argv[1]); from check_vllm import run_engine; "
-                "from pathlib import Path; a = json.loads(sys.argv[2]); "
-                "rows = run_engine(Path(a['out']), a['name'], a['dtype'], a['c'], a['t'], a['k'], a['extra']); "
-                "Path(a['part']).write_text(json.dumps(rows))"
-            )
-            args = {"out": str(out), "name": name, "dtype": dtype, "c": concurrency, "t": max_tokens}
-            args |= {"k": speculative_tokens, "extra": extra, "part": str(part)}
-            subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent), json.dumps(args)])
-            label = f"{name}_{dtype}"
-            rows = (
-                json.loads(part.read_text()) if part.is_file() else [{"engine": label, "error": "no result"}]
-            )
-            results["rows"] += rows
+    for repeat in range(
+        repeats
+    ):  # every other repeat in the reverse order: drift of the host falls on both sides
+        for dtype in dtypes:
+            for name in methods if repeat % 2 == 0 else methods[::-1]:
+                results["rows"] += [
+                    row | {"repeat": repeat}
+                    for row in _engine_process(
+                        out, name, dtype, concurrency, max_tokens, speculative_tokens, extra
+                    )
+                ]
+    results["summary"] = summarize(results["rows"])
     results["equals_plain"] = {
         f"{row['engine']}@{row['concurrency']}": row["equal_to_plain"] == 1.0
         for row in results["rows"]
@@ -245,7 +284,15 @@ def main(argv: list[str] | None = None) -> int:
     second.add_argument(
         "--eager", action="store_true", help="enforce_eager (no torch.compile: starts sooner)"
     )
+    second.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run every engine this many times, the order reversed every other time; the summary has the medians",
+    )
     args = parser.parse_args(argv)
+    if args.command == "run" and args.repeats < 1:
+        parser.error(f"--repeats: expected an int >= 1, got {args.repeats}")
     if args.command == "prepare":
         prepare(args.out, args.drafter, args.prompts, args.max_prompt_tokens)
         return 0
@@ -258,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         args.gpu_memory_utilization,
         tuple(args.methods),
         args.eager,
+        args.repeats,
     )
 
 
