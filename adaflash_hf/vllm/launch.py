@@ -113,7 +113,7 @@ def prepare_folders(target: str, drafter: str | None, root: Path) -> tuple[Path,
     return target_dir, drafter_dir
 
 
-def speculative_config(drafter_dir: Path | str) -> dict:
+def speculative_config(drafter_dir: Path | str, num_speculative_tokens: int = 15) -> dict:
     """vLLM's ``speculative_config`` for an exported AdaFlash drafter. ``disable_eagle_block_drop``: vLLM drops the
     last prefix-cache block of a hit for drafters fed the target's hidden states, because an EAGLE drafter's cached
     entry at a chunk's end mixes in the next token; a DFlash drafter's context K/V at a position is the projection
@@ -122,7 +122,7 @@ def speculative_config(drafter_dir: Path | str) -> dict:
     return {
         "method": "dflash",
         "model": str(drafter_dir),
-        "num_speculative_tokens": 15,
+        "num_speculative_tokens": num_speculative_tokens,
         "disable_eagle_block_drop": True,
     }
 

@@ -110,9 +110,11 @@ def _plugin_delta(before: dict | None, after: dict | None) -> dict:
 
 def _engines(out: Path, speculative_tokens: int) -> dict:
     """name -> (LLM options, the plugin's environment: vLLM's spawned workers read it)."""
+    from adaflash_hf.vllm.launch import speculative_config
+
     dflash = {"method": "dflash", "model": str(out / "drafter"), "num_speculative_tokens": speculative_tokens}
     plugin = {  # as `adaflash serve --engine vllm` configures it
-        "speculative_config": dflash | {"disable_eagle_block_drop": True},
+        "speculative_config": speculative_config(out / "drafter", speculative_tokens),
         "worker_extension_cls": "adaflash_hf.vllm.worker.AdaFlashWorkerExtension",
     }
     return {
