@@ -1,9 +1,9 @@
 """A fix the plugin applies to vLLM 0.32's CPU build when it registers.
 
 vLLM's CPU linear layers hold a oneDNN matmul handler (``vllm._custom_ops.CPUDNNLGEMMHandler``) whose ``__del__``
-reads the handler's address with ``Tensor.item()``. A draft model that shares the target's embedding and output
-layers drops its own, and the garbage collector may free those handlers at any allocation, also while torch.compile
-traces the target's forward under a fake-tensor mode: ``item()`` is then dispatched to that mode, which in the
+reads the handler's address with ``Tensor.item()``. A handler left in a reference cycle (one was, in the start of a
+DFlash drafter, whose own output layer vLLM replaces by the target's) is freed by the garbage collector at whatever
+allocation it runs, also while torch.compile traces the target's forward under a fake-tensor mode: ``item()`` is then dispatched to that mode, which in the
 bf16 warm-up recursed until the worker died ("Fatal Python error: _Py_CheckRecursiveCall: Cannot recover from
 stack overflow"; stock DFlash in bf16 dies the same way), and in other modes raises inside ``__del__`` and leaks the
 handler. ``release_handlers_outside_modes`` makes the destructor read the address straight from the tensor's memory
