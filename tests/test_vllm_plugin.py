@@ -472,7 +472,7 @@ handler = ops.create_onednn_mm(torch.randn(64, 32, dtype=torch.bfloat16).t(), 32
 address, real, released = handler.handler_tensor.item(), handler.dtor, []
 handler.dtor = lambda value: (released.append(value if type(value) is int else repr(value)), real(value))
 cycle = [handler]
-cycle.append(cycle)  # freed by the garbage collector, as the drafter's dropped layers are
+cycle.append(cycle)  # freed by the garbage collector, at whatever allocation it runs
 del handler
 with FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv()):  # what torch.compile traces under
     del cycle

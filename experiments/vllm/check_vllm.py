@@ -221,9 +221,8 @@ def run(
     results |= {"prompts": len(prompts), "host": _host(), "enforce_eager": eager, "repeats": repeats}
     extra = {} if gpu_memory_utilization is None else {"gpu_memory_utilization": gpu_memory_utilization}
     extra |= {"enforce_eager": True} if eager else {}
-    for repeat in range(
-        repeats
-    ):  # every other repeat in the reverse order: drift of the host falls on both sides
+    # every other repeat in the reverse order: drift of the host falls on both sides
+    for repeat in range(repeats):
         for dtype in dtypes:
             for name in methods if repeat % 2 == 0 else methods[::-1]:
                 results["rows"] += [
