@@ -85,18 +85,77 @@ def test_goodput_drafts_nothing_where_verifying_costs_more_than_it_gains_and_mor
     assert choose_lengths(settings, 15, acceptance, cost=StepCost(), **common) == [7] * 4
 
 
-def test_the_gate_leaves_the_drafter_out_while_it_loses_and_explores_again():
-    target = _line(0.1, 0.001)  # a step's fixed part is 100 verified tokens' worth
-    gate = DrafterGate(explore_every=4)
-    assert gate.draft(16, target)  # nothing measured yet: draft
-    for _ in range(8):  # one batch size is enough: the drafter's cost is taken per request
-        gate.observe_lengths([3] * 16, 0.05)
-        gate.observe_round(0)
-    decisions = [gate.draft(16, target) for _ in range(8)]
-    assert decisions == [False, False, False, True] * 2
-    for _ in range(50):
-        gate.observe_round(3)  # every draft accepted: now drafting pays
-    assert all(gate.draft(16, target) for _ in range(8))
+class _Steps:
+    """Drives a ``DrafterGate`` as the proposer does, on a clock of its own: every step of ``batch`` requests costs
+    ``plain`` or ``draft`` seconds per request, and every drafting step's rounds accept ``accepted`` drafts each,
+    reported two proposals later (the round book reads a round's outcome one step after it was verified)."""
+
+    def __init__(self, gate: DrafterGate, plain: float, draft: float, accepted: int):
+        self.gate, self.plain, self.draft, self.accepted = gate, plain, draft, accepted
+        self.now, self.pending = 0.0, [[], []]
+
+    def run(self, batch: int, steps: int) -> list[bool]:
+        ids = [f"r{i}" for i in range(batch)]
+        decisions = []
+        for _ in range(steps):
+            self.gate.start(self.now, batch, ids)
+            for accepted, size in self.pending.pop(0):
+                self.gate.observe_round(accepted, size)
+            drafting = self.gate.draft(batch)
+            if drafting:
+                self.gate.drafted([3] * batch)
+            self.pending.append([(self.accepted, batch)] * batch if drafting else [])
+            self.now += batch * (self.draft if drafting else self.plain)
+            decisions.append(drafting)
+        return decisions
+
+
+def test_the_gate_measures_both_kinds_of_step_and_drafts_only_where_it_pays():
+    gate = DrafterGate(explore_every=4, budget=0.5)
+    steps = _Steps(gate, plain=0.010, draft=0.030, accepted=1)  # 2 tokens for 3 steps' time: drafting loses
+    decisions = steps.run(batch=16, steps=20)
+    assert decisions[:3] == [False, True, True]  # a plain step, then drafting until its rounds come back
+    loss = gate.loss(16)
+    assert loss == pytest.approx(3.0 - 2.0)  # a drafting step costs one plain step more than it saves
+    # then it explores every max(explore_every, loss / budget) = 4 steps
+    assert decisions[3:] == [False, False, False, True] * 4 + [False]
+    report = gate.report()["16"]
+    assert report["plain_ms_per_request"] == pytest.approx(10.0)
+    assert report["draft_ms_per_request"] == pytest.approx(30.0)
+    assert report["accepted_per_request"] == pytest.approx(1.0)
+
+    # a cheaper exploration budget spaces the drafting steps further: loss / budget = 1 / 0.1 = 10 steps
+    spaced = _Steps(DrafterGate(explore_every=4, budget=0.1), plain=0.010, draft=0.030, accepted=1)
+    assert spaced.run(batch=16, steps=24)[3:] == ([False] * 9 + [True]) * 2 + [False]
+
+    # where drafting pays it drafts every step
+    paying = _Steps(DrafterGate(explore_every=4), plain=0.010, draft=0.020, accepted=3)
+    assert paying.run(batch=4, steps=12)[1:] == [True] * 11
+
+
+def test_the_gate_carries_a_loss_to_larger_batches_and_a_gain_to_smaller_ones():
+    losing = DrafterGate(explore_every=8, budget=1.0)
+    steps = _Steps(losing, plain=0.010, draft=0.030, accepted=1)
+    steps.run(batch=4, steps=6)
+    assert losing.loss(4) > 0
+    # batch 32: no step of it measured yet, and no drafting step tried there: drafting lost at 4 already
+    decisions = steps.run(batch=32, steps=16)
+    skipped = 3  # at batch 4: plain, drafting twice, then three steps without the drafter
+    assert [i for i, drafting in enumerate(decisions) if drafting] == [7 - skipped, 15 - skipped]
+    paying = DrafterGate()
+    steps = _Steps(paying, plain=0.010, draft=0.012, accepted=2)
+    steps.run(batch=16, steps=6)
+    assert paying.loss(16) < 0
+    assert steps.run(batch=2, steps=4) == [True] * 4  # paid at 16: drafts at 2 from its first step
+    # a step that took a new request (a prefill inside the interval) is not measured
+    fresh = DrafterGate()
+    fresh.start(0.0, 2, ["a", "b"])
+    fresh.start(5.0, 3, ["a", "b", "c"])
+    assert fresh.report() == {}
+    fresh.start(5.1, 3, ["a", "b", "c"])
+    assert fresh.arm(3).plain == pytest.approx(0.1 / 3) and fresh.arm(3) is fresh.arm(2)
+    with pytest.raises(ValueError, match="budget: expected a fraction in"):
+        DrafterGate(budget=0)
 
 
 def _row(request_id: str, tokens: list[int], prompt_length: int) -> Row:
@@ -212,6 +271,30 @@ def test_the_vllm_command_carries_the_drafter_the_dtype_and_the_plugin(tmp_path)
     assert "--no-enable-prefix-caching" in command and command[-1] == "--enforce-eager"
     plain = vllm_command(_Options(), Path("/py"), tmp_path / "t", None, 8123)
     assert "--speculative-config" not in plain
+
+
+def test_the_kv_cache_is_sized_for_the_server_not_a_share_of_all_memory(tmp_path):
+    from adaflash_hf.vllm.launch import kv_cache_bytes
+
+    folders = []
+    for name, layers in (("target", 30), ("drafter", 1)):
+        folder = tmp_path / name
+        folder.mkdir()
+        config = {"num_hidden_layers": layers, "num_attention_heads": 9, "num_key_value_heads": 3,
+                  "hidden_size": 576, "head_dim": 64, "max_position_embeddings": 8192}  # fmt: skip
+        (folder / "config.json").write_text(json.dumps(config))
+        folders.append(folder)
+    per_token_fp32 = 2 * 31 * 3 * 64 * 4
+    size = kv_cache_bytes(_Options(), folders, environ={}, total_memory=64 << 30)
+    assert size == per_token_fp32 * 8192 * 16  # 16 requests at the whole context, target and drafter
+    assert kv_cache_bytes(_Options(dtype="bf16"), folders, environ={}, total_memory=64 << 30) == size // 2
+    assert kv_cache_bytes(_Options(), folders, environ={}, total_memory=4 << 30) == 2 << 30  # half the memory
+    assert kv_cache_bytes(_Options(), folders, environ={"VLLM_CPU_KVCACHE_SPACE": "2"}) is None
+    chosen = _Options(vllm_arg=["--gpu-memory-utilization=0.5"])
+    assert kv_cache_bytes(chosen, folders, environ={}) is None
+    command = vllm_command(_Options(), Path("/py"), folders[0], folders[1], 8123, kv_bytes=size)
+    assert command[command.index("--kv-cache-memory-bytes") + 1] == str(size)
+    assert "--kv-cache-memory-bytes" not in vllm_command(_Options(), Path("/py"), folders[0], None, 8123)
 
 
 def test_a_missing_vllm_environment_is_a_clear_error(tmp_path, monkeypatch):

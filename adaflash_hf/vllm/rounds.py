@@ -162,48 +162,153 @@ def choose_lengths(
     return draft_lengths(acceptance, gamma, min_len, max_len).tolist()
 
 
+def batch_bucket(batch: int) -> int:
+    """The power of two at or below ``batch``: the size class ``DrafterGate`` keeps its measurements for."""
+    return 1 << (max(1, int(batch)).bit_length() - 1)
+
+
+@dataclass
+class _Arm:
+    """Exponential averages for one batch-size class: a step's seconds per request without and with the drafter,
+    and, of drafting steps, the share of requests that drafted and the drafts accepted per verified round."""
+
+    plain: float | None = None
+    draft: float | None = None
+    share: float | None = None
+    accepted: float | None = None
+
+    def gain(self) -> float | None:
+        """Drafts accepted per request of a drafting step."""
+        return None if self.share is None or self.accepted is None else self.share * self.accepted
+
+    def loss(self) -> float | None:
+        """What one drafting step costs beyond plain steps that commit as many tokens, in plain steps (< 0: drafting
+        pays); None until both arms and the gain are measured."""
+        gain = self.gain()
+        if self.plain is None or self.draft is None or gain is None:
+            return None
+        return self.draft / self.plain - (1.0 + gain)
+
+
 class DrafterGate:
-    """Goodput's coarse decision before the drafter runs: draft this step, or let every request take a plain step.
+    """Goodput's decision before the drafter runs, from what steps measurably cost here: draft this step, or let
+    every request take a plain step.
 
-    Drafting a step of ``batch`` requests is worth ``batch·(1 + s·ā) / (target(batch·(1 + k̄)) + batch·d)`` tokens
-    per second against ``batch / target(batch)`` without: ā is the recent accepted drafts per verified round, s the
-    share of requests that drafted, k̄ the mean length over all requests of a drafting step and d the drafter's
-    seconds per request (exponential averages of what was measured). Until the target's cost line is ready and the
-    drafter has run ``min_drafts`` times it drafts; while drafting loses it skips, drafting again every
-    ``explore_every`` steps so that its estimates follow the traffic."""
+    A step's cost is measured from one proposal to the next (the drafter's forward, then the target verifying what
+    it proposed), over steps that took no new request (a prefill would be inside the interval). Per batch-size class
+    (powers of two) the gate keeps the seconds per request of such steps with the drafter and without, and the drafts
+    accepted per request of a drafting step (the share of requests that drafted times the drafts accepted per
+    verified round, reported one step late). Drafting at batch b pays when ``(1 + gain) / t_draft >= 1 / t_plain``.
 
-    def __init__(self, explore_every: int = 16, smoothing: float = 0.1, min_drafts: int = 4):
-        self.explore_every, self.smoothing, self.min_drafts = explore_every, smoothing, min_drafts
-        self.accepted: float | None = None
-        self.length = self.share = self.per_request = 0.0
-        self.drafts = self.skipped = 0
+    A class that lacks a measurement takes a step of the missing kind, plain first; but drafting is not tried in a
+    class above one where it measurably lost (a larger batch makes the target's step no cheaper per request), and
+    is taken without trying plain in a class below one where it measurably paid. While drafting loses, it drafts
+    again once the steps skipped since it last drafted reach ``loss / budget`` (the exploration then costs at most
+    ``budget`` of the time, ``loss`` as ``_Arm.loss``) and at least ``explore_every``, so its estimates follow the
+    traffic."""
 
-    def _average(self, old: float, new: float) -> float:
-        return old + self.smoothing * (new - old)
+    def __init__(self, explore_every: int = 16, budget: float = 0.02, smoothing: float = 0.2):
+        if not 0 < budget <= 1:
+            raise ValueError(f"budget: expected a fraction in (0, 1], got {budget}")
+        self.explore_every, self.budget, self.smoothing = explore_every, budget, smoothing
+        self.arms: dict[int, _Arm] = {}
+        self.skipped = 0
+        self._last: tuple[float, int, bool, frozenset] | None = None  # start, batch, drafted, request ids
 
-    def observe_round(self, accepted: int) -> None:
-        self.accepted = float(accepted) if self.accepted is None else self._average(self.accepted, accepted)
+    def _average(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self.smoothing * (new - old)
 
-    def observe_lengths(self, lengths: Sequence[int], seconds: float) -> None:
-        """A drafting step: its lengths and the drafter's seconds."""
-        if not lengths:
-            return
-        per_request = seconds / len(lengths)
-        self.per_request = per_request if not self.drafts else self._average(self.per_request, per_request)
-        self.drafts += 1
-        self.length = self._average(self.length, sum(lengths) / len(lengths))
-        self.share = self._average(self.share, sum(k > 0 for k in lengths) / len(lengths))
+    def arm(self, batch: int) -> _Arm:
+        return self.arms.setdefault(batch_bucket(batch), _Arm())
 
-    def draft(self, batch: int, target: StepCost) -> bool:
-        if not (target.ready and self.drafts >= self.min_drafts and self.accepted is not None):
-            return True
-        gain = batch * (1 + self.share * self.accepted)
-        with_drafts = gain / (target(batch * (1 + self.length)) + batch * self.per_request)
-        if with_drafts >= batch / target(batch) or self.skipped + 1 >= self.explore_every:
-            self.skipped = 0
-            return True
-        self.skipped += 1
-        return False
+    def start(self, now: float, batch: int, request_ids: Sequence[str]) -> None:
+        """A proposal begins: the interval since the previous one is the cost of that step, booked to its class and
+        kind when no request joined in between."""
+        ids = frozenset(request_ids)
+        if self._last is not None:
+            then, last_batch, drafted, last_ids = self._last
+            if ids <= last_ids and now > then and last_batch > 0:
+                arm = self.arm(last_batch)
+                per_request = (now - then) / last_batch
+                if drafted:
+                    arm.draft = self._average(arm.draft, per_request)
+                else:
+                    arm.plain = self._average(arm.plain, per_request)
+        self._last = (now, batch, False, ids)
+
+    def drafted(self, lengths: Sequence[int]) -> None:
+        """The step that just began drafted these lengths (a step that only runs ``start`` is booked as plain)."""
+        if self._last is not None and lengths:
+            now, batch, _, ids = self._last
+            self._last = (now, batch, True, ids)
+            arm = self.arm(batch)
+            arm.share = self._average(arm.share, sum(k > 0 for k in lengths) / len(lengths))
+
+    def observe_round(self, accepted: int, batch: int) -> None:
+        """A verified round of a drafting step of ``batch`` requests."""
+        if batch > 0:
+            arm = self.arm(batch)
+            arm.accepted = self._average(arm.accepted, float(accepted))
+
+    def _nearest(self, bucket: int, value: Callable[[_Arm], float | None]) -> float | None:
+        """``value`` of this class, else of the nearest class that has it."""
+        ranked = sorted((abs(math.log2(other / bucket)), other) for other in self.arms)
+        for _, other in ranked:
+            found = value(self.arms[other])
+            if found is not None:
+                return found
+        return None
+
+    def loss(self, batch: int) -> float | None:
+        """``_Arm.loss`` of this batch's class, with the nearest class's gain until its own is reported."""
+        bucket = batch_bucket(batch)
+        arm = self.arms.get(bucket)
+        if arm is None or arm.plain is None or arm.draft is None:
+            return None
+        gain = self._nearest(bucket, _Arm.gain)
+        return None if gain is None else arm.draft / arm.plain - (1.0 + gain)
+
+    def _inferred(self, bucket: int) -> bool | None:
+        """Drafting measurably lost in a smaller class (False) or paid in a larger one (True); None if neither."""
+        for other in self.arms:
+            loss = self.loss(other)
+            if loss is not None and other < bucket and loss > 0:
+                return False
+            if loss is not None and other > bucket and loss <= 0:
+                return True
+        return None
+
+    def draft(self, batch: int) -> bool:
+        bucket = batch_bucket(batch)
+        loss = self.loss(bucket)
+        if loss is None:
+            inferred = self._inferred(bucket)
+            if inferred is None:  # measure: a plain step first, then drafting steps
+                return self._decide(self.arm(bucket).plain is not None)
+            if inferred:
+                return self._decide(True)
+        elif loss <= 0:
+            return self._decide(True)
+        spacing = loss if loss is not None else self._nearest(bucket, _Arm.loss)  # where drafting lost
+        wait = max(self.explore_every, math.ceil(max(spacing or 0.0, 0.0) / self.budget))
+        return self._decide(self.skipped + 1 >= wait)
+
+    def _decide(self, draft: bool) -> bool:
+        self.skipped = 0 if draft else self.skipped + 1
+        return draft
+
+    def report(self) -> dict:
+        """Per class: milliseconds per request of a step without and with the drafter, gain and loss."""
+        out = {}
+        for bucket, arm in sorted(self.arms.items()):
+            gain, loss = arm.gain(), self.loss(bucket)
+            out[str(bucket)] = {
+                "plain_ms_per_request": None if arm.plain is None else round(1000 * arm.plain, 3),
+                "draft_ms_per_request": None if arm.draft is None else round(1000 * arm.draft, 3),
+                "accepted_per_request": None if gain is None else round(gain, 3),
+                "loss_in_plain_steps": None if loss is None else round(loss, 3),
+            }
+        return out
 
 
 @dataclass
@@ -214,6 +319,7 @@ class Proposal:
     version: int
     head: float = 0.0
     confidences: list[float] | None = None
+    batch: int = 0  # the batch of the drafting step that proposed it (0: a step without the drafter)
 
 
 @dataclass
