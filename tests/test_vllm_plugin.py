@@ -405,6 +405,8 @@ def test_requests_in_one_step_verify_different_draft_lengths(vllm_runs):
     assert (
         "0" in goodput["draft_length_histogram"] or goodput["steps_without_drafter"] > 0
     )  # k̂ = 0 is allowed
+    classes = goodput["gate"].values()  # the gate timed vLLM's steps with the drafter and without
+    assert any(c["plain_ms_per_request"] for c in classes) and any(c["draft_ms_per_request"] for c in classes)
 
 
 @pytest.mark.integration

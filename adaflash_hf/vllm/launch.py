@@ -9,6 +9,9 @@ it trains here, beside vLLM: the plugin appends each finished request's trajecto
 ``<learn-dir>/vllm/records/trajectories-<pid>.jsonl``, a reader thread feeds them to the replay buffer, the OPD
 learner publishes every new version to ``<learn-dir>/weights`` and the plugin polls and swaps it in between steps.
 
+On a machine without a GPU vLLM's KV cache is sized for ``--max-running`` requests at the target's whole context
+(``kv_cache_bytes``) unless ``VLLM_CPU_KVCACHE_SPACE`` or a ``--vllm-arg`` says otherwise.
+
 Greedy texts equal vLLM's plain decoding in fp32 (``auto`` here), not in bf16: vLLM's bf16 CPU forward is not
 batch-invariant, so verifying several tokens at once can flip a near-tie. Prefix caching is off under ``--learn``:
 a cached prefix keeps the drafter context computed by the weights of its time.

@@ -10,6 +10,8 @@ the block's final states (``AdaFlashDFlashForCausalLM.acceptance``), and returns
   (``online.weights.HotReloader`` with the vLLM model's own layout);
 - measures the target's step cost from vLLM's own steps (``rounds.StepCost``, goodput's cost line) and learns the
   acceptance model from every verified round (goodput's chains);
+- under goodput, leaves the drafter out of a step where drafting measurably loses at that batch size
+  (``rounds.DrafterGate``: whole steps timed with and without the drafter, per batch-size class);
 - books each request's rounds (``rounds.RoundBook``) and, with ``ADAFLASH_VLLM_RECORDS``, appends every finished
   request's trajectory to ``trajectories-<pid>.jsonl`` there and keeps ``stats-<pid>.json`` current.
 

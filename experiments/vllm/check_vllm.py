@@ -90,7 +90,8 @@ def _plugin_stats(llm, name: str) -> dict | None:
 
 
 def _plugin_delta(before: dict | None, after: dict | None) -> dict:
-    """Mean k̂ (over requests of drafting steps, 0 included), τ and the steps the drafter sat out, over one level."""
+    """Mean k̂ (over requests of drafting steps, 0 included), τ and the steps the drafter sat out, over one level;
+    the drafter gate's measured step costs per batch-size class as they stand at its end."""
     if before is None or after is None:
         return {}
 
@@ -105,6 +106,7 @@ def _plugin_delta(before: dict | None, after: dict | None) -> dict:
         "mean_draft_length": (s1 - s0) / max(1, n1 - n0),
         "tau": (accepted + rounds) / rounds if rounds else 0.0,
         "steps_without_drafter": after["steps_without_drafter"] - before["steps_without_drafter"],
+        "gate": after.get("gate"),
     }
 
 
