@@ -71,7 +71,9 @@ def run_script(tmp_path, *args, fail=False):
         "--max-tokens",
         "4",
     ]
-    result = subprocess.run([*command, *args], capture_output=True, text=True, env=env, timeout=60)
+    result = subprocess.run(
+        [*command, *args], capture_output=True, text=True, env=env, timeout=600
+    )  # a hang guard: 6 engine processes on a busy host
     engines = [json.loads(line) for line in (tmp_path / "engines.jsonl").read_text().splitlines()]
     return result, engines
 
