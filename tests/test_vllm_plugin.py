@@ -366,10 +366,16 @@ def vllm_runs(tmp_path_factory):
     (work / "prompts.json").write_text(json.dumps(prompts))
     del target
     runs = {}
-    for phase, policy in (("plain", None), ("plugin", "adaptive"), ("goodput", "goodput")):
+    for phase, policy in (
+        ("plain", None),
+        ("plugin", "adaptive"),
+        ("goodput", "goodput"),
+        ("cached", "adaptive"),
+    ):
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "ADAFLASH_VLLM_POLL_SECONDS": "0"}
         if policy:
             env |= {"ADAFLASH_VLLM_POLICY": policy, "ADAFLASH_VLLM_RECORDS": str(work / f"records-{phase}")}
+        if policy and phase != "cached":  # the cached phase keeps the shipped weights (none published to it)
             env |= {"ADAFLASH_VLLM_WEIGHTS": str(work / "weights")}
         result = subprocess.run(
             [str(VLLM_PYTHON), str(REPO / "tests" / "vllm_driver.py"), phase, str(work)],
@@ -392,6 +398,23 @@ def test_greedy_texts_through_the_plugin_equal_vllm_plain_at_one_request_and_six
     assert run["batch"] == plain["batch"]  # 16 in flight
     assert run["alone"] == plain["alone"]  # one at a time
     assert all(len(tokens) > 0 for tokens in run["batch"])
+
+
+@pytest.mark.integration
+@needs_vllm
+def test_a_resent_prompt_hits_the_prefix_cache_to_its_last_full_block_and_drafts_as_well(vllm_runs):
+    plain, cached = vllm_runs["plain"], vllm_runs["cached"]
+    assert cached["long_first"] == plain["long"] and cached["long_again"] == plain["long"]
+    block = cached["block_size"]
+    lengths = cached["lengths"]
+    assert min(lengths) > 2 * block
+    # every full block before the last prompt token: vLLM would drop the last one for a drafter fed the target's
+    # states, had the plugin's configuration not kept it (a DFlash drafter's context there is valid)
+    assert cached["cached_tokens"] == [(n - 1) // block * block for n in lengths]
+    first, again = cached["rounds_first"], cached["rounds_again"]
+    assert first["accepted"] > 0 and again["rounds"] > 0
+    # the drafter reads the cached context: acceptance as good as when the whole prompt was computed
+    assert again["accepted"] / again["rounds"] >= 0.8 * first["accepted"] / first["rounds"], (first, again)
 
 
 @pytest.mark.integration

@@ -1,12 +1,14 @@
 """Runs in vLLM's own environment (``.venv-vllm``) for tests/test_vllm_plugin.py: one vLLM engine per call, greedy,
 fp32, on the exported target and drafter the test prepared, writing what it saw to ``<work>/<phase>.json``.
 
-    python tests/vllm_driver.py plain|plugin|goodput WORK
+    python tests/vllm_driver.py plain|plugin|goodput|cached WORK
 
 ``plain``: vLLM without drafting, every prompt in one batch (16 in flight) and the first ``ONE_AT_A_TIME`` alone.
 ``plugin``/``goodput``: the same through the AdaFlash plugin (the policy from ADAFLASH_VLLM_POLICY, set by the test),
 with its statistics; ``plugin`` also reloads mid-traffic (a published version with the drafter's fusion layer
 zeroed, so acceptance must fall), serves a batch on it, and then is offered a corrupt version (refused).
+``cached``: the plugin (adaptive) with vLLM's prefix caching on, as ``adaflash serve --engine vllm`` runs it: long
+prompts sent alone, then again, their prefixes now from the cache (the drafter's context K/V included).
 """
 
 from __future__ import annotations
@@ -19,6 +21,32 @@ from adaflash_hf.vllm.launch import speculative_config
 
 ONE_AT_A_TIME = 4
 MAX_TOKENS = 40
+LONG_PROMPTS, LONG_TOKENS = 2, 300  # prompts past two of the CPU build's 128-token KV blocks
+
+
+def _long_prompts(prompts: list[list[int]]) -> list[list[int]]:
+    """Held-out prompts joined into ``LONG_PROMPTS`` longer ones (a conversation of several turns)."""
+    return [sum(prompts[i::LONG_PROMPTS], [])[:LONG_TOKENS] for i in range(LONG_PROMPTS)]
+
+
+def _rounds(before: dict, after: dict) -> dict:
+    return {key: after[key] - before[key] for key in ("rounds", "accepted")}
+
+
+def _resent(llm, prompts, params) -> dict:
+    """Each long prompt alone, then each again: the second time its prefix comes from vLLM's prefix cache."""
+    from vllm import TokensPrompt
+
+    result, start = {}, _stats(llm)
+    result["long_first"] = [_outputs(llm, [p], params)[0] for p in prompts]
+    middle = _stats(llm)
+    outs = [llm.generate([TokensPrompt(prompt_token_ids=p)], params, use_tqdm=False)[0] for p in prompts]
+    result["long_again"] = [list(o.outputs[0].token_ids) for o in outs]
+    result["cached_tokens"] = [o.num_cached_tokens for o in outs]
+    result["rounds_first"], result["rounds_again"] = _rounds(start, middle), _rounds(middle, _stats(llm))
+    result["block_size"] = llm.llm_engine.vllm_config.cache_config.block_size
+    result["lengths"] = [len(p) for p in prompts]
+    return result
 
 
 def _outputs(llm, prompts, params) -> list[list[int]]:
@@ -80,17 +108,22 @@ def main(phase: str, work: Path) -> None:
     options = dict(
         model=str(work / "target"), dtype="float32", enforce_eager=True, max_model_len=1024, seed=0
     )
-    options |= dict(max_num_seqs=16, enable_prefix_caching=False)
+    options |= dict(max_num_seqs=16, enable_prefix_caching=phase == "cached")
     if phase != "plain":
         options |= dict(
             speculative_config=speculative_config(work / "drafter"),
             worker_extension_cls="adaflash_hf.vllm.worker.AdaFlashWorkerExtension",
         )
     llm = LLM(**options)
+    if phase == "cached":
+        (work / f"{phase}.json").write_text(json.dumps(_resent(llm, _long_prompts(prompts), params)))
+        return
     result = {"batch": _outputs(llm, prompts, params)}
     if phase != "plain":
         result["stats_batch"] = _stats(llm)
     result["alone"] = [_outputs(llm, [p], params)[0] for p in prompts[:ONE_AT_A_TIME]]
+    if phase == "plain":
+        result["long"] = [_outputs(llm, [p], params)[0] for p in _long_prompts(prompts)]
     if phase == "plugin":
         result["reload"], result["version_after_reload"] = _mid_traffic_reload(llm, prompts, params, work)
         result["stats_reloaded"] = _stats(llm)
