@@ -22,6 +22,18 @@ def server(target_factory, drafter_factory, word_tokenizer):
         yield running
 
 
+def test_a_level_cut_short_by_its_time_cap_says_how_many_requests_it_left_out(server, caplog):
+    results = http.run_benchmark({"a": server.base_url}, None, PROMPTS, [1], max_tokens=8, duration_s=1e-9)
+    (row,) = results["summary"]
+    assert (
+        row["unsent"] == len(PROMPTS) - len(results["records"]["a@1"]) == len(PROMPTS)
+    )  # the cap came first
+    assert (
+        f"{len(PROMPTS)} of {len(PROMPTS)} requests not sent" in caplog.text and "--duration-s" in caplog.text
+    )
+    assert f"({len(PROMPTS)} unsent: --duration-s)" in http.markdown_table(results)
+
+
 def test_every_level_completes_its_requests_with_latencies_and_tau(server, tmp_path):
     results = http.run_benchmark(
         {"a": server.base_url, "b": server.base_url}, None, PROMPTS, [1, 2], max_tokens=8, duration_s=60
@@ -29,7 +41,7 @@ def test_every_level_completes_its_requests_with_latencies_and_tau(server, tmp_p
     rows = results["summary"]
     assert [(r["server"], r["concurrency"]) for r in rows] == [("a", 1), ("b", 1), ("a", 2), ("b", 2)]
     for row in rows:
-        assert (row["completed"], row["errors"], row["rejected_429"]) == (4, 0, 0)
+        assert (row["completed"], row["errors"], row["rejected_429"], row["unsent"]) == (4, 0, 0, 0)
         assert row["tokens_per_s"] > 0 and row["ttft_p50"] <= row["ttft_p99"] and row["itl_p50"] is not None
         assert row["tau"] >= 1.0 and row["memory_mb"][1] > 0
     assert all(r["tokens"] == 8 for r in results["records"]["a@1"])

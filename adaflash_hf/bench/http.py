@@ -292,6 +292,12 @@ def run_benchmark(
             summary.append(summarise(label, c, level_records, seconds, before, after))
             records[f"{label}@{c}"] = level_records
             row = summary[-1]
+            row["unsent"] = len(prompts) - len(level_records)
+            if row["unsent"]:
+                logger.warning(
+                    f"{label} c={c}: {row['unsent']} of {len(prompts)} requests not sent: the level's cap, "
+                    f"--duration-s {level.get('duration_s')}, was reached after {seconds:.0f} s"
+                )
             logger.info(
                 f"{label} c={c}: {row['tokens_per_s']:.1f} tok/s, {row['completed']} done, {row['errors']} errors"
             )
@@ -316,7 +322,9 @@ COLUMNS = {
     "TTFT p50 / p99 (ms)": lambda r: f"{_ms(r['ttft_p50'])} / {_ms(r['ttft_p99'])}",
     "ITL p50 / p99 (ms)": lambda r: f"{_ms(r['itl_p50'])} / {_ms(r['itl_p99'])}",
     "τ": lambda r: "n/a" if r["tau"] is None else f"{r['tau']:.2f}",
-    "done": lambda r: r["completed"],
+    "done": lambda r: (
+        f"{r['completed']} ({r['unsent']} unsent: --duration-s)" if r.get("unsent") else r["completed"]
+    ),
     "429": lambda r: r["rejected_429"],
     "errors": lambda r: r["errors"],
     "memory MB": lambda r: " → ".join("n/a" if m is None else f"{m:.0f}" for m in r["memory_mb"]),
@@ -380,7 +388,12 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--concurrency", type=int_at_least(1), nargs="+", default=[1, 4, 16], help="levels")
     parser.add_argument("--requests", type=int_at_least(1), default=32, help="requests per server and level")
     parser.add_argument("--max-tokens", type=int_at_least(1), default=128, help="max_tokens per request")
-    parser.add_argument("--duration-s", type=number_in(0, open_low=True), default=600.0, help="cap per level")
+    parser.add_argument(
+        "--duration-s",
+        type=number_in(0, open_low=True),
+        default=600.0,
+        help="seconds per server and level; requests not sent by then are left out (default 600)",
+    )
     parser.add_argument("--domains", nargs="+", default=["chat", "code", "math"], help="in turn")
     parser.add_argument("--split", default="heldout", choices=("heldout", "train"), help="prompt split")
     parser.add_argument(

@@ -139,6 +139,9 @@ def run_engine(out: Path, name: str, dtype: str, concurrency: list[int], max_tok
     # vLLM 0.32's compile cache, loaded for a second engine of the same target, can fail and recurse until the
     # worker dies: every engine compiles afresh
     os.environ.setdefault("VLLM_DISABLE_COMPILE_CACHE", "1")
+    # a KV cache of its own size: by default vLLM's CPU build reserves 92% of memory and refuses to start when
+    # anything else holds more than the rest
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     label = f"{name}_{dtype}"
     try:
         llm = LLM(model=str(out / "target"), dtype=dtype, max_model_len=2048, seed=0, **extra, **options)

@@ -5,7 +5,7 @@ domain's prompts, then read the curve (in the project's venv):
 
     adaflash serve --engine vllm --learn --learn-dir runs/vllm_learn --length-mode adaptive --port 8000 &
     adaflash bench http --server learn=http://127.0.0.1:8000/v1 --domains translate --concurrency 4 \\
-        --requests 1000 --max-tokens 64 --output-dir runs/vllm_learn/http
+        --requests 1000 --max-tokens 64 --duration-s 7200 --output-dir runs/vllm_learn/http
     .venv/bin/python experiments/vllm/learn_curve.py runs/vllm_learn --window 100
 
 Each finished request's trajectory (``<learn-dir>/vllm/records/trajectories-*.jsonl``, in the order requests
