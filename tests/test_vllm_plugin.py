@@ -114,11 +114,11 @@ def test_the_gate_measures_both_kinds_of_step_and_drafts_only_where_it_pays():
     gate = DrafterGate(explore_every=4, budget=0.5)
     steps = _Steps(gate, plain=0.010, draft=0.030, accepted=1)  # 2 tokens for 3 steps' time: drafting loses
     decisions = steps.run(batch=16, steps=20)
-    assert decisions[:3] == [False, True, True]  # a plain step, then drafting until its rounds come back
+    assert decisions[:4] == [False, False, True, True]  # two plain steps, then drafting until its rounds are in
     loss = gate.loss(16)
     assert loss == pytest.approx(3.0 - 2.0)  # a drafting step costs one plain step more than it saves
     # then it explores every max(explore_every, loss / budget) = 4 steps
-    assert decisions[3:] == [False, False, False, True] * 4 + [False]
+    assert decisions[4:] == [False, False, False, True] * 4
     report = gate.report()["16"]
     assert report["plain_ms_per_request"] == pytest.approx(10.0)
     assert report["draft_ms_per_request"] == pytest.approx(30.0)
@@ -126,11 +126,11 @@ def test_the_gate_measures_both_kinds_of_step_and_drafts_only_where_it_pays():
 
     # a cheaper exploration budget spaces the drafting steps further: loss / budget = 1 / 0.1 = 10 steps
     spaced = _Steps(DrafterGate(explore_every=4, budget=0.1), plain=0.010, draft=0.030, accepted=1)
-    assert spaced.run(batch=16, steps=24)[3:] == ([False] * 9 + [True]) * 2 + [False]
+    assert spaced.run(batch=16, steps=24)[4:] == ([False] * 9 + [True]) * 2
 
     # where drafting pays it drafts every step
     paying = _Steps(DrafterGate(explore_every=4), plain=0.010, draft=0.020, accepted=3)
-    assert paying.run(batch=4, steps=12)[1:] == [True] * 11
+    assert paying.run(batch=4, steps=12)[2:] == [True] * 10
 
 
 def test_the_gate_carries_a_loss_to_larger_batches_and_a_gain_to_smaller_ones():
@@ -140,7 +140,7 @@ def test_the_gate_carries_a_loss_to_larger_batches_and_a_gain_to_smaller_ones():
     assert losing.loss(4) > 0
     # batch 32: no step of it measured yet, and no drafting step tried there: drafting lost at 4 already
     decisions = steps.run(batch=32, steps=16)
-    skipped = 3  # at batch 4: plain, drafting twice, then three steps without the drafter
+    skipped = 1  # at batch 4: plain twice, drafting three times (8 rounds reported), then a step without the drafter
     assert [i for i, drafting in enumerate(decisions) if drafting] == [7 - skipped, 15 - skipped]
     paying = DrafterGate()
     steps = _Steps(paying, plain=0.010, draft=0.012, accepted=2)

@@ -162,6 +162,9 @@ def choose_lengths(
     return draft_lengths(acceptance, gamma, min_len, max_len).tolist()
 
 
+MIN_STEPS, MIN_ROUNDS = 2, 8  # what ``DrafterGate`` measures of a class before it trusts its comparison
+
+
 def batch_bucket(batch: int) -> int:
     """The power of two at or below ``batch``: the size class ``DrafterGate`` keeps its measurements for."""
     return 1 << (max(1, int(batch)).bit_length() - 1)
@@ -176,16 +179,22 @@ class _Arm:
     draft: float | None = None
     share: float | None = None
     accepted: float | None = None
+    counts: list[int] = field(default_factory=lambda: [0, 0, 0])  # plain steps, drafting steps, rounds measured
 
     def gain(self) -> float | None:
-        """Drafts accepted per request of a drafting step."""
-        return None if self.share is None or self.accepted is None else self.share * self.accepted
+        """Drafts accepted per request of a drafting step, once ``MIN_ROUNDS`` rounds are in."""
+        if self.share is None or self.accepted is None or self.counts[2] < MIN_ROUNDS:
+            return None
+        return self.share * self.accepted
+
+    def timed(self) -> bool:
+        return self.counts[0] >= MIN_STEPS and self.counts[1] >= MIN_STEPS
 
     def loss(self) -> float | None:
         """What one drafting step costs beyond plain steps that commit as many tokens, in plain steps (< 0: drafting
         pays); None until both arms and the gain are measured."""
         gain = self.gain()
-        if self.plain is None or self.draft is None or gain is None:
+        if not self.timed() or gain is None:
             return None
         return self.draft / self.plain - (1.0 + gain)
 
@@ -200,14 +209,15 @@ class DrafterGate:
     accepted per request of a drafting step (the share of requests that drafted times the drafts accepted per
     verified round, reported one step late). Drafting at batch b pays when ``(1 + gain) / t_draft >= 1 / t_plain``.
 
-    A class that lacks a measurement takes a step of the missing kind, plain first; but drafting is not tried in a
+    A class that lacks measurements (``MIN_STEPS`` steps of each kind, ``MIN_ROUNDS`` rounds) takes steps of the
+    missing kind, plain first, the gain of the nearest class standing in until its own is in; but drafting is not tried in a
     class above one where it measurably lost (a larger batch makes the target's step no cheaper per request), and
     is taken without trying plain in a class below one where it measurably paid. While drafting loses, it drafts
     again once the steps skipped since it last drafted reach ``loss / budget`` (the exploration then costs at most
     ``budget`` of the time, ``loss`` as ``_Arm.loss``) and at least ``explore_every``, so its estimates follow the
     traffic."""
 
-    def __init__(self, explore_every: int = 16, budget: float = 0.02, smoothing: float = 0.2):
+    def __init__(self, explore_every: int = 4, budget: float = 0.02, smoothing: float = 0.2):
         if not 0 < budget <= 1:
             raise ValueError(f"budget: expected a fraction in (0, 1], got {budget}")
         self.explore_every, self.budget, self.smoothing = explore_every, budget, smoothing
@@ -234,6 +244,7 @@ class DrafterGate:
                     arm.draft = self._average(arm.draft, per_request)
                 else:
                     arm.plain = self._average(arm.plain, per_request)
+                arm.counts[int(drafted)] += 1
         self._last = (now, batch, False, ids)
 
     def drafted(self, lengths: Sequence[int]) -> None:
@@ -249,6 +260,7 @@ class DrafterGate:
         if batch > 0:
             arm = self.arm(batch)
             arm.accepted = self._average(arm.accepted, float(accepted))
+            arm.counts[2] += 1
 
     def _nearest(self, bucket: int, value: Callable[[_Arm], float | None]) -> float | None:
         """``value`` of this class, else of the nearest class that has it."""
@@ -263,7 +275,7 @@ class DrafterGate:
         """``_Arm.loss`` of this batch's class, with the nearest class's gain until its own is reported."""
         bucket = batch_bucket(batch)
         arm = self.arms.get(bucket)
-        if arm is None or arm.plain is None or arm.draft is None:
+        if arm is None or not arm.timed():
             return None
         gain = self._nearest(bucket, _Arm.gain)
         return None if gain is None else arm.draft / arm.plain - (1.0 + gain)
@@ -283,8 +295,8 @@ class DrafterGate:
         loss = self.loss(bucket)
         if loss is None:
             inferred = self._inferred(bucket)
-            if inferred is None:  # measure: a plain step first, then drafting steps
-                return self._decide(self.arm(bucket).plain is not None)
+            if inferred is None:  # measure: plain steps first, then drafting steps
+                return self._decide(self.arm(bucket).counts[0] >= MIN_STEPS)
             if inferred:
                 return self._decide(True)
         elif loss <= 0:
