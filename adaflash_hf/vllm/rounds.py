@@ -179,7 +179,9 @@ class _Arm:
     draft: float | None = None
     share: float | None = None
     accepted: float | None = None
-    counts: list[int] = field(default_factory=lambda: [0, 0, 0])  # plain steps, drafting steps, rounds measured
+    counts: list[int] = field(
+        default_factory=lambda: [0, 0, 0]
+    )  # plain steps, drafting steps, rounds measured
 
     def gain(self) -> float | None:
         """Drafts accepted per request of a drafting step, once ``MIN_ROUNDS`` rounds are in."""
@@ -217,16 +219,23 @@ class DrafterGate:
     ``budget`` of the time, ``loss`` as ``_Arm.loss``) and at least ``explore_every``, so its estimates follow the
     traffic."""
 
-    def __init__(self, explore_every: int = 4, budget: float = 0.02, smoothing: float = 0.2):
+    def __init__(
+        self,
+        explore_every: int = 4,
+        budget: float = 0.02,
+        smoothing: float = 0.1,
+        gain_smoothing: float = 0.05,
+    ):
         if not 0 < budget <= 1:
             raise ValueError(f"budget: expected a fraction in (0, 1], got {budget}")
-        self.explore_every, self.budget, self.smoothing = explore_every, budget, smoothing
+        self.explore_every, self.budget = explore_every, budget
+        self.smoothing, self.gain_smoothing = smoothing, gain_smoothing  # a round's accepted count is noisy
         self.arms: dict[int, _Arm] = {}
         self.skipped = 0
         self._last: tuple[float, int, bool, frozenset] | None = None  # start, batch, drafted, request ids
 
-    def _average(self, old: float | None, new: float) -> float:
-        return new if old is None else old + self.smoothing * (new - old)
+    def _average(self, old: float | None, new: float, rate: float | None = None) -> float:
+        return new if old is None else old + (rate or self.smoothing) * (new - old)
 
     def arm(self, batch: int) -> _Arm:
         return self.arms.setdefault(batch_bucket(batch), _Arm())
@@ -253,13 +262,15 @@ class DrafterGate:
             now, batch, _, ids = self._last
             self._last = (now, batch, True, ids)
             arm = self.arm(batch)
-            arm.share = self._average(arm.share, sum(k > 0 for k in lengths) / len(lengths))
+            arm.share = self._average(
+                arm.share, sum(k > 0 for k in lengths) / len(lengths), self.gain_smoothing
+            )
 
     def observe_round(self, accepted: int, batch: int) -> None:
         """A verified round of a drafting step of ``batch`` requests."""
         if batch > 0:
             arm = self.arm(batch)
-            arm.accepted = self._average(arm.accepted, float(accepted))
+            arm.accepted = self._average(arm.accepted, float(accepted), self.gain_smoothing)
             arm.counts[2] += 1
 
     def _nearest(self, bucket: int, value: Callable[[_Arm], float | None]) -> float | None:
