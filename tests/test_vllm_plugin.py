@@ -113,12 +113,14 @@ class _Steps:
 def test_the_gate_measures_both_kinds_of_step_and_drafts_only_where_it_pays():
     gate = DrafterGate(explore_every=4, budget=0.5)
     steps = _Steps(gate, plain=0.010, draft=0.030, accepted=1)  # 2 tokens for 3 steps' time: drafting loses
-    decisions = steps.run(batch=16, steps=20)
-    assert decisions[:4] == [False, False, True, True]  # two plain steps, then drafting until its rounds are in
+    decisions = steps.run(batch=16, steps=21)
+    # plain steps until two are timed (the first interval follows the batch's arrival), then drafting until two
+    # drafting steps are timed and their rounds are in
+    assert decisions[:5] == [False, False, False, True, True]
     loss = gate.loss(16)
     assert loss == pytest.approx(3.0 - 2.0)  # a drafting step costs one plain step more than it saves
     # then it explores every max(explore_every, loss / budget) = 4 steps
-    assert decisions[4:] == [False, False, False, True] * 4
+    assert decisions[5:] == [False, False, False, True] * 4
     report = gate.report()["16"]
     assert report["plain_ms_per_request"] == pytest.approx(10.0)
     assert report["draft_ms_per_request"] == pytest.approx(30.0)
@@ -126,21 +128,23 @@ def test_the_gate_measures_both_kinds_of_step_and_drafts_only_where_it_pays():
 
     # a cheaper exploration budget spaces the drafting steps further: loss / budget = 1 / 0.1 = 10 steps
     spaced = _Steps(DrafterGate(explore_every=4, budget=0.1), plain=0.010, draft=0.030, accepted=1)
-    assert spaced.run(batch=16, steps=24)[4:] == ([False] * 9 + [True]) * 2
+    assert spaced.run(batch=16, steps=25)[5:] == ([False] * 9 + [True]) * 2
 
     # where drafting pays it drafts every step
     paying = _Steps(DrafterGate(explore_every=4), plain=0.010, draft=0.020, accepted=3)
-    assert paying.run(batch=4, steps=12)[2:] == [True] * 10
+    assert paying.run(batch=4, steps=12)[3:] == [True] * 9
 
 
 def test_the_gate_carries_a_loss_to_larger_batches_and_a_gain_to_smaller_ones():
     losing = DrafterGate(explore_every=8, budget=1.0)
     steps = _Steps(losing, plain=0.010, draft=0.030, accepted=1)
-    steps.run(batch=4, steps=6)
+    steps.run(batch=4, steps=7)
     assert losing.loss(4) > 0
     # batch 32: no step of it measured yet, and no drafting step tried there: drafting lost at 4 already
     decisions = steps.run(batch=32, steps=16)
-    skipped = 1  # at batch 4: plain twice, drafting three times (8 rounds reported), then a step without the drafter
+    skipped = (
+        1  # at batch 4: plain 3 times, drafting 3 times (8 rounds reported), then a step without the drafter
+    )
     assert [i for i, drafting in enumerate(decisions) if drafting] == [7 - skipped, 15 - skipped]
     paying = DrafterGate()
     steps = _Steps(paying, plain=0.010, draft=0.012, accepted=2)
@@ -150,10 +154,11 @@ def test_the_gate_carries_a_loss_to_larger_batches_and_a_gain_to_smaller_ones():
     # a step that took a new request (a prefill inside the interval) is not measured
     fresh = DrafterGate()
     fresh.start(0.0, 2, ["a", "b"])
-    fresh.start(5.0, 3, ["a", "b", "c"])
+    fresh.start(5.0, 3, ["a", "b", "c"])  # c joined: its prefill is inside 0 -> 5
+    fresh.start(5.1, 3, ["a", "b", "c"])  # the proposal at 5 wrote c's prompt into the drafter's context
     assert fresh.report() == {}
-    fresh.start(5.1, 3, ["a", "b", "c"])
-    assert fresh.arm(3).plain == pytest.approx(0.1 / 3) and fresh.arm(3) is fresh.arm(2)
+    fresh.start(5.3, 3, ["a", "b", "c"])
+    assert fresh.arm(3).plain == pytest.approx(0.2 / 3) and fresh.arm(3) is fresh.arm(2)
     with pytest.raises(ValueError, match="budget: expected a fraction in"):
         DrafterGate(budget=0)
 

@@ -206,7 +206,7 @@ class DrafterGate:
     every request take a plain step.
 
     A step's cost is measured from one proposal to the next (the drafter's forward, then the target verifying what
-    it proposed), over steps that took no new request (a prefill would be inside the interval). Per batch-size class
+    it proposed), where no request joined at either end (a prefill would be inside the interval). Per batch-size class
     (powers of two) the gate keeps the seconds per request of such steps with the drafter and without, and the drafts
     accepted per request of a drafting step (the share of requests that drafted times the drafts accepted per
     verified round, reported one step late). Drafting at batch b pays when ``(1 + gain) / t_draft >= 1 / t_plain``.
@@ -232,7 +232,8 @@ class DrafterGate:
         self.smoothing, self.gain_smoothing = smoothing, gain_smoothing  # a round's accepted count is noisy
         self.arms: dict[int, _Arm] = {}
         self.skipped = 0
-        self._last: tuple[float, int, bool, frozenset] | None = None  # start, batch, drafted, request ids
+        # start, batch, drafted, request ids, and whether the batch was as before (no prompt's work in its proposal)
+        self._last: tuple[float, int, bool, frozenset, bool] | None = None
 
     def _average(self, old: float | None, new: float, rate: float | None = None) -> float:
         return new if old is None else old + (rate or self.smoothing) * (new - old)
@@ -242,11 +243,13 @@ class DrafterGate:
 
     def start(self, now: float, batch: int, request_ids: Sequence[str]) -> None:
         """A proposal begins: the interval since the previous one is the cost of that step, booked to its class and
-        kind when no request joined in between."""
+        kind when no request joined at either end (a joining request's prefill, and the drafter context written
+        for its prompt, would be inside the interval)."""
         ids = frozenset(request_ids)
-        if self._last is not None:
-            then, last_batch, drafted, last_ids = self._last
-            if ids <= last_ids and now > then and last_batch > 0:
+        steady = self._last is not None and ids <= self._last[3]
+        if steady:
+            then, last_batch, drafted, _, was_steady = self._last
+            if was_steady and now > then and last_batch > 0:
                 arm = self.arm(last_batch)
                 per_request = (now - then) / last_batch
                 if drafted:
@@ -254,13 +257,13 @@ class DrafterGate:
                 else:
                     arm.plain = self._average(arm.plain, per_request)
                 arm.counts[int(drafted)] += 1
-        self._last = (now, batch, False, ids)
+        self._last = (now, batch, False, ids, steady)
 
     def drafted(self, lengths: Sequence[int]) -> None:
         """The step that just began drafted these lengths (a step that only runs ``start`` is booked as plain)."""
         if self._last is not None and lengths:
-            now, batch, _, ids = self._last
-            self._last = (now, batch, True, ids)
+            now, batch, _, ids, steady = self._last
+            self._last = (now, batch, True, ids, steady)
             arm = self.arm(batch)
             arm.share = self._average(
                 arm.share, sum(k > 0 for k in lengths) / len(lengths), self.gain_smoothing
