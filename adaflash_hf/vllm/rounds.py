@@ -179,9 +179,8 @@ class _Arm:
     draft: float | None = None
     share: float | None = None
     accepted: float | None = None
-    counts: list[int] = field(
-        default_factory=lambda: [0, 0, 0]
-    )  # plain steps, drafting steps, rounds measured
+    # plain steps timed, drafting steps timed, rounds reported
+    counts: list[int] = field(default_factory=lambda: [0, 0, 0])
 
     def gain(self) -> float | None:
         """Drafts accepted per request of a drafting step, once ``MIN_ROUNDS`` rounds are in."""
@@ -212,9 +211,9 @@ class DrafterGate:
     verified round, reported one step late). Drafting at batch b pays when ``(1 + gain) / t_draft >= 1 / t_plain``.
 
     A class that lacks measurements (``MIN_STEPS`` steps of each kind, ``MIN_ROUNDS`` rounds) takes steps of the
-    missing kind, plain first, the gain of the nearest class standing in until its own is in; but drafting is not tried in a
-    class above one where it measurably lost (a larger batch makes the target's step no cheaper per request), and
-    is taken without trying plain in a class below one where it measurably paid. While drafting loses, it drafts
+    missing kind, plain first, the gain of the nearest class standing in until its own is in; but drafting is not
+    tried in a class above one where it measurably lost (a larger batch makes the target's step no cheaper per
+    request), and is taken without trying plain in a class below one where it measurably paid. While drafting loses, it drafts
     again once the steps skipped since it last drafted reach ``loss / budget`` (the exploration then costs at most
     ``budget`` of the time, ``loss`` as ``_Arm.loss``) and at least ``explore_every``, so its estimates follow the
     traffic."""
