@@ -31,9 +31,13 @@ from adaflash_hf.serving.requests import Request
 def kv_bytes_per_position(model) -> int:
     """Bytes of K and V for one cached position over every layer of ``model`` (a target or a drafter)."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return config_kv_bytes_per_position(config, next(model.parameters()).element_size())
+
+
+def config_kv_bytes_per_position(config, element: int) -> int:
+    """``kv_bytes_per_position`` from a config (attributes as transformers names them) and bytes per element."""
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    element = next(model.parameters()).element_size()
     return 2 * config.num_hidden_layers * heads * head_dim * element
 
 

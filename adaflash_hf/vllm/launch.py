@@ -27,6 +27,7 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 from adaflash_hf.vllm.rounds import Settings
 
@@ -147,16 +148,16 @@ def kv_cache_bytes(
         return None
     import torch
 
+    from adaflash_hf.serving.admission import config_kv_bytes_per_position
+
     if torch.cuda.is_available():
         return None
     element = 2 if VLLM_DTYPES[options.dtype] == "bfloat16" else 4
     per_token, context = 0, 0
     for folder in folders:
-        config = json.loads((Path(folder) / "config.json").read_text())
-        heads = config.get("num_key_value_heads") or config["num_attention_heads"]
-        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-        per_token += 2 * config["num_hidden_layers"] * heads * head_dim * element
-        context = max(context, int(config.get("max_position_embeddings") or 0))
+        config = SimpleNamespace(**json.loads((Path(folder) / "config.json").read_text()))
+        per_token += config_kv_bytes_per_position(config, element)
+        context = max(context, int(getattr(config, "max_position_embeddings", None) or 0))
     if total_memory is None:
         total_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     wanted = per_token * context * options.max_running
