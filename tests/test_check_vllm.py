@@ -37,12 +37,15 @@ class _Output:
 
 class LLM:
     def __init__(self, **options):
+        self.options = options
         with open(os.environ["FAKE_VLLM_LOG"], "a") as handle:
             handle.write(json.dumps(options) + "\\n")
         if os.environ.get("FAKE_VLLM_FAIL"):
             raise ValueError("Free memory on device (20.1/23.6 GiB) is less than desired GPU memory utilization")
 
     def generate(self, prompts, params, use_tqdm=False):
+        with open(os.environ["FAKE_VLLM_LOG"] + ".calls", "a") as handle:
+            handle.write(json.dumps({"spec": "speculative_config" in self.options, "n": len(prompts)}) + "\\n")
         return [_Output(list(range(params.options["max_tokens"]))) for _ in prompts]
 """
 
@@ -130,3 +133,49 @@ def test_repeats_below_one_is_a_usage_error():
         [sys.executable, str(SCRIPT), "run", "--repeats", "0"], capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 2 and "--repeats: expected an int >= 1, got 0" in result.stderr
+
+
+def test_paired_waves_alternate_the_engines_and_give_each_wave_its_ratio_to_plain(tmp_path):
+    result, engines = run_script(
+        tmp_path, "--dtype", "float32", "--paired", "3", "--concurrency", "2", *STOCK
+    )
+    assert result.returncode == 0, result.stderr
+    assert ["speculative_config" in e for e in engines] == [False, True]  # started once, side by side
+    calls = [json.loads(line) for line in (tmp_path / "engines.jsonl.calls").read_text().splitlines()]
+    # a warm-up each, then waves of 2 prompts: plain, DFlash; DFlash, plain; plain, DFlash
+    assert [(c["spec"], c["n"]) for c in calls] == [
+        (False, 1), (True, 1), (False, 2), (True, 2), (True, 2), (False, 2), (False, 2), (True, 2)
+    ]  # fmt: skip
+    report = json.loads((tmp_path / "check" / "vllm.json").read_text())
+    assert report["paired"] is True and report["waves"] == 3
+    dflash = [r for r in report["rows"] if r["engine"] == "vllm_dflash_float32"]
+    plain = [r for r in report["rows"] if r["engine"] == "vllm_plain_float32"]
+    assert [r["wave"] for r in dflash] == [0, 1, 2] and [r["wave"] for r in plain] == [0, 1, 2]
+    for d, p in zip(dflash, plain):
+        assert d["vs_vllm_plain"] == d["tokens_per_s"] / p["tokens_per_s"] and d["equal_to_plain"] == 1.0
+    summary = {row["engine"]: row for row in report["summary"]}["vllm_dflash_float32"]
+    ratios = sorted(r["vs_vllm_plain"] for r in dflash)
+    assert summary["waves"] == 3 and summary["vs_vllm_plain"] == ratios[1]
+    assert summary["vs_vllm_plain_quartiles"][0] <= ratios[1] <= summary["vs_vllm_plain_quartiles"][1]
+    assert report["equals_plain"] == {"vllm_dflash_float32@2": True}
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--paired", "0"], "--paired: expected an int >= 1, got 0"),
+        (
+            ["--paired", "2", "--methods", "vllm_dflash"],
+            "--paired: expected vllm_plain among --methods, got vllm_dflash",
+        ),
+        (
+            ["--paired", "2", "--repeats", "2"],
+            "--paired: expected no --repeats (each wave is a repeat), got --repeats 2",
+        ),
+    ],
+)
+def test_bad_paired_options_are_usage_errors(args, message):
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "run", *args], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 2 and message in result.stderr

@@ -135,6 +135,27 @@ def test_the_gate_measures_both_kinds_of_step_and_drafts_only_where_it_pays():
     assert paying.run(batch=4, steps=12)[3:] == [True] * 9
 
 
+def test_the_gate_measures_plain_steps_again_where_drafting_pays_and_changes_its_mind_when_the_host_does():
+    gate = DrafterGate(explore_every=4, budget=0.5)
+    # the host is slow while the class's first plain steps are timed: drafting seems to pay
+    steps = _Steps(gate, plain=0.040, draft=0.025, accepted=1)
+    steps.run(batch=16, steps=8)
+    assert gate.loss(16) == pytest.approx(2.5 / 4 - 2.0)
+    # the host recovers: plain steps cost 10 ms a request, and drafting (25 ms for 2 tokens) loses; the gate
+    # times a plain step every max(explore_every, |loss| / budget) = 4 steps, and once most of its recent plain
+    # steps are fast it stops drafting but every 4th step
+    steps.plain = 0.010
+    later = steps.run(batch=16, steps=40)
+    assert later[:14] == [True, True, False] + [True, True, True, False] * 2 + [True, True, True]
+    assert gate.loss(16) == pytest.approx(2.5 - 2.0)
+    drafting = [i for i, draft in enumerate(later) if draft and i >= 20]
+    assert len(drafting) == 5 and {b - a for a, b in zip(drafting, drafting[1:])} == {4}
+    # a few slow steps among the recent ones leave the verdict as it was (a median, not a mean)
+    arm = gate.arm(16)
+    arm.plain_steps.extend([0.5, 0.5])
+    assert gate.loss(16) == pytest.approx(2.5 - 2.0)
+
+
 def test_the_gate_carries_a_loss_to_larger_batches_and_a_gain_to_smaller_ones():
     losing = DrafterGate(explore_every=8, budget=1.0)
     steps = _Steps(losing, plain=0.010, draft=0.030, accepted=1)

@@ -163,6 +163,7 @@ def choose_lengths(
 
 
 MIN_STEPS, MIN_ROUNDS = 2, 8  # what ``DrafterGate`` measures of a class before it trusts its comparison
+STEP_WINDOW = 9  # the recent steps of a kind whose median is a class's step time
 
 
 def batch_bucket(batch: int) -> int:
@@ -170,17 +171,35 @@ def batch_bucket(batch: int) -> int:
     return 1 << (max(1, int(batch)).bit_length() - 1)
 
 
+def _median(values: Sequence[float]) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
 @dataclass
 class _Arm:
-    """Exponential averages for one batch-size class: a step's seconds per request without and with the drafter,
-    and, of drafting steps, the share of requests that drafted and the drafts accepted per verified round."""
+    """One batch-size class: a step's seconds per request without and with the drafter (the median of the last
+    ``STEP_WINDOW`` timed steps of each kind: a step slowed by something else on the host, or a burst of them, moves
+    it little, and it follows a lasting change within a few steps), and, of drafting steps, exponential averages of
+    the share of requests that drafted and of the drafts accepted per verified round."""
 
-    plain: float | None = None
-    draft: float | None = None
+    plain_steps: deque = field(default_factory=lambda: deque(maxlen=STEP_WINDOW))
+    draft_steps: deque = field(default_factory=lambda: deque(maxlen=STEP_WINDOW))
     share: float | None = None
     accepted: float | None = None
     # plain steps timed, drafting steps timed, rounds reported
     counts: list[int] = field(default_factory=lambda: [0, 0, 0])
+
+    @property
+    def plain(self) -> float | None:
+        return _median(self.plain_steps)
+
+    @property
+    def draft(self) -> float | None:
+        return _median(self.draft_steps)
 
     def gain(self) -> float | None:
         """Drafts accepted per request of a drafting step, once ``MIN_ROUNDS`` rounds are in."""
@@ -213,29 +232,29 @@ class DrafterGate:
     A class that lacks measurements (``MIN_STEPS`` steps of each kind, ``MIN_ROUNDS`` rounds) takes steps of the
     missing kind, plain first, the gain of the nearest class standing in until its own is in; but drafting is not
     tried in a class above one where it measurably lost (a larger batch makes the target's step no cheaper per
-    request), and is taken without trying plain in a class below one where it measurably paid. While drafting loses, it drafts
-    again once the steps skipped since it last drafted reach ``loss / budget`` (the exploration then costs at most
-    ``budget`` of the time, ``loss`` as ``_Arm.loss``) and at least ``explore_every``, so its estimates follow the
-    traffic."""
+    request), and is taken without trying plain in a class below one where it measurably paid. Either way it tries
+    the other kind again once the steps taken since it last did reach ``|loss| / budget`` (the exploration then
+    costs at most ``budget`` of the time, ``loss`` as ``_Arm.loss``) and at least ``explore_every``, so its
+    estimates follow the traffic and the host: a verdict reached while the host was slow is measured again."""
 
     def __init__(
         self,
         explore_every: int = 4,
         budget: float = 0.02,
-        smoothing: float = 0.1,
         gain_smoothing: float = 0.05,
     ):
         if not 0 < budget <= 1:
             raise ValueError(f"budget: expected a fraction in (0, 1], got {budget}")
         self.explore_every, self.budget = explore_every, budget
-        self.smoothing, self.gain_smoothing = smoothing, gain_smoothing  # a round's accepted count is noisy
+        self.gain_smoothing = gain_smoothing  # a round's accepted count is noisy
         self.arms: dict[int, _Arm] = {}
-        self.skipped = 0
+        self.skipped = 0  # steps without the drafter since the last drafting step
+        self.drafted_in_a_row = 0  # drafting steps since the last step without it
         # start, batch, drafted, request ids, and whether the batch was as before (no prompt's work in its proposal)
         self._last: tuple[float, int, bool, frozenset, bool] | None = None
 
-    def _average(self, old: float | None, new: float, rate: float | None = None) -> float:
-        return new if old is None else old + (rate or self.smoothing) * (new - old)
+    def _average(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self.gain_smoothing * (new - old)
 
     def arm(self, batch: int) -> _Arm:
         return self.arms.setdefault(batch_bucket(batch), _Arm())
@@ -251,10 +270,7 @@ class DrafterGate:
             if was_steady and now > then and last_batch > 0:
                 arm = self.arm(last_batch)
                 per_request = (now - then) / last_batch
-                if drafted:
-                    arm.draft = self._average(arm.draft, per_request)
-                else:
-                    arm.plain = self._average(arm.plain, per_request)
+                (arm.draft_steps if drafted else arm.plain_steps).append(per_request)
                 arm.counts[int(drafted)] += 1
         self._last = (now, batch, False, ids, steady)
 
@@ -264,15 +280,13 @@ class DrafterGate:
             now, batch, _, ids, steady = self._last
             self._last = (now, batch, True, ids, steady)
             arm = self.arm(batch)
-            arm.share = self._average(
-                arm.share, sum(k > 0 for k in lengths) / len(lengths), self.gain_smoothing
-            )
+            arm.share = self._average(arm.share, sum(k > 0 for k in lengths) / len(lengths))
 
     def observe_round(self, accepted: int, batch: int) -> None:
         """A verified round of a drafting step of ``batch`` requests."""
         if batch > 0:
             arm = self.arm(batch)
-            arm.accepted = self._average(arm.accepted, float(accepted), self.gain_smoothing)
+            arm.accepted = self._average(arm.accepted, float(accepted))
             arm.counts[2] += 1
 
     def _nearest(self, bucket: int, value: Callable[[_Arm], float | None]) -> float | None:
@@ -311,15 +325,20 @@ class DrafterGate:
             if inferred is None:  # measure: plain steps first, then drafting steps
                 return self._decide(self.arm(bucket).counts[0] >= MIN_STEPS)
             if inferred:
-                return self._decide(True)
-        elif loss <= 0:
-            return self._decide(True)
+                margin = -min(self._nearest(bucket, _Arm.loss) or 0.0, 0.0)
+                return self._decide(self.drafted_in_a_row + 1 < self._wait(margin))
+        elif loss <= 0:  # drafting pays: a plain step now and then, to see that it still does
+            return self._decide(self.drafted_in_a_row + 1 < self._wait(-loss))
         spacing = loss if loss is not None else self._nearest(bucket, _Arm.loss)  # where drafting lost
-        wait = max(self.explore_every, math.ceil(max(spacing or 0.0, 0.0) / self.budget))
-        return self._decide(self.skipped + 1 >= wait)
+        return self._decide(self.skipped + 1 >= self._wait(max(spacing or 0.0, 0.0)))
+
+    def _wait(self, margin: float) -> int:
+        """Steps of one kind between two of the other, where the other costs ``margin`` plain steps more."""
+        return max(self.explore_every, math.ceil(margin / self.budget))
 
     def _decide(self, draft: bool) -> bool:
         self.skipped = 0 if draft else self.skipped + 1
+        self.drafted_in_a_row = self.drafted_in_a_row + 1 if draft else 0
         return draft
 
     def report(self) -> dict:

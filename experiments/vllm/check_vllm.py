@@ -185,6 +185,26 @@ def _engine_process(out: Path, name: str, dtype: str, concurrency: list[int], ma
     )
 
 
+def _paired_process(out: Path, dtype: str, concurrency: list[int], max_tokens: int, speculative_tokens: int,
+                    methods: tuple[str, ...], waves: int, extra: dict) -> list[dict]:  # fmt: skip
+    part = out / f"rows-paired_{dtype}.json"
+    part.unlink(missing_ok=True)
+    code = (
+        "import json, sys; sys.path.insert(0, sys.argv[1]); from check_vllm import run_paired; "
+        "from pathlib import Path; a = json.loads(sys.argv[2]); "
+        "rows = run_paired(Path(a['out']), a['c'], a['t'], a['k'], a['dtype'], tuple(a['m']), a['w'], a['extra']); "
+        "Path(a['part']).write_text(json.dumps(rows))"
+    )
+    args = {"out": str(out), "dtype": dtype, "c": concurrency, "t": max_tokens, "k": speculative_tokens}
+    args |= {"m": list(methods), "w": waves, "extra": extra, "part": str(part)}
+    subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent), json.dumps(args)])
+    return (
+        json.loads(part.read_text())
+        if part.is_file()
+        else [{"engine": f"paired_{dtype}", "error": "no result"}]
+    )
+
+
 def summarize(rows: list[dict]) -> list[dict]:
     """Per engine and concurrency: the median tokens/s over the repeats, each repeat's, and the ratio of the medians
     to vLLM plain decoding of the same dtype."""
@@ -217,17 +237,24 @@ def run(
     methods: tuple[str, ...] = METHODS,
     eager: bool = False,
     repeats: int = 1,
+    waves: int | None = None,
 ) -> int:
     """Every engine in a fresh process of its own (vLLM's CPU build does not always tear one down cleanly enough
-    for the next), ``repeats`` times. Exit status 0 when at least one engine ran, 1 when none did (each error is
-    recorded)."""
+    for the next), ``repeats`` times; or, with ``waves``, every engine of a dtype at once in one fresh process
+    (``run_paired``). Exit status 0 when at least one engine ran, 1 when none did (each error is recorded)."""
     prompts = json.loads((out / "prompts.json").read_text())
     results: dict = {"max_tokens": max_tokens, "num_speculative_tokens": speculative_tokens, "rows": []}
     results |= {"prompts": len(prompts), "host": _host(), "enforce_eager": eager, "repeats": repeats}
     extra = {} if gpu_memory_utilization is None else {"gpu_memory_utilization": gpu_memory_utilization}
     extra |= {"enforce_eager": True} if eager else {}
+    if waves is not None:
+        results |= {"paired": True, "waves": waves}
+        for dtype in dtypes:
+            results["rows"] += _paired_process(
+                out, dtype, concurrency, max_tokens, speculative_tokens, methods, waves, extra
+            )
     # every other repeat in the reverse order: drift of the host falls on both sides
-    for repeat in range(repeats):
+    for repeat in range(repeats if waves is None else 0):
         for dtype in dtypes:
             for name in methods if repeat % 2 == 0 else methods[::-1]:
                 results["rows"] += [
@@ -236,12 +263,13 @@ def run(
                         out, name, dtype, concurrency, max_tokens, speculative_tokens, extra
                     )
                 ]
-    results["summary"] = summarize(results["rows"])
-    results["equals_plain"] = {
-        f"{row['engine']}@{row['concurrency']}": row["equal_to_plain"] == 1.0
-        for row in results["rows"]
-        if "equal_to_plain" in row
-    }
+    results["summary"] = (summarize if waves is None else summarize_paired)(results["rows"])
+    equal: dict[str, bool] = {}
+    for row in results["rows"]:
+        if "equal_to_plain" in row:
+            key = f"{row['engine']}@{row['concurrency']}"
+            equal[key] = equal.get(key, True) and row["equal_to_plain"] == 1.0
+    results["equals_plain"] = equal
     (out / "vllm.json").write_text(json.dumps(results, indent=1) + "\n")
     if all("error" in row for row in results["rows"]):
         failed = "; ".join(f"{row['engine']}: {row['error']}" for row in results["rows"])
@@ -253,6 +281,124 @@ def run(
         return 1
     print(json.dumps(results["equals_plain"]))
     return 0
+
+
+def _wave(prompts: list[list[int]], concurrency: int, index: int) -> list[list[int]]:
+    """Wave ``index`` of ``concurrency`` prompts, taken in turn from the list (it wraps around)."""
+    return [prompts[(index * concurrency + j) % len(prompts)] for j in range(concurrency)]
+
+
+def _quartiles(values: list[float]) -> list[float]:
+    if len(values) < 2:
+        return [values[0], values[0]] if values else []
+    q = statistics.quantiles(values, n=4, method="inclusive")
+    return [q[0], q[2]]
+
+
+def summarize_paired(rows: list[dict]) -> list[dict]:
+    """Per engine and concurrency: the median tokens/s over the waves and the median (and quartiles) of each wave's
+    ratio to vLLM plain decoding of the same wave, same dtype."""
+    groups: dict[tuple[str, int], list[dict]] = {}
+    for row in rows:
+        if "tokens_per_s" in row:
+            groups.setdefault((row["engine"], row["concurrency"]), []).append(row)
+    summary = []
+    for (engine, c), group in groups.items():
+        entry = {
+            "engine": engine,
+            "concurrency": c,
+            "median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in group),
+            "waves": len(group),
+        }
+        ratios = [r["vs_vllm_plain"] for r in group if "vs_vllm_plain" in r]
+        if ratios:
+            entry |= {
+                "vs_vllm_plain": statistics.median(ratios),
+                "vs_vllm_plain_quartiles": _quartiles(ratios),
+            }
+        summary.append(entry)
+    return summary
+
+
+def run_paired(
+    out: Path,
+    concurrency: list[int],
+    max_tokens: int,
+    speculative_tokens: int,
+    dtype: str,
+    methods: tuple[str, ...],
+    waves: int,
+    extra: dict,
+) -> list[dict]:
+    """Every engine of ``methods`` started at once in this process (each in vLLM's own engine process), then at each
+    level ``waves`` waves of ``concurrency`` prompts, every wave run by each engine in turn, the order reversed
+    every other wave. A wave's tokens/s is divided by vLLM plain's on the same wave, run seconds apart: on a shared
+    host whose speed drifts by 10-25% within an hour, engines run one after another minutes apart compare the hour,
+    not the engine."""
+    from vllm import LLM, SamplingParams, TokensPrompt
+
+    prompts = json.loads((out / "prompts.json").read_text())
+    os.environ.setdefault("VLLM_DISABLE_COMPILE_CACHE", "1")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # per engine: all of them run side by side
+    # each engine's process starts afresh and loads the plugin with that engine's environment (a forked one would
+    # inherit this process's loaded plugins, registered or not by the first engine's environment)
+    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+    engines, rows = {}, []
+    for name in methods:
+        options, env = _engines(out, speculative_tokens)[name]
+        saved = {key: os.environ.get(key) for key in env}
+        os.environ.update(env)  # read by the engine's own process, forked now
+        label = f"{name}_{dtype}"
+        try:
+            engines[name] = LLM(
+                model=str(out / "target"), dtype=dtype, max_model_len=2048, seed=0, **extra, **options
+            )
+        except Exception as error:  # noqa: BLE001 - a method this vLLM build lacks is a result to record
+            print(f"{label}: {type(error).__name__}: {str(error)[:300]}")
+            rows.append({"engine": label, "error": f"{type(error).__name__}: {error}"[:500]})
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+    if "vllm_plain" not in engines:
+        return rows
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    warm = SamplingParams(temperature=0.0, max_tokens=8)
+    for llm in engines.values():
+        llm.generate([TokensPrompt(prompt_token_ids=prompts[0])], warm, use_tqdm=False)
+    order = list(engines)
+    for c in concurrency:
+        before = {name: _plugin_stats(llm, name) for name, llm in engines.items()}
+        for index in range(waves):
+            batch = [TokensPrompt(prompt_token_ids=p) for p in _wave(prompts, c, index)]
+            measured = {}
+            for name in order if index % 2 == 0 else order[::-1]:
+                started = time.perf_counter()
+                outputs = engines[name].generate(batch, params, use_tqdm=False)
+                seconds = time.perf_counter() - started
+                tokens = [list(o.outputs[0].token_ids) for o in outputs]
+                measured[name] = (sum(map(len, tokens)) / seconds, tokens)
+            plain_rate, plain_tokens = measured["vllm_plain"]
+            for name in order:
+                rate, tokens = measured[name]
+                row = {"engine": f"{name}_{dtype}", "concurrency": c, "wave": index, "tokens_per_s": rate}
+                if name != "vllm_plain":
+                    row["vs_vllm_plain"] = rate / plain_rate
+                    row["equal_to_plain"] = sum(a == b for a, b in zip(tokens, plain_tokens)) / len(tokens)
+                rows.append(row)
+            print(
+                f"c={c} wave {index}: "
+                + ", ".join(f"{name} {measured[name][0]:.1f}" for name in order)
+                + " tok/s",
+                flush=True,
+            )
+        for name, llm in engines.items():
+            delta = _plugin_delta(before[name], _plugin_stats(llm, name))
+            if delta:
+                rows.append({"engine": f"{name}_{dtype}", "concurrency": c, "level": True} | delta)
+    return rows
 
 
 def _memory_fraction(text: str) -> float:
@@ -296,9 +442,25 @@ def main(argv: list[str] | None = None) -> int:
         default=1,
         help="run every engine this many times, the order reversed every other time; the summary has the medians",
     )
+    second.add_argument(
+        "--paired",
+        type=int,
+        metavar="WAVES",
+        help="start every engine of a dtype at once and run each level as WAVES waves, every wave by each engine "
+        "in turn; ratios are per wave against vLLM plain (which it then needs among --methods)",
+    )
     args = parser.parse_args(argv)
     if args.command == "run" and args.repeats < 1:
         parser.error(f"--repeats: expected an int >= 1, got {args.repeats}")
+    if args.command == "run" and args.paired is not None:
+        if args.paired < 1:
+            parser.error(f"--paired: expected an int >= 1, got {args.paired}")
+        if "vllm_plain" not in args.methods:
+            parser.error(f"--paired: expected vllm_plain among --methods, got {' '.join(args.methods)}")
+        if args.repeats != 1:
+            parser.error(
+                f"--paired: expected no --repeats (each wave is a repeat), got --repeats {args.repeats}"
+            )
     if args.command == "prepare":
         prepare(args.out, args.drafter, args.prompts, args.max_prompt_tokens)
         return 0
@@ -312,6 +474,7 @@ def main(argv: list[str] | None = None) -> int:
         tuple(args.methods),
         args.eager,
         args.repeats,
+        args.paired,
     )
 
 
