@@ -150,6 +150,13 @@ def test_the_gate_measures_plain_steps_again_where_drafting_pays_and_changes_its
     assert gate.loss(16) == pytest.approx(2.5 - 2.0)
     drafting = [i for i, draft in enumerate(later) if draft and i >= 20]
     assert len(drafting) == 5 and {b - a for a, b in zip(drafting, drafting[1:])} == {4}
+    # the accepted count is the mean of the first rounds read, then an exponential average: a first round
+    # that accepted nothing does not hold the gain down for the next twenty
+    fresh = DrafterGate(gain_smoothing=0.05)
+    fresh.observe_round(0, 4)
+    for _ in range(7):
+        fresh.observe_round(2, 4)
+    assert fresh.arm(4).accepted == pytest.approx(14 / 8)
     # a few slow steps among the recent ones leave the verdict as it was (a median, not a mean)
     arm = gate.arm(16)
     arm.plain_steps.extend([0.5, 0.5])

@@ -190,8 +190,8 @@ class _Arm:
     draft_steps: deque = field(default_factory=lambda: deque(maxlen=STEP_WINDOW))
     share: float | None = None
     accepted: float | None = None
-    # plain steps timed, drafting steps timed, rounds reported
-    counts: list[int] = field(default_factory=lambda: [0, 0, 0])
+    # plain steps timed, drafting steps timed, rounds reported, drafting steps booked
+    counts: list[int] = field(default_factory=lambda: [0, 0, 0, 0])
 
     @property
     def plain(self) -> float | None:
@@ -240,7 +240,7 @@ class DrafterGate:
     def __init__(
         self,
         explore_every: int = 4,
-        budget: float = 0.02,
+        budget: float = 0.01,
         gain_smoothing: float = 0.05,
     ):
         if not 0 < budget <= 1:
@@ -253,8 +253,11 @@ class DrafterGate:
         # start, batch, drafted, request ids, and whether the batch was as before (no prompt's work in its proposal)
         self._last: tuple[float, int, bool, frozenset, bool] | None = None
 
-    def _average(self, old: float | None, new: float) -> float:
-        return new if old is None else old + self.gain_smoothing * (new - old)
+    def _average(self, old: float | None, new: float, count: int) -> float:
+        """The ``count``-th sample into an exponential average that is the plain mean of its first samples (until
+        ``1 / gain_smoothing`` of them): the first round read must not stand for the next twenty."""
+        rate = max(self.gain_smoothing, 1.0 / count)
+        return new if old is None else old + rate * (new - old)
 
     def arm(self, batch: int) -> _Arm:
         return self.arms.setdefault(batch_bucket(batch), _Arm())
@@ -280,14 +283,15 @@ class DrafterGate:
             now, batch, _, ids, steady = self._last
             self._last = (now, batch, True, ids, steady)
             arm = self.arm(batch)
-            arm.share = self._average(arm.share, sum(k > 0 for k in lengths) / len(lengths))
+            arm.counts[3] += 1
+            arm.share = self._average(arm.share, sum(k > 0 for k in lengths) / len(lengths), arm.counts[3])
 
     def observe_round(self, accepted: int, batch: int) -> None:
         """A verified round of a drafting step of ``batch`` requests."""
         if batch > 0:
             arm = self.arm(batch)
-            arm.accepted = self._average(arm.accepted, float(accepted))
             arm.counts[2] += 1
+            arm.accepted = self._average(arm.accepted, float(accepted), arm.counts[2])
 
     def _nearest(self, bucket: int, value: Callable[[_Arm], float | None]) -> float | None:
         """``value`` of this class, else of the nearest class that has it."""

@@ -330,7 +330,7 @@ def run_paired(
     waves: int,
     extra: dict,
 ) -> list[dict]:
-    """Every engine of ``methods`` started at once in this process (each in vLLM's own engine process), then at each
+    """Every engine of ``methods`` started at once in this process, then at each
     level ``waves`` waves of ``concurrency`` prompts, every wave run by each engine in turn, the order reversed
     every other wave. A wave's tokens/s is divided by vLLM plain's on the same wave, run seconds apart: on a shared
     host whose speed drifts by 10-25% within an hour, engines run one after another minutes apart compare the hour,
@@ -340,14 +340,17 @@ def run_paired(
     prompts = json.loads((out / "prompts.json").read_text())
     os.environ.setdefault("VLLM_DISABLE_COMPILE_CACHE", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # per engine: all of them run side by side
-    # each engine's process starts afresh and loads the plugin with that engine's environment (a forked one would
-    # inherit this process's loaded plugins, registered or not by the first engine's environment)
-    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+    # every engine in this process (vLLM's engine core and worker included): an idle engine's processes would
+    # otherwise sit on the cores the running one was bound to (vllm_plain ran at 0.55x its own speed that way)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    extra = {**extra, "distributed_executor_backend": "uni"}
     engines, rows = {}, []
     for name in methods:
         options, env = _engines(out, speculative_tokens)[name]
-        saved = {key: os.environ.get(key) for key in env}
-        os.environ.update(env)  # read by the engine's own process, forked now
+        if (
+            name != "vllm_plain"
+        ):  # the plugin is registered once a process: by the first engine with a drafter
+            os.environ.update(env)
         label = f"{name}_{dtype}"
         try:
             engines[name] = LLM(
@@ -356,12 +359,6 @@ def run_paired(
         except Exception as error:  # noqa: BLE001 - a method this vLLM build lacks is a result to record
             print(f"{label}: {type(error).__name__}: {str(error)[:300]}")
             rows.append({"engine": label, "error": f"{type(error).__name__}: {error}"[:500]})
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
     if "vllm_plain" not in engines:
         return rows
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
@@ -457,6 +454,11 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--paired: expected an int >= 1, got {args.paired}")
         if "vllm_plain" not in args.methods:
             parser.error(f"--paired: expected vllm_plain among --methods, got {' '.join(args.methods)}")
+        if "vllm_dflash" in args.methods and any(m.startswith("adaflash") for m in args.methods):
+            parser.error(
+                "--paired: expected vllm_dflash or the plugin's methods, got both (the engines share one process, "
+                "where the plugin is on or off for all); run them in two --paired runs"
+            )
         if args.repeats != 1:
             parser.error(
                 f"--paired: expected no --repeats (each wave is a repeat), got --repeats {args.repeats}"
