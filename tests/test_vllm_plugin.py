@@ -157,6 +157,18 @@ def test_the_gate_measures_plain_steps_again_where_drafting_pays_and_changes_its
     for _ in range(7):
         fresh.observe_round(2, 4)
     assert fresh.arm(4).accepted == pytest.approx(14 / 8)
+    # a class judged on a few rounds keeps drafting while one standard error of its gain would make it pay
+    young = DrafterGate(budget=0.01, gain_smoothing=0.05)
+    arm = young.arm(1)
+    arm.plain_steps.extend([0.070, 0.070]), arm.draft_steps.extend([0.100, 0.100])
+    arm.counts[:2], arm.share = [2, 2], 1.0
+    for accepted in [0, 0, 0, 0, 0, 0, 0, 3]:  # a mean of 0.375: drafting loses by 0.054 plain steps
+        young.observe_round(accepted, 1)
+    assert young.loss(1) == pytest.approx(1 / 0.7 - 1.375) and young.loss(1) > 0
+    assert young.draft(1)
+    for _ in range(60):  # many more rounds, all 0: the error shrinks and the verdict is plain
+        young.observe_round(0, 1)
+    assert not young.draft(1)
     # a few slow steps among the recent ones leave the verdict as it was (a median, not a mean)
     arm = gate.arm(16)
     arm.plain_steps.extend([0.5, 0.5])

@@ -190,6 +190,7 @@ class _Arm:
     draft_steps: deque = field(default_factory=lambda: deque(maxlen=STEP_WINDOW))
     share: float | None = None
     accepted: float | None = None
+    accepted_squared: float | None = None
     # plain steps timed, drafting steps timed, rounds reported, drafting steps booked
     counts: list[int] = field(default_factory=lambda: [0, 0, 0, 0])
 
@@ -206,6 +207,14 @@ class _Arm:
         if self.share is None or self.accepted is None or self.counts[2] < MIN_ROUNDS:
             return None
         return self.share * self.accepted
+
+    def gain_error(self, smoothing: float) -> float:
+        """The standard error of ``gain``: the rounds' spread over the square root of the rounds the average holds
+        (all of them at first, about ``2 / smoothing`` once it is exponential)."""
+        if self.share is None or self.accepted is None or self.accepted_squared is None or not self.counts[2]:
+            return 0.0
+        spread = max(self.accepted_squared - self.accepted**2, 0.0) ** 0.5
+        return self.share * spread / min(self.counts[2], 2.0 / smoothing - 1.0) ** 0.5
 
     def timed(self) -> bool:
         return self.counts[0] >= MIN_STEPS and self.counts[1] >= MIN_STEPS
@@ -230,7 +239,8 @@ class DrafterGate:
     verified round, reported one step late). Drafting at batch b pays when ``(1 + gain) / t_draft >= 1 / t_plain``.
 
     A class that lacks measurements (``MIN_STEPS`` steps of each kind, ``MIN_ROUNDS`` rounds) takes steps of the
-    missing kind, plain first, the gain of the nearest class standing in until its own is in; but drafting is not
+    missing kind, plain first, the gain of the nearest class standing in until its own is in; a class drafts while
+    its loss less one standard error of its gain is at most 0 (the gain of a few rounds is uncertain); but drafting is not
     tried in a class above one where it measurably lost (a larger batch makes the target's step no cheaper per
     request), and is taken without trying plain in a class below one where it measurably paid. Either way it tries
     the other kind again once the steps taken since it last did reach ``|loss| / budget`` (the exploration then
@@ -292,6 +302,7 @@ class DrafterGate:
             arm = self.arm(batch)
             arm.counts[2] += 1
             arm.accepted = self._average(arm.accepted, float(accepted), arm.counts[2])
+            arm.accepted_squared = self._average(arm.accepted_squared, float(accepted) ** 2, arm.counts[2])
 
     def _nearest(self, bucket: int, value: Callable[[_Arm], float | None]) -> float | None:
         """``value`` of this class, else of the nearest class that has it."""
@@ -310,6 +321,12 @@ class DrafterGate:
             return None
         gain = self._nearest(bucket, _Arm.gain)
         return None if gain is None else arm.draft / arm.plain - (1.0 + gain)
+
+    def _optimistic(self, bucket: int, loss: float) -> float:
+        """``loss`` less one standard error of the class's gain: a class judged on a few rounds (at one request,
+        a round accepts 0 one time and 15 the next) keeps drafting until its rounds say otherwise."""
+        arm = self.arms.get(bucket)
+        return loss if arm is None else loss - arm.gain_error(self.gain_smoothing)
 
     def _inferred(self, bucket: int) -> bool | None:
         """Drafting measurably lost in a smaller class (False) or paid in a larger one (True); None if neither."""
@@ -331,8 +348,10 @@ class DrafterGate:
             if inferred:
                 margin = -min(self._nearest(bucket, _Arm.loss) or 0.0, 0.0)
                 return self._decide(self.drafted_in_a_row + 1 < self._wait(margin))
-        elif loss <= 0:  # drafting pays: a plain step now and then, to see that it still does
-            return self._decide(self.drafted_in_a_row + 1 < self._wait(-loss))
+        elif (
+            self._optimistic(bucket, loss) <= 0
+        ):  # drafting pays: a plain step now and then, to see it still does
+            return self._decide(self.drafted_in_a_row + 1 < self._wait(max(-loss, 0.0)))
         spacing = loss if loss is not None else self._nearest(bucket, _Arm.loss)  # where drafting lost
         return self._decide(self.skipped + 1 >= self._wait(max(spacing or 0.0, 0.0)))
 
