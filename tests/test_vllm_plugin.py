@@ -180,12 +180,14 @@ def test_the_gate_carries_a_loss_to_larger_batches_and_a_gain_to_smaller_ones():
     steps = _Steps(losing, plain=0.010, draft=0.030, accepted=1)
     steps.run(batch=4, steps=7)
     assert losing.loss(4) > 0
-    # batch 32: no step of it measured yet, and no drafting step tried there: drafting lost at 4 already
-    decisions = steps.run(batch=32, steps=16)
+    # batch 32: no step of it measured yet; drafting lost at 4 already, so it drafts only every 2 x explore_every
+    # steps until two drafting steps of its own are timed, then by its own loss
+    decisions = steps.run(batch=32, steps=40)
     skipped = (
         1  # at batch 4: plain 3 times, drafting 3 times (8 rounds reported), then a step without the drafter
     )
-    assert [i for i, drafting in enumerate(decisions) if drafting] == [7 - skipped, 15 - skipped]
+    assert [i for i, drafting in enumerate(decisions) if drafting] == [15 - skipped, 31 - skipped, 39 - skipped]
+    assert losing.loss(32) == pytest.approx(3.0 - 2.0)
     paying = DrafterGate()
     steps = _Steps(paying, plain=0.010, draft=0.012, accepted=2)
     steps.run(batch=16, steps=6)

@@ -240,9 +240,9 @@ class DrafterGate:
 
     A class that lacks measurements (``MIN_STEPS`` steps of each kind, ``MIN_ROUNDS`` rounds) takes steps of the
     missing kind, plain first, the gain of the nearest class standing in until its own is in; a class drafts while
-    its loss less one standard error of its gain is at most 0 (the gain of a few rounds is uncertain); but drafting is not
-    tried in a class above one where it measurably lost (a larger batch makes the target's step no cheaper per
-    request), and is taken without trying plain in a class below one where it measurably paid. Either way it tries
+    its loss less one standard error of its gain is at most 0 (the gain of a few rounds is uncertain); a class above
+    one where drafting measurably lost drafts only every ``2 * explore_every`` steps until its own steps are timed,
+    and one below a class where it measurably paid drafts without trying plain first. Either way it tries
     the other kind again once the steps taken since it last did reach ``|loss| / budget`` (the exploration then
     costs at most ``budget`` of the time, ``loss`` as ``_Arm.loss``) and at least ``explore_every``, so its
     estimates follow the traffic and the host: a verdict reached while the host was slow is measured again."""
@@ -348,12 +348,15 @@ class DrafterGate:
             if inferred:
                 margin = -min(self._nearest(bucket, _Arm.loss) or 0.0, 0.0)
                 return self._decide(self.drafted_in_a_row + 1 < self._wait(margin))
-        elif (
+            # lost in a smaller class: plain, and a drafting step every 2 x explore_every steps until this class's
+            # own steps are timed (the smaller class's verdict may not hold here: in bf16 the target's step gets
+            # cheaper per request with the batch, and a class seen only at the tails of waves is timed on few steps)
+            return self._decide(self.skipped + 1 >= 2 * self.explore_every)
+        if (
             self._optimistic(bucket, loss) <= 0
         ):  # drafting pays: a plain step now and then, to see it still does
             return self._decide(self.drafted_in_a_row + 1 < self._wait(max(-loss, 0.0)))
-        spacing = loss if loss is not None else self._nearest(bucket, _Arm.loss)  # where drafting lost
-        return self._decide(self.skipped + 1 >= self._wait(max(spacing or 0.0, 0.0)))
+        return self._decide(self.skipped + 1 >= self._wait(max(loss, 0.0)))
 
     def _wait(self, margin: float) -> int:
         """Steps of one kind between two of the other, where the other costs ``margin`` plain steps more."""
