@@ -186,7 +186,11 @@ def test_the_gate_carries_a_loss_to_larger_batches_and_a_gain_to_smaller_ones():
     skipped = (
         1  # at batch 4: plain 3 times, drafting 3 times (8 rounds reported), then a step without the drafter
     )
-    assert [i for i, drafting in enumerate(decisions) if drafting] == [15 - skipped, 31 - skipped, 39 - skipped]
+    assert [i for i, drafting in enumerate(decisions) if drafting] == [
+        15 - skipped,
+        31 - skipped,
+        39 - skipped,
+    ]
     assert losing.loss(32) == pytest.approx(3.0 - 2.0)
     paying = DrafterGate()
     steps = _Steps(paying, plain=0.010, draft=0.012, accepted=2)
@@ -201,6 +205,19 @@ def test_the_gate_carries_a_loss_to_larger_batches_and_a_gain_to_smaller_ones():
     assert fresh.report() == {}
     fresh.start(5.3, 3, ["a", "b", "c"])
     assert fresh.arm(3).plain == pytest.approx(0.2 / 3) and fresh.arm(3) is fresh.arm(2)
+    # the target's step ran more tokens than the proposal scheduled (one each and the drafts): a prompt's later
+    # prefill chunk was in it, same requests or not, and neither that interval nor the next is timed
+    chunked = DrafterGate()
+    chunked.start(0.0, 2, ["a", "b"], tokens=300)
+    chunked.drafted([2, 0])
+    chunked.start(1.0, 2, ["a", "b"], tokens=4)  # 1 + 2 and 1 + 0: a verifying step
+    chunked.start(1.1, 2, ["a", "b"], tokens=130)  # a's prompt went on in chunks
+    chunked.start(1.2, 2, ["a", "b"], tokens=2)
+    assert chunked.arm(2).counts[:2] == [0, 0]
+    chunked.start(1.3, 2, ["a", "b"], tokens=2)
+    chunked.drafted([3, 3])
+    chunked.start(1.5, 1, ["b"], tokens=4)  # a finished: b's 1 + 3 tokens
+    assert chunked.arm(2).counts[:2] == [1, 1] and chunked.arm(2).draft == pytest.approx(0.1)
     with pytest.raises(ValueError, match="budget: expected a fraction in"):
         DrafterGate(budget=0)
 

@@ -260,8 +260,9 @@ class DrafterGate:
         self.arms: dict[int, _Arm] = {}
         self.skipped = 0  # steps without the drafter since the last drafting step
         self.drafted_in_a_row = 0  # drafting steps since the last step without it
-        # start, batch, drafted, request ids, and whether the batch was as before (no prompt's work in its proposal)
-        self._last: tuple[float, int, bool, frozenset, bool] | None = None
+        # start, batch, drafted, request ids, whether the batch was as before (no prompt's work in its proposal), the
+        # tokens per request the target's next step runs if it only verifies (1 and its drafts; {}: 1 each), the ids
+        self._last: tuple[float, int, bool, frozenset, bool, dict, list] | None = None
 
     def _average(self, old: float | None, new: float, count: int) -> float:
         """The ``count``-th sample into an exponential average that is the plain mean of its first samples (until
@@ -272,26 +273,31 @@ class DrafterGate:
     def arm(self, batch: int) -> _Arm:
         return self.arms.setdefault(batch_bucket(batch), _Arm())
 
-    def start(self, now: float, batch: int, request_ids: Sequence[str]) -> None:
-        """A proposal begins: the interval since the previous one is the cost of that step, booked to its class and
-        kind when no request joined at either end (a joining request's prefill, and the drafter context written
-        for its prompt, would be inside the interval)."""
+    def start(self, now: float, batch: int, request_ids: Sequence[str], tokens: int | None = None) -> None:
+        """A proposal begins, after a target step of ``tokens`` tokens: the interval since the previous proposal is
+        the cost of that step, booked to its class and kind when no request joined at either end and the step ran
+        exactly the tokens the previous proposal scheduled (one per request and its drafts). A joining request's
+        prefill, a prompt's later prefill chunks (same requests, more tokens) and the drafter context written for
+        them would be inside the interval."""
         ids = frozenset(request_ids)
         steady = self._last is not None and ids <= self._last[3]
+        if steady and tokens is not None and tokens != sum(self._last[5].get(i, 1) for i in request_ids):
+            steady = False  # (a request that finished takes its tokens with it)
         if steady:
-            then, last_batch, drafted, _, was_steady = self._last
+            then, last_batch, drafted, _, was_steady, _, _ = self._last
             if was_steady and now > then and last_batch > 0:
                 arm = self.arm(last_batch)
                 per_request = (now - then) / last_batch
                 (arm.draft_steps if drafted else arm.plain_steps).append(per_request)
                 arm.counts[int(drafted)] += 1
-        self._last = (now, batch, False, ids, steady)
+        self._last = (now, batch, False, ids, steady, {}, list(request_ids))
 
     def drafted(self, lengths: Sequence[int]) -> None:
         """The step that just began drafted these lengths (a step that only runs ``start`` is booked as plain)."""
         if self._last is not None and lengths:
-            now, batch, _, ids, steady = self._last
-            self._last = (now, batch, True, ids, steady)
+            now, batch, _, ids, steady, _, order = self._last
+            scheduled = {request: 1 + k for request, k in zip(order, lengths)}
+            self._last = (now, batch, True, ids, steady, scheduled, order)
             arm = self.arm(batch)
             arm.counts[3] += 1
             arm.share = self._average(arm.share, sum(k > 0 for k in lengths) / len(lengths), arm.counts[3])
