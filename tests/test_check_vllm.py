@@ -173,7 +173,7 @@ def test_paired_waves_alternate_the_engines_and_give_each_wave_its_ratio_to_plai
             "--paired: expected vllm_dflash or the plugin's methods, got both",
         ),
         (
-            ["--paired", "2", "--repeats", "2"],
+            ["--paired", "2", "--repeats", "2", "--methods", "vllm_plain", "adaflash_goodput"],
             "--paired: expected no --repeats (each wave is a repeat), got --repeats 2",
         ),
     ],
