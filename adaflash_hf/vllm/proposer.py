@@ -261,12 +261,12 @@ class AdaFlashProposer(DFlashProposer):
             return super().propose(num_speculative_tokens, **kwargs)
         runner = self.adaflash_runner
         request_ids = list(runner.input_batch.req_ids)
-        session.before_drafting(int(kwargs["target_token_ids"].shape[0]), request_ids)
-        session.pending = None
-        batch_size = kwargs["common_attn_metadata"].batch_size()
         tokens = int(
             kwargs["target_token_ids"].shape[0]
-        )  # the target step's: prefill chunks and drafts included
+        )  # the target step's, prefill chunks and drafts included
+        session.before_drafting(tokens, request_ids)
+        session.pending = None
+        batch_size = kwargs["common_attn_metadata"].batch_size()
         session.gate.start(time.perf_counter(), batch_size, request_ids[:batch_size], tokens)
         if session.skip_drafter(batch_size):
             started = time.perf_counter()

@@ -358,9 +358,8 @@ class DrafterGate:
             # own steps are timed (the smaller class's verdict may not hold here: in bf16 the target's step gets
             # cheaper per request with the batch, and a class seen only at the tails of waves is timed on few steps)
             return self._decide(self.skipped + 1 >= 2 * self.explore_every)
-        if (
-            self._optimistic(bucket, loss) <= 0
-        ):  # drafting pays: a plain step now and then, to see it still does
+        # drafting pays: a plain step now and then, to see that it still does
+        if self._optimistic(bucket, loss) <= 0:
             return self._decide(self.drafted_in_a_row + 1 < self._wait(max(-loss, 0.0)))
         return self._decide(self.skipped + 1 >= self._wait(max(loss, 0.0)))
 
