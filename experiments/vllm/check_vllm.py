@@ -167,44 +167,18 @@ def run_engine(out: Path, name: str, dtype: str, concurrency: list[int], max_tok
     return rows
 
 
-def _engine_process(out: Path, name: str, dtype: str, concurrency: list[int], max_tokens: int,
-                    speculative_tokens: int, extra: dict) -> list[dict]:  # fmt: skip
-    part = out / f"rows-{name}_{dtype}.json"
+def _in_fresh_process(function: str, label: str, part: Path, **kwargs) -> list[dict]:
+    """``function(**kwargs)`` of this script in a fresh Python process (``out`` passed as a path), its rows back
+    through ``part``; a process that leaves no rows is recorded as an error of ``label``."""
     part.unlink(missing_ok=True)
     code = (
-        "import json, sys; sys.path.insert(0, sys.argv[1]); from check_vllm import run_engine; "
-        "from pathlib import Path; a = json.loads(sys.argv[2]); "
-        "rows = run_engine(Path(a['out']), a['name'], a['dtype'], a['c'], a['t'], a['k'], a['extra']); "
-        "Path(a['part']).write_text(json.dumps(rows))"
+        "import json, sys; sys.path.insert(0, sys.argv[1]); import check_vllm; from pathlib import Path; "
+        "a = json.loads(sys.argv[2]); a['kwargs']['out'] = Path(a['kwargs']['out']); "
+        "rows = getattr(check_vllm, a['function'])(**a['kwargs']); Path(a['part']).write_text(json.dumps(rows))"
     )
-    args = {"out": str(out), "name": name, "dtype": dtype, "c": concurrency, "t": max_tokens}
-    args |= {"k": speculative_tokens, "extra": extra, "part": str(part)}
+    args = {"function": function, "part": str(part), "kwargs": kwargs | {"out": str(kwargs["out"])}}
     subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent), json.dumps(args)])
-    return (
-        json.loads(part.read_text())
-        if part.is_file()
-        else [{"engine": f"{name}_{dtype}", "error": "no result"}]
-    )
-
-
-def _paired_process(out: Path, dtype: str, concurrency: list[int], max_tokens: int, speculative_tokens: int,
-                    methods: tuple[str, ...], waves: int, extra: dict) -> list[dict]:  # fmt: skip
-    part = out / f"rows-paired_{dtype}.json"
-    part.unlink(missing_ok=True)
-    code = (
-        "import json, sys; sys.path.insert(0, sys.argv[1]); from check_vllm import run_paired; "
-        "from pathlib import Path; a = json.loads(sys.argv[2]); "
-        "rows = run_paired(Path(a['out']), a['c'], a['t'], a['k'], a['dtype'], tuple(a['m']), a['w'], a['extra']); "
-        "Path(a['part']).write_text(json.dumps(rows))"
-    )
-    args = {"out": str(out), "dtype": dtype, "c": concurrency, "t": max_tokens, "k": speculative_tokens}
-    args |= {"m": list(methods), "w": waves, "extra": extra, "part": str(part)}
-    subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent), json.dumps(args)])
-    return (
-        json.loads(part.read_text())
-        if part.is_file()
-        else [{"engine": f"paired_{dtype}", "error": "no result"}]
-    )
+    return json.loads(part.read_text()) if part.is_file() else [{"engine": label, "error": "no result"}]
 
 
 def summarize(rows: list[dict]) -> list[dict]:
@@ -252,8 +226,18 @@ def run(
     if waves is not None:
         results |= {"paired": True, "waves": waves}
         for dtype in dtypes:
-            results["rows"] += _paired_process(
-                out, dtype, concurrency, max_tokens, speculative_tokens, methods, waves, extra
+            results["rows"] += _in_fresh_process(
+                "run_paired",
+                f"paired_{dtype}",
+                out / f"rows-paired_{dtype}.json",
+                out=out,
+                concurrency=concurrency,
+                max_tokens=max_tokens,
+                speculative_tokens=speculative_tokens,
+                dtype=dtype,
+                methods=list(methods),
+                waves=waves,
+                extra=extra,
             )
     # every other repeat in the reverse order: drift of the host falls on both sides
     for repeat in range(repeats if waves is None else 0):
@@ -261,8 +245,17 @@ def run(
             for name in methods if repeat % 2 == 0 else methods[::-1]:
                 results["rows"] += [
                     row | {"repeat": repeat}
-                    for row in _engine_process(
-                        out, name, dtype, concurrency, max_tokens, speculative_tokens, extra
+                    for row in _in_fresh_process(
+                        "run_engine",
+                        f"{name}_{dtype}",
+                        out / f"rows-{name}_{dtype}.json",
+                        out=out,
+                        name=name,
+                        dtype=dtype,
+                        concurrency=concurrency,
+                        max_tokens=max_tokens,
+                        speculative_tokens=speculative_tokens,
+                        extra=extra,
                     )
                 ]
     results["summary"] = (summarize if waves is None else summarize_paired)(results["rows"])
@@ -349,9 +342,8 @@ def run_paired(
     engines, rows = {}, []
     for name in methods:
         options, env = _engines(out, speculative_tokens)[name]
-        if (
-            name != "vllm_plain"
-        ):  # the plugin is registered once a process: by the first engine with a drafter
+        # the plugin is registered once a process: by the first engine with a drafter
+        if name != "vllm_plain":
             os.environ.update(env)
         label = f"{name}_{dtype}"
         try:
