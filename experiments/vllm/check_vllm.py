@@ -223,6 +223,8 @@ def run(
     results |= {"prompts": len(prompts), "host": _host(), "enforce_eager": eager, "repeats": repeats}
     extra = {} if gpu_memory_utilization is None else {"gpu_memory_utilization": gpu_memory_utilization}
     extra |= {"enforce_eager": True} if eager else {}
+    common = {"out": out, "concurrency": concurrency, "max_tokens": max_tokens}
+    common |= {"speculative_tokens": speculative_tokens, "extra": extra}
     if waves is not None:
         results |= {"paired": True, "waves": waves}
         for dtype in dtypes:
@@ -230,14 +232,10 @@ def run(
                 "run_paired",
                 f"paired_{dtype}",
                 out / f"rows-paired_{dtype}.json",
-                out=out,
-                concurrency=concurrency,
-                max_tokens=max_tokens,
-                speculative_tokens=speculative_tokens,
+                **common,
                 dtype=dtype,
                 methods=list(methods),
                 waves=waves,
-                extra=extra,
             )
     # every other repeat in the reverse order: drift of the host falls on both sides
     for repeat in range(repeats if waves is None else 0):
@@ -249,13 +247,9 @@ def run(
                         "run_engine",
                         f"{name}_{dtype}",
                         out / f"rows-{name}_{dtype}.json",
-                        out=out,
+                        **common,
                         name=name,
                         dtype=dtype,
-                        concurrency=concurrency,
-                        max_tokens=max_tokens,
-                        speculative_tokens=speculative_tokens,
-                        extra=extra,
                     )
                 ]
     results["summary"] = (summarize if waves is None else summarize_paired)(results["rows"])
