@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import os
+import statistics
 from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -171,14 +172,6 @@ def batch_bucket(batch: int) -> int:
     return 1 << (max(1, int(batch)).bit_length() - 1)
 
 
-def _median(values: Sequence[float]) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    middle = len(ordered) // 2
-    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
-
-
 @dataclass
 class _Arm:
     """One batch-size class: a step's seconds per request without and with the drafter (the median of the last
@@ -196,11 +189,11 @@ class _Arm:
 
     @property
     def plain(self) -> float | None:
-        return _median(self.plain_steps)
+        return statistics.median(self.plain_steps) if self.plain_steps else None
 
     @property
     def draft(self) -> float | None:
-        return _median(self.draft_steps)
+        return statistics.median(self.draft_steps) if self.draft_steps else None
 
     def gain(self) -> float | None:
         """Drafts accepted per request of a drafting step, once ``MIN_ROUNDS`` rounds are in."""
@@ -226,6 +219,23 @@ class _Arm:
         if not self.timed() or gain is None:
             return None
         return self.draft / self.plain - (1.0 + gain)
+
+
+@dataclass
+class _Opened:
+    """A proposal as ``DrafterGate`` keeps it until the next one: when it began, its batch and requests, whether no
+    request joined at it (no prompt's work inside it), and the tokens per request the target's next step runs if it
+    only verifies (1 and the drafts; empty: a step without the drafter, 1 each)."""
+
+    start: float
+    batch: int
+    steady: bool
+    request_ids: list[str]
+    scheduled: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def drafted(self) -> bool:
+        return bool(self.scheduled)
 
 
 class DrafterGate:
@@ -260,9 +270,7 @@ class DrafterGate:
         self.arms: dict[int, _Arm] = {}
         self.skipped = 0  # steps without the drafter since the last drafting step
         self.drafted_in_a_row = 0  # drafting steps since the last step without it
-        # start, batch, drafted, request ids, whether the batch was as before (no prompt's work in its proposal), the
-        # tokens per request the target's next step runs if it only verifies (1 and its drafts; {}: 1 each), the ids
-        self._last: tuple[float, int, bool, frozenset, bool, dict, list] | None = None
+        self._last: _Opened | None = None  # the proposal the next ``start`` closes
 
     def _average(self, old: float | None, new: float, count: int) -> float:
         """The ``count``-th sample into an exponential average that is the plain mean of its first samples (until
@@ -279,26 +287,22 @@ class DrafterGate:
         exactly the tokens the previous proposal scheduled (one per request and its drafts). A joining request's
         prefill, a prompt's later prefill chunks (same requests, more tokens) and the drafter context written for
         them would be inside the interval."""
-        ids = frozenset(request_ids)
-        steady = self._last is not None and ids <= self._last[3]
-        if steady and tokens is not None and tokens != sum(self._last[5].get(i, 1) for i in request_ids):
+        last = self._last
+        steady = last is not None and set(request_ids) <= set(last.request_ids)
+        if steady and tokens is not None and tokens != sum(last.scheduled.get(i, 1) for i in request_ids):
             steady = False  # (a request that finished takes its tokens with it)
-        if steady:
-            then, last_batch, drafted, _, was_steady, _, _ = self._last
-            if was_steady and now > then and last_batch > 0:
-                arm = self.arm(last_batch)
-                per_request = (now - then) / last_batch
-                (arm.draft_steps if drafted else arm.plain_steps).append(per_request)
-                arm.counts[int(drafted)] += 1
-        self._last = (now, batch, False, ids, steady, {}, list(request_ids))
+        if steady and last.steady and now > last.start and last.batch > 0:
+            arm = self.arm(last.batch)
+            (arm.draft_steps if last.drafted else arm.plain_steps).append((now - last.start) / last.batch)
+            arm.counts[int(last.drafted)] += 1
+        self._last = _Opened(now, batch, steady, list(request_ids))
 
     def drafted(self, lengths: Sequence[int]) -> None:
         """The step that just began drafted these lengths (a step that only runs ``start`` is booked as plain)."""
         if self._last is not None and lengths:
-            now, batch, _, ids, steady, _, order = self._last
-            scheduled = {request: 1 + k for request, k in zip(order, lengths)}
-            self._last = (now, batch, True, ids, steady, scheduled, order)
-            arm = self.arm(batch)
+            opened = self._last
+            opened.scheduled = {request: 1 + k for request, k in zip(opened.request_ids, lengths)}
+            arm = self.arm(opened.batch)
             arm.counts[3] += 1
             arm.share = self._average(arm.share, sum(k > 0 for k in lengths) / len(lengths), arm.counts[3])
 
