@@ -27,9 +27,12 @@ import torch
 import torch.nn.functional as F
 
 from adaflash_hf.kernels.verify_packing import SlotPacking
-from adaflash_hf.prepared.tiles import Tiles, tiles_for
+from adaflash_hf.prepared.tiles import Tiles, made_tiles, tiles_for
 
 KEY_BLOCK = 64
+# the name the prepared forward registers this attention under with transformers (adaflash_hf.prepared.forward); no
+# "flash" in it: transformers would take it for a flash-attention kernel
+ATTENTION_NAME = "ada_invariant"
 
 
 def block_attention(query, allowed, *, keys, values, scale: float) -> torch.Tensor:
@@ -73,6 +76,11 @@ def _block_tiles(kv_heads: int, dim: int, span: int, dtype, device, op) -> Tiles
     # (one AMD EPYC), too rare for the tiles' check to see in a few rounds
     sample = functools.partial(_sample, kv_heads, dim, span, dtype, device)
     return tiles_for(("attention", kv_heads, dim, span, dtype, device), op, sample, pads=(0.0, True))
+
+
+def made_block_tiles(kv_heads: int, dim: int, span: int, dtype, device) -> Tiles | None:
+    """The tiles of the attention over the key block ending at ``span`` where a forward has made them, else None."""
+    return made_tiles(("attention", kv_heads, dim, span, dtype, device))
 
 
 def sequence_attention(

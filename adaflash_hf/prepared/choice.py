@@ -38,6 +38,7 @@ from transformers import DynamicCache
 from transformers.utils import logging
 
 from adaflash_hf.atomic import atomic_write_json
+from adaflash_hf.prepared import native
 from adaflash_hf.prepared.cpu import bf16_units, cpu_model
 
 logger = logging.get_logger(__name__)
@@ -105,10 +106,11 @@ def measure_candidates(target, timer: Timer, prepares: dict[str, Callable]) -> d
 
 @functools.cache
 def forward_code_digest() -> str:
-    """A digest of the prepared forward's code (this package's ``prepared`` modules): timings kept under another
-    version of it are not this forward's."""
+    """A digest of the prepared forward's code (this package's ``prepared`` modules and the compiled layer's source):
+    timings kept under another version of it are not this forward's."""
     digest = hashlib.sha256()
-    for path in sorted(Path(__file__).parent.glob("*.py")):
+    folder = Path(__file__).parent
+    for path in sorted([*folder.glob("*.py"), *folder.glob("native/*.cpp")]):
         digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
 
@@ -128,6 +130,7 @@ def timings_path(target, timer: Timer, candidates: tuple[str, ...] = ("bf16",)) 
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "forward": forward_code_digest(),
+        "compiled_layer": native.load(),
         "threads": torch.get_num_threads(),
         "target": [
             type(target).__name__,

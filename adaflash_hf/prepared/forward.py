@@ -39,11 +39,11 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from adaflash_hf.prepared.attention import sequence_attention
+from adaflash_hf.prepared import native
+from adaflash_hf.prepared.attention import ATTENTION_NAME, sequence_attention
 from adaflash_hf.prepared.lean import install_lean_layers
 from adaflash_hf.prepared.linear import InvariantLinear, group_projections
 
-ATTENTION_NAME = "ada_invariant"  # no "flash" in it: transformers would take it for a flash-attention kernel
 ROTARY_ROWS = 16
 
 
@@ -97,7 +97,8 @@ def install_invariant_forward(target) -> None:
         if type(module) is torch.nn.Linear:
             module.__class__ = InvariantLinear
     group_projections(target)
-    install_lean_layers(target)
+    if install_lean_layers(target):
+        native.load()
     for module in rotary_modules(target):
         if "forward" not in vars(module):
             module.forward = types.MethodType(_padded_rotary_forward, module)

@@ -29,6 +29,7 @@ from torch.nn.modules import module as nn_module
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama import modeling_llama
 
+from adaflash_hf.prepared import native
 from adaflash_hf.prepared.linear import GROUP, InvariantLinear, group_matrix, group_output, runs_fast
 
 _INNER = "_adaflash_lean"  # on a lean layer: its inner modules, in the order the layer runs them
@@ -59,6 +60,10 @@ def lean_layer_forward(
             position_embeddings=position_embeddings,
             **kwargs,
         )
+    if native.loaded():
+        output = native.layer_forward(self, inner, hidden_states, attention_mask, position_embeddings, cache)
+        if output is not None:
+            return output
     attention, mlp = self.self_attn, self.mlp
     # as LlamaDecoderLayer passes them on to its attention, and the attention to the cache and its function
     kwargs = {"position_ids": position_ids, "use_cache": use_cache, **kwargs}

@@ -161,11 +161,8 @@ class InvariantLinear(torch.nn.Linear):
         group = self.__dict__.get(GROUP)
         if group is not None:
             return self._grouped(x, *group)
-        stamp = (weight.data_ptr(), weight._version, torch.get_num_threads())
-        route = _ROUTES.get(self)
-        if route is None or route[0] != stamp:
-            route = _ROUTES[self] = (stamp, *self._route(weight, self.bias, kernel_of(self)))
-        return _run(*route[1:], x, weight)
+        _, op, tiles, _ = linear_route(self)
+        return _run(op, tiles, x, weight)
 
     def _grouped(self, x: torch.Tensor, members, index: int) -> torch.Tensor:
         stash = self.__dict__.pop(_STASH, None)
@@ -200,14 +197,30 @@ def group_output(members: tuple[InvariantLinear, ...], x: torch.Tensor) -> tuple
 def group_matrix(members: tuple[InvariantLinear, ...], x: torch.Tensor) -> torch.Tensor:
     """The members' outputs on ``x`` side by side ``[..., sum of out_features]``, computed as one linear over their
     concatenated weights. For inputs its members run on their fast path (``runs_fast``)."""
+    _, op, tiles, weight = group_route(members)
+    return _run(op, tiles, x, weight)
+
+
+def linear_route(module: InvariantLinear) -> tuple:
+    """``(stamp, op, tiles, weight)`` a lone ``InvariantLinear`` runs on its fast path (``runs_fast``), made again
+    where its weight was replaced or written, or the thread count changed, since the last call."""
+    weight = module.weight
+    stamp = (weight.data_ptr(), weight._version, torch.get_num_threads())
+    route = _ROUTES.get(module)
+    if route is None or route[0] != stamp:
+        route = _ROUTES[module] = (stamp, *module._route(weight, module.bias, kernel_of(module)), weight)
+    return route
+
+
+def group_route(members: tuple[InvariantLinear, ...]) -> tuple:
+    """``(stamp, op, tiles, weight)`` a projection group runs on (``linear_route``'s, for the concatenated weights)."""
     leader = members[0]
     stamp = (*((m.weight.data_ptr(), m.weight._version) for m in members), torch.get_num_threads())
     route = _ROUTES.get(leader)
     if route is None or route[0] != stamp:
         weight, bias = _group_weights(members)
         route = _ROUTES[leader] = (stamp, *leader._route(weight, bias, kernel_of(leader, members)), weight)
-    op, tiles, weight = route[1:]
-    return _run(op, tiles, x, weight)
+    return route
 
 
 def row_tile(model) -> int | None:

@@ -201,6 +201,11 @@ def tiles_for(
     return tiles
 
 
+def made_tiles(key: tuple, small: int = 0) -> Tiles | None:
+    """The tiles ``tiles_for(key, ..., small=small)`` made for the current thread count, None where none were made."""
+    return _TILES.get((*key, small, torch.get_num_threads()))
+
+
 def row_by_row_ops() -> list[str]:
     """The ops of this process that found no position-invariant tile and run one row per call."""
     return [tiles.name for tiles in _TILES.values() if tiles.rows == 1]

@@ -1,0 +1,255 @@
+"""A prepared Llama layer's forward over one sequence's new tokens as one compiled call: the same ATen ops, none of
+the interpreter's time between them.
+
+A decode step of a small target is mostly Python: some 70 ops a layer, each a few microseconds of interpreter and
+dispatch around kernels that take tens (on one Intel Xeon with AMX, a 4-bit step of the offline target spent 5 ms
+in its linears, 2 in its output embedding and 2 in attention out of 23). ``native/decode_layer.cpp`` runs the ops
+``lean_layer_forward`` runs for a batch of one sequence (``adaflash_hf.prepared.lean``: the norms, each projection
+group's linear in its tiles, the rotary embedding, the dynamic cache's concatenation, the invariant attention's key
+blocks in their tiles, the MLP) in C++, in the same order, on the same shapes and dtypes, on the same kernels: the
+result is bitwise the Python layer's (``tests/test_native_layer.py`` compares them for decode steps, verifies and
+prefills across key blocks), so every guarantee of the prepared forward holds unchanged.
+
+It is built from source on first use on a machine (torch's C++ extension loader with ninja and the system's C++
+compiler, about 10 s, kept in torch's extensions folder for later processes) and loaded as ``torch.ops``. Where it
+cannot be built (no compiler), or with ``ADAFLASH_NATIVE=0``, the Python layer runs, with one warning.
+
+A layer call runs here only where the Python layer would run exactly these ops: one sequence (batch of one), no
+attention mask or one that is causal (``generate``'s unpadded sequence), transformers' dynamic cache layer, the invariant attention, a SiLU
+MLP, a CPU tensor, and attention tiles already made for the key blocks it touches (the Python layer makes them at
+its first call there). Anything else (batches, padding, the serving engine's packed forward, other caches) runs the
+Python layer.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from transformers import activations
+from transformers.cache_utils import DynamicLayer
+from transformers.utils import logging
+
+from adaflash_hf.prepared.attention import ATTENTION_NAME, KEY_BLOCK, made_block_tiles
+from adaflash_hf.prepared.four_bit import four_bit_linear
+from adaflash_hf.prepared.linear import _packed_linear, group_route, linear_route
+
+logger = logging.get_logger(__name__)
+
+ENVIRONMENT = "ADAFLASH_NATIVE"  # "0": run the Python layer
+SOURCE = Path(__file__).parent / "native" / "decode_layer.cpp"
+_KINDS = {four_bit_linear: 0, _packed_linear: 1, F.linear: 2}  # decode_layer.cpp's kFourBit, kPacked, kPlain
+_SILU = (activations.SiLUActivation, torch.nn.SiLU)
+_EMPTY = torch.empty(0)
+_PLAN = "_adaflash_native"  # on a layer: its _Plan
+_LOCK = threading.Lock()
+_STATE: dict[str, bool] = {}
+
+
+def load() -> bool:
+    """Whether the compiled layer is loaded: built and loaded on the first call of a process (module docstring); False,
+    with a warning, where it cannot be or ``ADAFLASH_NATIVE=0``."""
+    loaded = _STATE.get("loaded")
+    if loaded is not None:
+        return loaded
+    with _LOCK:
+        if "loaded" not in _STATE:
+            _STATE["loaded"] = _load()
+    return _STATE["loaded"]
+
+
+def loaded() -> bool:
+    """Whether a forward runs the compiled layer where it applies (``load`` has succeeded in this process)."""
+    return _STATE.get("loaded", False)
+
+
+def _load() -> bool:
+    if os.environ.get(ENVIRONMENT, "1") == "0":
+        logger.info(f"prepared forward: {ENVIRONMENT}=0, the Python layer runs")
+        return False
+    try:
+        _build()
+    except Exception as error:  # no compiler, no ninja, a build error: the Python layer is the same forward
+        logger.warning(
+            f"prepared forward: the compiled layer ({SOURCE.name}) could not be built, the Python layer runs (same "
+            f"results, slower decode steps): {type(error).__name__}: {str(error).strip().splitlines()[-1:]}"
+        )
+        return False
+    global _DECODE_LAYER
+    _DECODE_LAYER = torch.ops.adaflash_native.decode_layer.default
+    return True
+
+
+_DECODE_LAYER = None  # the loaded op
+
+
+def _build() -> None:
+    import ninja  # its binary, which torch's loader runs from PATH
+    from torch.utils import cpp_extension
+
+    if ninja.BIN_DIR not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
+    cpp_extension.load(
+        name="adaflash_native",
+        sources=[str(SOURCE)],
+        extra_cflags=["-O2"],
+        is_python_module=False,
+        verbose=False,
+    )
+
+
+def layer_forward(layer, inner, hidden_states, attention_mask, position_embeddings, cache):
+    """``lean_layer_forward``'s result through the compiled layer, the cache layer updated as the Python layer's
+    ``update`` would; None where it does not apply (module docstring), nothing changed then."""
+    if cache is None or hidden_states.shape[0] != 1:
+        return None
+    plan = _plan(layer, inner)
+    if (
+        plan is None
+        or hidden_states.device.type != "cpu"
+        or plan.config._attn_implementation != ATTENTION_NAME
+    ):
+        return None
+    layers = getattr(cache, "layers", None)
+    cached = layers[plan.index] if layers is not None and plan.index < len(layers) else None
+    if type(cached) is not DynamicLayer:
+        return None
+    if cached.is_initialized:
+        keys = cached.keys
+        if keys.numel() and (keys.dtype != hidden_states.dtype or keys.shape[:2] != (1, plan.key_heads)):
+            return None
+        length = keys.shape[-2] if keys.numel() else 0
+    else:
+        length = 0
+    count = hidden_states.shape[1]
+    if attention_mask is not None and not _causal(attention_mask, count, length + count):
+        return None
+    rows = []
+    for block in range(length // KEY_BLOCK, (length + count - 1) // KEY_BLOCK + 1):
+        span = (block + 1) * KEY_BLOCK
+        tile_rows = plan.attention_rows.get((span, hidden_states.dtype))
+        if tile_rows is None:
+            tiles = made_block_tiles(
+                plan.key_heads, plan.head_dim, span, hidden_states.dtype, hidden_states.device
+            )
+            if tiles is None or tiles.rows == 1:
+                return None  # the Python layer makes a block's tiles; one row per call is its own path
+            tile_rows = plan.attention_rows[(span, hidden_states.dtype)] = tiles.rows
+        rows.append(tile_rows)
+    if not cached.is_initialized:
+        cached.lazy_initialization(hidden_states, hidden_states)
+    cos, sin = position_embeddings
+    output, cached.keys, cached.values = _DECODE_LAYER(
+        hidden_states,
+        cos,
+        sin,
+        plan.weights,
+        plan.numbers,
+        cached.keys,
+        cached.values,
+        plan.query_heads,
+        plan.key_heads,
+        plan.input_eps,
+        plan.post_eps,
+        plan.scale,
+        KEY_BLOCK,
+        rows,
+    )
+    return output
+
+
+def _causal(mask: torch.Tensor, count: int, total: int) -> bool:
+    """Whether ``mask`` (transformers' boolean ``[1, 1, count, total]``) lets each of the ``count`` new tokens see
+    exactly the keys up to its own position: the mask of one unpadded sequence, which the invariant attention applies
+    on top of the causal mask it builds itself, so it changes nothing there. Checked once per forward (every layer
+    gets the same mask)."""
+    last = _LAST_MASK
+    if last[0] is mask:
+        return last[1]
+    causal = mask.dtype == torch.bool and tuple(mask.shape) == (1, 1, count, total)
+    if causal:
+        positions = torch.arange(total, device=mask.device)
+        causal = torch.equal(mask[0, 0], positions[None, :] <= positions[total - count :, None])
+    globals()["_LAST_MASK"] = (mask, causal)
+    return causal
+
+
+_LAST_MASK: tuple = (None, False)  # the mask last checked by _causal, and whether it was causal
+
+
+@dataclass
+class _Plan:
+    """What a layer's compiled call takes besides the inputs, kept on the layer while its weights stay the same."""
+
+    stamp: tuple
+    config: object  # the attention's config: its attention implementation is read at every call
+    index: int
+    query_heads: int
+    key_heads: int
+    head_dim: int
+    input_eps: float
+    post_eps: float
+    scale: float
+    weights: list
+    numbers: list
+    attention_rows: dict = field(default_factory=dict)  # (key span, dtype) -> the attention tile's rows
+
+
+def _plan(layer, inner) -> _Plan | None:
+    """The layer's plan, made again where a weight was replaced or written, or the thread count changed (the stamp of
+    the linears' routes); None where the compiled layer does not serve this layer."""
+    stamp = (
+        torch.get_num_threads(),
+        *((t.data_ptr(), t._version) for m in inner[2] for t in m._parameters.values() if t is not None),
+    )
+    plan = layer.__dict__.get(_PLAN)
+    if plan is not None and plan.stamp == stamp:
+        return plan
+    attention, mlp = layer.self_attn, layer.mlp
+    qkv, gate_up = inner[0], inner[1]
+    if type(mlp.act_fn) not in _SILU or gate_up[0].out_features != gate_up[1].out_features:
+        return None
+    weights = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+    numbers = []
+    for route in (
+        group_route(qkv),
+        linear_route(attention.o_proj),
+        group_route(gate_up),
+        linear_route(mlp.down_proj),
+    ):
+        numbers += _linear_numbers(route, weights)
+    head_dim = attention.head_dim
+    plan = layer.__dict__[_PLAN] = _Plan(
+        stamp=stamp,
+        config=attention.config,
+        index=attention.layer_idx,
+        query_heads=qkv[0].out_features // head_dim,
+        key_heads=qkv[1].out_features // head_dim,
+        head_dim=head_dim,
+        input_eps=layer.input_layernorm.variance_epsilon,
+        post_eps=layer.post_attention_layernorm.variance_epsilon,
+        scale=attention.scaling,
+        weights=weights,
+        numbers=numbers,
+    )
+    return plan
+
+
+def _linear_numbers(route, weights: list) -> tuple[int, int, int]:
+    """``(kind, tile rows, small rows)`` of a linear's route, its two tensors and bias appended to ``weights``."""
+    _, op, tiles, _ = route
+    keywords = op.keywords
+    kind = _KINDS[op.func]
+    if kind == 0:
+        tensors = (keywords["codes"], keywords["scales"])
+    elif kind == 1:
+        tensors = (keywords["packed"], _EMPTY)
+    else:
+        tensors = (keywords["weight"], _EMPTY)
+    bias = keywords["bias"]
+    weights += (*tensors, _EMPTY if bias is None else bias)
+    return kind, tiles.rows, tiles.small

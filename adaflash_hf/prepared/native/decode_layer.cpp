@@ -1,0 +1,179 @@
+// A decoder layer of a prepared Llama target over the new tokens of one sequence, as one call: the ATen ops the lean
+// layer (adaflash_hf/prepared/lean.py) and the invariant attention (adaflash_hf/prepared/attention.py) run for those
+// tokens, in the same order, on the same shapes and dtypes, each linear and attention block in the tiles the Python
+// code calls it in (adaflash_hf/prepared/tiles.py), so the result is bitwise the Python layer's; only the
+// interpreter's time between the ops goes. adaflash_hf/prepared/native.py says what the arguments are and when a
+// forward runs here.
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kFourBit = 0;  // (codes, scales): aten::_weight_int4pack_mm_for_cpu
+constexpr int64_t kPacked = 1;   // (oneDNN's prepacked weight, unused): mkldnn::_linear_pointwise
+constexpr int64_t kPlain = 2;    // (the weight, unused): aten::linear
+constexpr int64_t kFourBitGroup = 32;
+
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                                         c10::string_view, c10::List<std::optional<c10::Scalar>>,
+                                         std::optional<c10::string_view>)>();
+  return op.call(x, packed, bias, "none", c10::List<std::optional<c10::Scalar>>(), c10::string_view(""));
+}
+
+struct Linear {
+  int64_t kind, rows, small;
+  at::Tensor a, b;
+  std::optional<at::Tensor> bias;
+
+  at::Tensor call(const at::Tensor& x) const {
+    if (kind == kFourBit) {
+      auto out = at::_weight_int4pack_mm_for_cpu(x, a, kFourBitGroup, b);
+      return bias ? out + *bias : out;
+    }
+    if (kind == kPacked) return packed_linear(x, a, bias);
+    return at::linear(x, a, bias);
+  }
+
+  // Tiles.run: x [count, K] in calls of exactly `rows` rows (padded with zeros, cropped), or as is where count is
+  // the op's agreeing small shape
+  at::Tensor run(const at::Tensor& x) const {
+    const int64_t count = x.size(0);
+    if (count == rows || (count < rows && count == small)) return call(x.contiguous());
+    const int64_t whole = (count + rows - 1) / rows * rows;
+    auto padded = at::zeros({whole, x.size(1)}, x.options());
+    padded.narrow(0, 0, count).copy_(x);
+    std::vector<at::Tensor> outputs;
+    for (int64_t start = 0; start < whole; start += rows) outputs.push_back(call(padded.narrow(0, start, rows)));
+    auto out = outputs.size() == 1 ? outputs[0] : at::cat(outputs, 0);
+    return whole == count ? out : out.narrow(0, 0, count);
+  }
+
+  // hidden [1, n, K] -> [1, n, N]
+  at::Tensor operator()(const at::Tensor& hidden) const {
+    auto out = run(hidden.reshape({-1, hidden.size(-1)}));
+    return out.reshape({1, hidden.size(1), out.size(-1)});
+  }
+};
+
+Linear linear_of(const std::vector<at::Tensor>& weights, const std::vector<int64_t>& numbers, int64_t index) {
+  Linear linear{numbers[3 * index], numbers[3 * index + 1], numbers[3 * index + 2], weights[2 + 3 * index],
+                weights[3 + 3 * index], std::nullopt};
+  if (weights[4 + 3 * index].numel() > 0) linear.bias = weights[4 + 3 * index];
+  return linear;
+}
+
+// LlamaRMSNorm.forward
+at::Tensor rms_norm(const at::Tensor& hidden, const at::Tensor& weight, double eps) {
+  auto states = hidden.to(at::kFloat);
+  auto variance = states.pow(2).mean(-1, true);
+  states = states * at::rsqrt(variance + eps);
+  return weight * states.to(hidden.scalar_type());
+}
+
+// attention.sequence_attention(query [Hq, n, D], keys/values [Hkv, L, D], start = L - n, scale), no extra mask:
+// each key block's queries in tiles of that block's row count (tile_rows[block - first block])
+at::Tensor sequence_attention(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
+                              double scale, int64_t key_block, const std::vector<int64_t>& tile_rows) {
+  const int64_t heads = query.size(0), count = query.size(1), dim = query.size(2);
+  const int64_t key_heads = keys.size(0), length = keys.size(1), start = length - count;
+  const int64_t group = heads / key_heads;
+  const int64_t first_block = start / key_block, last_block = (start + count - 1) / key_block;
+  std::vector<at::Tensor> outputs;
+  for (int64_t block = first_block; block <= last_block; ++block) {
+    const int64_t first = std::max(start, block * key_block) - start;
+    const int64_t last = std::min(start + count, (block + 1) * key_block) - start;
+    const int64_t rows = last - first, span = (block + 1) * key_block;
+    const int64_t size = tile_rows[block - first_block];
+    // _keys_of_block: the first `span` positions, zeros past the sequence
+    at::Tensor block_keys, block_values;
+    const int64_t kept = std::min(span, length), missing = span - kept;
+    if (missing > 0) {
+      block_keys = at::constant_pad_nd(keys.narrow(1, 0, kept), {0, 0, 0, missing}, 0);
+      block_values = at::constant_pad_nd(values.narrow(1, 0, kept), {0, 0, 0, missing}, 0);
+    } else {
+      block_keys = keys.narrow(1, 0, span).clone(at::MemoryFormat::Contiguous);
+      block_values = values.narrow(1, 0, span).clone(at::MemoryFormat::Contiguous);
+    }
+    // rows (head of the GQA group, query), each query seeing keys up to its own position; padding rows see all
+    const int64_t total = group * rows, whole = (total + size - 1) / size * size;
+    auto tiles = at::zeros({key_heads, whole, dim}, query.options());
+    tiles.narrow(1, 0, total).copy_(query.narrow(1, first, rows).reshape({key_heads, total, dim}));
+    auto allowed = at::ones({whole, span}, query.options().dtype(at::kBool));
+    auto positions = at::arange(span, query.options().dtype(at::kLong));
+    auto own = at::arange(start + first, start + last, query.options().dtype(at::kLong));
+    allowed.narrow(0, 0, total).copy_(positions.unsqueeze(0).le(own.unsqueeze(1)).repeat({group, 1}));
+    std::vector<at::Tensor> parts;
+    for (int64_t offset = 0; offset < whole; offset += size) {
+      auto tile = tiles.narrow(1, offset, size);
+      if (whole > size) tile = tile.clone(at::MemoryFormat::Contiguous);
+      parts.push_back(at::scaled_dot_product_attention(tile.unsqueeze(0), block_keys.unsqueeze(0),
+                                                       block_values.unsqueeze(0), allowed.narrow(0, offset, size),
+                                                       0.0, false, scale)[0]);
+    }
+    auto attended = parts.size() == 1 ? parts[0] : at::cat(parts, 1);
+    outputs.push_back(attended.narrow(1, 0, total).reshape({heads, rows, dim}));
+  }
+  return outputs.size() == 1 ? outputs[0] : at::cat(outputs, 1);
+}
+
+}  // namespace
+
+// hidden [1, n, H]; cos, sin [1, n, D]; weights: input norm, post-attention norm, then (a, b, bias) for q/k/v, o,
+// gate/up and down (bias: an empty tensor where none); numbers: (kind, tile rows, small rows) of each of those four
+// linears; keys and values [1, Hkv, L, D]: the layer's cache before this forward; attention_rows: the attention
+// tile's rows for each key block the new tokens fall in. Returns the layer's output and the cache's keys and values
+// after this forward.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_layer(
+    const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& sin, at::TensorList weight_list,
+    c10::IntArrayRef number_list, const at::Tensor& keys, const at::Tensor& values, int64_t query_heads,
+    int64_t key_heads, double input_eps, double post_eps, double scale, int64_t key_block,
+    c10::IntArrayRef attention_rows) {
+  std::vector<at::Tensor> weights(weight_list.begin(), weight_list.end());
+  std::vector<int64_t> numbers(number_list.begin(), number_list.end());
+  const int64_t head_dim = cos.size(-1), half = head_dim / 2;
+
+  // lean._rotated_projections
+  auto normed = rms_norm(hidden, weights[0], input_eps);
+  auto heads = linear_of(weights, numbers, 0)(normed).view({1, hidden.size(1), -1, head_dim});
+  auto query_key = heads.narrow(2, 0, query_heads + key_heads);
+  auto value = heads.narrow(2, query_heads + key_heads, key_heads);
+  auto cos4 = cos.unsqueeze(2), sin4 = sin.unsqueeze(2);
+  auto rotated = at::cat({-query_key.narrow(-1, half, head_dim - half), query_key.narrow(-1, 0, half)}, -1);
+  query_key = (query_key * cos4) + (rotated * sin4);
+  auto query = query_key.narrow(2, 0, query_heads).transpose(1, 2);
+  auto key = query_key.narrow(2, query_heads, key_heads).transpose(1, 2);
+  // DynamicLayer.update
+  auto all_keys = at::cat({keys, key}, -2);
+  auto all_values = at::cat({values, value.transpose(1, 2)}, -2);
+  std::vector<int64_t> rows(attention_rows.begin(), attention_rows.end());
+  auto attended = sequence_attention(query[0], all_keys[0], all_values[0], scale, key_block, rows);
+  attended = attended.transpose(0, 1).unsqueeze(0);
+  attended = attended.reshape({1, hidden.size(1), -1}).contiguous();
+  auto states = hidden + linear_of(weights, numbers, 1)(attended);
+
+  // MLP
+  normed = rms_norm(states, weights[1], post_eps);
+  auto gate_up = linear_of(weights, numbers, 2)(normed);
+  const int64_t inner = gate_up.size(-1) / 2;
+  auto gate = gate_up.narrow(-1, 0, inner), up = gate_up.narrow(-1, inner, inner);
+  states = states + linear_of(weights, numbers, 3)(at::silu(gate) * up);
+  return {states, all_keys, all_values};
+}
+
+TORCH_LIBRARY(adaflash_native, m) {
+  m.def(
+      "decode_layer(Tensor hidden, Tensor cos, Tensor sin, Tensor[] weights, int[] numbers, Tensor keys, "
+      "Tensor values, int query_heads, int key_heads, float input_eps, float post_eps, float scale, int key_block, "
+      "int[] attention_rows) -> (Tensor, Tensor, Tensor)");
+  m.impl("decode_layer", c10::DispatchKey::CompositeExplicitAutograd, TORCH_FN(decode_layer));
+}
