@@ -110,7 +110,7 @@ def forward_code_digest() -> str:
     timings kept under another version of it are not this forward's."""
     digest = hashlib.sha256()
     folder = Path(__file__).parent
-    for path in sorted([*folder.glob("*.py"), *folder.glob("native/*.cpp")]):
+    for path in sorted([*folder.glob("*.py"), *folder.glob("csrc/*.cpp")]):
         digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
 

@@ -3,7 +3,7 @@ the interpreter's time between them.
 
 A decode step of a small target is mostly Python: some 70 ops a layer, each a few microseconds of interpreter and
 dispatch around kernels that take tens (on one Intel Xeon with AMX, a 4-bit step of the offline target spent 5 ms
-in its linears, 2 in its output embedding and 2 in attention out of 23). ``native/decode_layer.cpp`` runs the ops
+in its linears, 2 in its output embedding and 2 in attention out of 23). ``csrc/decode_layer.cpp`` runs the ops
 ``lean_layer_forward`` runs for a batch of one sequence (``adaflash_hf.prepared.lean``: the norms, each projection
 group's linear in its tiles, the rotary embedding, the dynamic cache's concatenation, the invariant attention's key
 blocks in their tiles, the MLP) in C++, in the same order, on the same shapes and dtypes, on the same kernels: the
@@ -41,7 +41,7 @@ from adaflash_hf.prepared.linear import _packed_linear, group_route, linear_rout
 logger = logging.get_logger(__name__)
 
 ENVIRONMENT = "ADAFLASH_NATIVE"  # "0": run the Python layer
-SOURCE = Path(__file__).parent / "native" / "decode_layer.cpp"
+SOURCE = Path(__file__).parent / "csrc" / "decode_layer.cpp"
 _KINDS = {four_bit_linear: 0, _packed_linear: 1, F.linear: 2}  # decode_layer.cpp's kFourBit, kPacked, kPlain
 _SILU = (activations.SiLUActivation, torch.nn.SiLU)
 _EMPTY = torch.empty(0)
