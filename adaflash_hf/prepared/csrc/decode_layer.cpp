@@ -108,10 +108,12 @@ at::Tensor sequence_attention(const at::Tensor& query, const at::Tensor& keys, c
     const int64_t total = group * rows, whole = (total + size - 1) / size * size;
     auto tiles = at::zeros({key_heads, whole, dim}, query.options());
     tiles.narrow(1, 0, total).copy_(query.narrow(1, first, rows).reshape({key_heads, total, dim}));
-    auto allowed = at::ones({whole, span}, query.options().dtype(at::kBool));
-    auto positions = at::arange(span, query.options().dtype(at::kLong));
-    auto own = at::arange(start + first, start + last, query.options().dtype(at::kLong));
-    allowed.narrow(0, 0, total).copy_(positions.unsqueeze(0).le(own.unsqueeze(1)).repeat({group, 1}));
+    auto allowed = at::empty({whole, span}, query.options().dtype(at::kBool));
+    bool* entries = allowed.data_ptr<bool>();
+    for (int64_t row = 0; row < whole; ++row) {
+      const int64_t seen = row < total ? start + first + row % rows : span - 1;  // the last key this row sees
+      for (int64_t key = 0; key < span; ++key) entries[row * span + key] = key <= seen;
+    }
     std::vector<at::Tensor> parts;
     for (int64_t offset = 0; offset < whole; offset += size) {
       auto tile = tiles.narrow(1, offset, size);
