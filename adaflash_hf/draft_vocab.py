@@ -78,9 +78,14 @@ def draft_logits(
         return lm_head(block_hidden), None
     token_ids = token_ids.to(weight.device)
     bias = getattr(lm_head, "bias", None)
-    return F.linear(
-        block_hidden, _subset_rows(weight, token_ids), None if bias is None else bias[token_ids]
-    ), token_ids
+    # as rows: a 3-D input in inference mode makes torch's matmul copy the whole weight at every call (a batched
+    # product over an expanded weight: 3.7 ms against 0.4 for 4 rows of an 8,192-token draft vocabulary on one CPU)
+    rows = F.linear(
+        block_hidden.reshape(-1, block_hidden.shape[-1]),
+        _subset_rows(weight, token_ids),
+        None if bias is None else bias[token_ids],
+    )
+    return rows.reshape(*block_hidden.shape[:-1], rows.shape[-1]), token_ids
 
 
 def _subset_rows(weight: torch.Tensor, token_ids: torch.LongTensor) -> torch.Tensor:
