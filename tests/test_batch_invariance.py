@@ -196,7 +196,7 @@ def test_attention_rows_do_not_depend_on_the_query_count_or_the_masked_tail(dtyp
 def test_the_engines_requests_attend_as_each_would_alone_whether_stacked_or_not(dtype):
     # decode steps and verifies of one key block share an SDPA call; a prefill and a verify across a key block do not
     from adaflash_hf.kernels.verify_packing import SlotPacking
-    from adaflash_hf.prepared.attention import _stacking_rows, slot_invariant_attention
+    from adaflash_hf.prepared.attention import slot_invariant_attention, stacking_rows
 
     generator = torch.Generator().manual_seed(4)
     heads, kv_heads, dim, capacity = 6, 2, 16, 256
@@ -208,7 +208,7 @@ def test_the_engines_requests_attend_as_each_would_alone_whether_stacked_or_not(
     packing = SlotPacking.build(slots, starts, lengths, 8, torch.device("cpu"))
     query = torch.randn(sum(lengths), heads, dim, generator=generator).to(dtype)
     out = slot_invariant_attention(query, key_pool, value_pool, packing)
-    assert _stacking_rows(kv_heads, dim, 128, dtype, torch.device("cpu")) > 0  # stacked on this machine
+    assert stacking_rows(kv_heads, dim, 128, dtype, torch.device("cpu")) > 0  # stacked on this machine
     for slot, start, offset, length in zip(slots, starts, packing.offsets, lengths):
         alone = sequence_attention(
             query[offset : offset + length].transpose(0, 1),

@@ -11,6 +11,7 @@ from transformers import DynamicCache
 
 from adaflash_hf import prepare_target
 from adaflash_hf.prepared import four_bit, native
+from adaflash_hf.serving.cache import RaggedBatch, SlotKVStore, packed_target_forward
 from tests.conftest import four_bit_target
 
 IDS = torch.randint(0, 500, (1, 260), generator=torch.Generator().manual_seed(5))
@@ -28,13 +29,14 @@ def compiled_calls(monkeypatch):
         "a C++ compiler is here, yet the compiled layer did not build (see the warning logged)"
     )
     calls = []
-    real = native._DECODE_LAYER
+    for name in ("_DECODE_LAYER", "_PACKED_LAYER"):
+        real = getattr(native, name)
 
-    def counted(*args):
-        calls.append(args[0].shape[1])
-        return real(*args)
+        def counted(*args, real=real, name=name):
+            calls.append(args[0].shape[1] if name == "_DECODE_LAYER" else ("packed", args[0].shape[1]))
+            return real(*args)
 
-    monkeypatch.setattr(native, "_DECODE_LAYER", counted)
+        monkeypatch.setattr(native, name, counted)
     return calls
 
 
@@ -89,6 +91,45 @@ def test_the_compiled_layer_gives_bitwise_the_python_layers_results(kind, target
     compiled = decoding(target)
     layers = target.config.num_hidden_layers
     assert compiled_calls == [n for n in (120, *[1] * 12, 3, 16, 70) for _ in range(layers)]
+    assert_bitwise_equal(compiled, reference)
+
+
+@torch.no_grad()
+def packed(target) -> list[torch.Tensor]:
+    """Logits of the engine's packed forwards, then its pools: three requests prefilled (one across two key blocks),
+    decode steps, verifies of 4 and 16 tokens beside a decode step and a prefill (one verify across a key block)."""
+    store = SlotKVStore(target.config.num_hidden_layers)
+    store.reserve(4, 256)
+    rounds = [
+        ([0, 1, 2], [0, 0, 0], [30, 70, 5]),
+        ([0, 1, 2], [30, 70, 5], [1, 1, 1]),
+        ([0, 1, 2, 3], [31, 71, 6, 0], [4, 16, 1, 40]),
+        ([0, 1, 2, 3], [35, 87, 7, 40], [1, 1, 16, 1]),
+    ]
+    outputs = []
+    for slots, starts, lengths in rounds:
+        tokens = torch.cat(
+            [
+                IDS[0, 7 * slot + start : 7 * slot + start + n]
+                for slot, start, n in zip(slots, starts, lengths)
+            ]
+        )
+        batch = RaggedBatch.build(store, slots, starts, lengths, group_width=8, device=tokens.device)
+        outputs.append(packed_target_forward(target, tokens[None], batch).logits)
+    return outputs + [t for t in (*store.keys, *store.values)]
+
+
+@pytest.mark.parametrize("kind", ["bf16", "int4"])
+def test_the_engines_packed_forward_through_the_compiled_layer_is_bitwise_the_python_layers(
+    kind, target_factory, compiled_calls
+):
+    target = prepared(kind, target_factory)
+    with PythonLayer():
+        reference = packed(target)  # also makes the attention tiles
+    compiled_calls.clear()
+    compiled = packed(target)
+    layers = target.config.num_hidden_layers
+    assert compiled_calls == [("packed", n) for n in (105, 3, 61, 19) for _ in range(layers)]
     assert_bitwise_equal(compiled, reference)
 
 

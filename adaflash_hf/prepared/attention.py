@@ -140,7 +140,7 @@ def slot_invariant_attention(
         block = start // KEY_BLOCK
         span = (block + 1) * KEY_BLOCK
         rows = heads // kv_heads * length
-        if (start + length - 1) // KEY_BLOCK == block and rows <= _stacking_rows(
+        if (start + length - 1) // KEY_BLOCK == block and rows <= stacking_rows(
             kv_heads, dim, span, query.dtype, query.device
         ):
             by_span.setdefault(span, []).append((slot, start, offset, length))
@@ -166,7 +166,7 @@ def stacked_block_attention(out, query, key_pool, value_pool, requests, span: in
     heads, dim = query.shape[1], query.shape[2]
     kv_heads = key_pool.shape[2]
     group = heads // kv_heads
-    rows = _stacking_rows(kv_heads, dim, span, query.dtype, query.device)
+    rows = stacking_rows(kv_heads, dim, span, query.dtype, query.device)
     count = len(requests)
     slots = torch.tensor([r[0] for r in requests], device=query.device)
     # [count, Hkv, span, D]; past a request's length its slot holds zeros or its own rejected drafts' keys, where
@@ -185,7 +185,7 @@ def stacked_block_attention(out, query, key_pool, value_pool, requests, span: in
         out[offset : offset + length] = part.transpose(0, 1)
 
 
-def _stacking_rows(kv_heads: int, dim: int, span: int, dtype, device) -> int:
+def stacking_rows(kv_heads: int, dim: int, span: int, dtype, device) -> int:
     """The row count of the attention tile for this key span where stacking requests in one call gives each the
     result of its own call (``stacking_agrees``), else 0 (every request through ``sequence_attention``)."""
     key = (kv_heads, dim, span, dtype, device, torch.get_num_threads())

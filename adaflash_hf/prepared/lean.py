@@ -61,7 +61,9 @@ def lean_layer_forward(
             **kwargs,
         )
     if native.loaded():
-        output = native.layer_forward(self, inner, hidden_states, attention_mask, position_embeddings, cache)
+        output = native.layer_forward(
+            self, inner, hidden_states, attention_mask, position_embeddings, cache, kwargs
+        )
         if output is not None:
             return output
     attention, mlp = self.self_attn, self.mlp

@@ -32,9 +32,10 @@ import torch
 import torch.nn.functional as F
 from transformers import activations
 from transformers.cache_utils import DynamicLayer
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import logging
 
-from adaflash_hf.prepared.attention import ATTENTION_NAME, KEY_BLOCK, made_block_tiles
+from adaflash_hf.prepared.attention import ATTENTION_NAME, KEY_BLOCK, made_block_tiles, stacking_rows
 from adaflash_hf.prepared.four_bit import four_bit_linear
 from adaflash_hf.prepared.linear import _packed_linear, group_route, linear_route
 
@@ -79,12 +80,13 @@ def _load() -> bool:
             f"results, slower decode steps): {type(error).__name__}: {str(error).strip().splitlines()[-1:]}"
         )
         return False
-    global _DECODE_LAYER
+    global _DECODE_LAYER, _PACKED_LAYER
     _DECODE_LAYER = torch.ops.adaflash_native.decode_layer.default
+    _PACKED_LAYER = torch.ops.adaflash_native.packed_layer.default
     return True
 
 
-_DECODE_LAYER = None  # the loaded op
+_DECODE_LAYER = _PACKED_LAYER = None  # the loaded ops
 
 
 def _build() -> None:
@@ -102,17 +104,18 @@ def _build() -> None:
     )
 
 
-def layer_forward(layer, inner, hidden_states, attention_mask, position_embeddings, cache):
-    """``lean_layer_forward``'s result through the compiled layer, the cache layer updated as the Python layer's
-    ``update`` would; None where it does not apply (module docstring), nothing changed then."""
-    if cache is None or hidden_states.shape[0] != 1:
+def layer_forward(layer, inner, hidden_states, attention_mask, position_embeddings, cache, kwargs):
+    """``lean_layer_forward``'s result through the compiled layer, the cache layer (or the engine's pools) updated as
+    the Python layer would; None where it does not apply (module docstring), nothing changed then."""
+    if hidden_states.shape[0] != 1 or hidden_states.device.type != "cpu":
         return None
     plan = _plan(layer, inner)
-    if (
-        plan is None
-        or hidden_states.device.type != "cpu"
-        or plan.config._attn_implementation != ATTENTION_NAME
-    ):
+    if plan is None:
+        return None
+    if cache is None:
+        ragged = kwargs.get("ragged")
+        return None if ragged is None else _packed_forward(plan, hidden_states, position_embeddings, ragged)
+    if plan.config._attn_implementation != ATTENTION_NAME:
         return None
     layers = getattr(cache, "layers", None)
     cached = layers[plan.index] if layers is not None and plan.index < len(layers) else None
@@ -160,6 +163,76 @@ def layer_forward(layer, inner, hidden_states, attention_mask, position_embeddin
         rows,
     )
     return output
+
+
+def _packed_forward(plan: _Plan, hidden_states, position_embeddings, ragged):
+    """The engine's packed forward through the compiled layer: where its attention is the engine's slot attention
+    (``packed_attention`` marks it) with the invariant attention (a prepared target), else None."""
+    function = ALL_ATTENTION_FUNCTIONS.get(plan.config._attn_implementation)
+    if not getattr(function, "packed_attention", False) or not getattr(ragged, "invariant", False):
+        return None
+    geometry = _packed_geometry(ragged.packing, plan, hidden_states.dtype, hidden_states.device)
+    if geometry is None:
+        return None
+    requests, spans = geometry
+    store = ragged.store
+    store._layer(plan.index, hidden_states.new_empty(0, plan.key_heads, plan.head_dim))  # allocated or grown
+    cos, sin = position_embeddings
+    return _PACKED_LAYER(
+        hidden_states,
+        cos,
+        sin,
+        plan.weights,
+        plan.numbers,
+        store.keys[plan.index],
+        store.values[plan.index],
+        ragged.packing.token_slots,
+        ragged.packing.token_positions,
+        requests,
+        spans,
+        plan.query_heads,
+        plan.key_heads,
+        plan.input_eps,
+        plan.post_eps,
+        plan.scale,
+        KEY_BLOCK,
+    )
+
+
+def _packed_geometry(packing, plan: _Plan, dtype, device):
+    """``(requests, spans)`` for ``packed_layer`` (decode_layer.cpp): each request's (slot, start, offset, length,
+    stacked), stacked as ``slot_invariant_attention`` decides it, and (span, tile rows, stacking rows) of every key
+    block they touch; None where a block's tiles are not made yet. The same for every layer of a forward: kept for
+    the last packing seen."""
+    key = (plan.key_heads, plan.head_dim, dtype, torch.get_num_threads())
+    last = _LAST_PACKING
+    if last[0] is packing and last[1] == key:
+        return last[2]
+    group = plan.query_heads // plan.key_heads
+    requests, spans = [], {}
+    for slot, start, offset, length in zip(packing.slots, packing.starts, packing.offsets, packing.lengths):
+        block = start // KEY_BLOCK
+        span = (block + 1) * KEY_BLOCK
+        stack = 0
+        if (start + length - 1) // KEY_BLOCK == block:
+            rows = stacking_rows(plan.key_heads, plan.head_dim, span, dtype, device)
+            stack = int(0 < group * length <= rows)
+            if stack:
+                spans.setdefault(span, [span, rows, rows])[2] = rows
+        if not stack:
+            for touched in range(block, (start + length - 1) // KEY_BLOCK + 1):
+                end = (touched + 1) * KEY_BLOCK
+                tiles = made_block_tiles(plan.key_heads, plan.head_dim, end, dtype, device)
+                if tiles is None or tiles.rows == 1:
+                    return None
+                spans.setdefault(end, [end, tiles.rows, 0])[1] = tiles.rows
+        requests += (slot, start, offset, length, stack)
+    geometry = (requests, [number for entry in spans.values() for number in entry])
+    globals()["_LAST_PACKING"] = (packing, key, geometry)
+    return geometry
+
+
+_LAST_PACKING: tuple = (None, None, None)  # the packing last seen by _packed_geometry, its key and geometry
 
 
 def _causal(mask: torch.Tensor, count: int, total: int) -> bool:

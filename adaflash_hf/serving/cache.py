@@ -133,6 +133,11 @@ def ragged_attention_forward(module, query, key, value, attention_mask, scaling=
     return out[None], None
 
 
+# the compiled layer of a prepared Llama target (adaflash_hf.prepared.native) runs this function's ops itself in an
+# invariant packed forward: the mark says it may
+ragged_attention_forward.packed_attention = True
+
+
 def register_ragged_attention() -> str:
     """Register the engine's attention with transformers (idempotent); returns its name."""
     AttentionInterface.register(ATTENTION_NAME, ragged_attention_forward)

@@ -80,6 +80,15 @@ at::Tensor rms_norm(const at::Tensor& hidden, const at::Tensor& weight, double e
   return weight * states.to(hidden.scalar_type());
 }
 
+// the causal rows of `length` queries at positions start.. of a GQA group over keys 0..span-1, in a tile of `size`
+// rows: row g * length + q sees keys up to start + q; rows past group * length see every key
+void causal_rows(bool* entries, int64_t size, int64_t span, int64_t group, int64_t start, int64_t length) {
+  for (int64_t row = 0; row < size; ++row) {
+    const int64_t seen = row < group * length ? start + row % length : span - 1;
+    for (int64_t key = 0; key < span; ++key) entries[row * span + key] = key <= seen;
+  }
+}
+
 // attention.sequence_attention(query [Hq, n, D], keys/values [Hkv, L, D], start = L - n, scale), no extra mask:
 // each key block's queries in tiles of that block's row count (tile_rows[block - first block])
 at::Tensor sequence_attention(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
@@ -109,11 +118,7 @@ at::Tensor sequence_attention(const at::Tensor& query, const at::Tensor& keys, c
     auto tiles = at::zeros({key_heads, whole, dim}, query.options());
     tiles.narrow(1, 0, total).copy_(query.narrow(1, first, rows).reshape({key_heads, total, dim}));
     auto allowed = at::empty({whole, span}, query.options().dtype(at::kBool));
-    bool* entries = allowed.data_ptr<bool>();
-    for (int64_t row = 0; row < whole; ++row) {
-      const int64_t seen = row < total ? start + first + row % rows : span - 1;  // the last key this row sees
-      for (int64_t key = 0; key < span; ++key) entries[row * span + key] = key <= seen;
-    }
+    causal_rows(allowed.data_ptr<bool>(), whole, span, group, start + first, rows);
     std::vector<at::Tensor> parts;
     for (int64_t offset = 0; offset < whole; offset += size) {
       auto tile = tiles.narrow(1, offset, size);
@@ -126,6 +131,33 @@ at::Tensor sequence_attention(const at::Tensor& query, const at::Tensor& keys, c
     outputs.push_back(attended.narrow(1, 0, total).reshape({heads, rows, dim}));
   }
   return outputs.size() == 1 ? outputs[0] : at::cat(outputs, 1);
+}
+
+// lean._rotated_projections after the input norm: query [1, Hq, n, D], key and value [1, Hkv, n, D]
+std::tuple<at::Tensor, at::Tensor, at::Tensor> projections(const at::Tensor& hidden, const at::Tensor& cos,
+                                                           const at::Tensor& sin, const std::vector<at::Tensor>& weights,
+                                                           const std::vector<int64_t>& numbers, int64_t query_heads,
+                                                           int64_t key_heads, double input_eps) {
+  const int64_t head_dim = cos.size(-1), half = head_dim / 2;
+  auto normed = rms_norm(hidden, weights[0], input_eps);
+  auto heads = linear_of(weights, numbers, 0)(normed).view({1, hidden.size(1), -1, head_dim});
+  auto query_key = heads.narrow(2, 0, query_heads + key_heads);
+  auto value = heads.narrow(2, query_heads + key_heads, key_heads);
+  auto rotated = at::cat({-query_key.narrow(-1, half, head_dim - half), query_key.narrow(-1, 0, half)}, -1);
+  query_key = (query_key * cos.unsqueeze(2)) + (rotated * sin.unsqueeze(2));
+  return {query_key.narrow(2, 0, query_heads).transpose(1, 2), query_key.narrow(2, query_heads, key_heads).transpose(1, 2),
+          value.transpose(1, 2)};
+}
+
+// the rest of the layer from the attention's output [1, n, Hq, D]
+at::Tensor finish(const at::Tensor& hidden, const at::Tensor& attended, const std::vector<at::Tensor>& weights,
+                  const std::vector<int64_t>& numbers, double post_eps) {
+  auto states = hidden + linear_of(weights, numbers, 1)(attended.reshape({1, hidden.size(1), -1}).contiguous());
+  auto normed = rms_norm(states, weights[1], post_eps);
+  auto gate_up = linear_of(weights, numbers, 2)(normed);
+  const int64_t inner = gate_up.size(-1) / 2;
+  auto gate = gate_up.narrow(-1, 0, inner), up = gate_up.narrow(-1, inner, inner);
+  return states + linear_of(weights, numbers, 3)(at::silu(gate) * up);
 }
 
 }  // namespace
@@ -142,34 +174,86 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_layer(
     c10::IntArrayRef attention_rows) {
   std::vector<at::Tensor> weights(weight_list.begin(), weight_list.end());
   std::vector<int64_t> numbers(number_list.begin(), number_list.end());
-  const int64_t head_dim = cos.size(-1), half = head_dim / 2;
-
-  // lean._rotated_projections
-  auto normed = rms_norm(hidden, weights[0], input_eps);
-  auto heads = linear_of(weights, numbers, 0)(normed).view({1, hidden.size(1), -1, head_dim});
-  auto query_key = heads.narrow(2, 0, query_heads + key_heads);
-  auto value = heads.narrow(2, query_heads + key_heads, key_heads);
-  auto cos4 = cos.unsqueeze(2), sin4 = sin.unsqueeze(2);
-  auto rotated = at::cat({-query_key.narrow(-1, half, head_dim - half), query_key.narrow(-1, 0, half)}, -1);
-  query_key = (query_key * cos4) + (rotated * sin4);
-  auto query = query_key.narrow(2, 0, query_heads).transpose(1, 2);
-  auto key = query_key.narrow(2, query_heads, key_heads).transpose(1, 2);
+  auto [query, key, value] = projections(hidden, cos, sin, weights, numbers, query_heads, key_heads, input_eps);
   // DynamicLayer.update
   auto all_keys = at::cat({keys, key}, -2);
-  auto all_values = at::cat({values, value.transpose(1, 2)}, -2);
+  auto all_values = at::cat({values, value}, -2);
   std::vector<int64_t> rows(attention_rows.begin(), attention_rows.end());
   auto attended = sequence_attention(query[0], all_keys[0], all_values[0], scale, key_block, rows);
-  attended = attended.transpose(0, 1).unsqueeze(0);
-  attended = attended.reshape({1, hidden.size(1), -1}).contiguous();
-  auto states = hidden + linear_of(weights, numbers, 1)(attended);
+  return {finish(hidden, attended.transpose(0, 1).unsqueeze(0), weights, numbers, post_eps), all_keys, all_values};
+}
 
-  // MLP
-  normed = rms_norm(states, weights[1], post_eps);
-  auto gate_up = linear_of(weights, numbers, 2)(normed);
-  const int64_t inner = gate_up.size(-1) / 2;
-  auto gate = gate_up.narrow(-1, 0, inner), up = gate_up.narrow(-1, inner, inner);
-  states = states + linear_of(weights, numbers, 3)(at::silu(gate) * up);
-  return {states, all_keys, all_values};
+// The serving engine's packed forward (adaflash_hf/serving/cache.py, ragged_attention_forward with the invariant
+// attention): hidden [1, T, H] holds every request's new tokens; their keys and values are written to the pools
+// [slots, capacity, Hkv, D] at (token_slots, token_positions), then attention.slot_invariant_attention. requests:
+// (slot, start, offset, length, stacked) per request, stacked = 1 where its rows go in its key block's stacked call;
+// spans: (span, attention tile rows, stacking rows) of every key block a request touches. Returns the layer's output.
+at::Tensor packed_layer(const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& sin,
+                        at::TensorList weight_list, c10::IntArrayRef number_list, at::Tensor key_pool,
+                        at::Tensor value_pool, const at::Tensor& token_slots, const at::Tensor& token_positions,
+                        c10::IntArrayRef requests, c10::IntArrayRef spans, int64_t query_heads, int64_t key_heads,
+                        double input_eps, double post_eps, double scale, int64_t key_block) {
+  std::vector<at::Tensor> weights(weight_list.begin(), weight_list.end());
+  std::vector<int64_t> numbers(number_list.begin(), number_list.end());
+  auto [query4, key, value] = projections(hidden, cos, sin, weights, numbers, query_heads, key_heads, input_eps);
+  // SlotKVStore.write
+  c10::List<std::optional<at::Tensor>> where{token_slots, token_positions};
+  key_pool.index_put_(where, key[0].transpose(0, 1));
+  value_pool.index_put_(where, value[0].transpose(0, 1));
+  auto query = query4[0].transpose(0, 1);  // [T, Hq, D]
+  const int64_t dim = query.size(2), group = query_heads / key_heads;
+  auto out = at::empty_like(query);
+  auto span_value = [&](int64_t span, int64_t field) {
+    for (size_t i = 0; i < spans.size(); i += 3)
+      if (spans[i] == span) return spans[i + field];
+    TORCH_CHECK(false, "packed_layer: no tile rows given for the key span ", span);
+  };
+  std::vector<int64_t> order;  // stacked spans, in the order of their first request
+  for (size_t i = 0; i < requests.size(); i += 5) {
+    const int64_t slot = requests[i], start = requests[i + 1], offset = requests[i + 2], length = requests[i + 3];
+    if (requests[i + 4]) {
+      const int64_t span = (start / key_block + 1) * key_block;
+      if (std::find(order.begin(), order.end(), span) == order.end()) order.push_back(span);
+      continue;
+    }
+    std::vector<int64_t> rows;
+    for (int64_t block = start / key_block; block <= (start + length - 1) / key_block; ++block)
+      rows.push_back(span_value((block + 1) * key_block, 1));
+    const int64_t end = start + length;
+    auto attended = sequence_attention(query.narrow(0, offset, length).transpose(0, 1),
+                                       key_pool[slot].narrow(0, 0, end).transpose(0, 1),
+                                       value_pool[slot].narrow(0, 0, end).transpose(0, 1), scale, key_block, rows);
+    out.narrow(0, offset, length).copy_(attended.transpose(0, 1));
+  }
+  // attention.stacked_block_attention, one call per key span
+  for (const int64_t span : order) {
+    std::vector<int64_t> members;
+    for (size_t i = 0; i < requests.size(); i += 5)
+      if (requests[i + 4] && (requests[i + 1] / key_block + 1) * key_block == span) members.push_back(i);
+    const int64_t count = members.size(), rows = span_value(span, 2);
+    std::vector<int64_t> slot_list;
+    for (const int64_t i : members) slot_list.push_back(requests[i]);
+    auto slots = at::tensor(slot_list, query.options().dtype(at::kLong));
+    auto block_keys = key_pool.narrow(1, 0, span).index_select(0, slots).transpose(1, 2).contiguous();
+    auto block_values = value_pool.narrow(1, 0, span).index_select(0, slots).transpose(1, 2).contiguous();
+    auto tile = at::zeros({count, key_heads, rows, dim}, query.options());
+    auto mask = at::empty({count, 1, rows, span}, query.options().dtype(at::kBool));
+    bool* entries = mask.data_ptr<bool>();
+    for (int64_t index = 0; index < count; ++index) {
+      const int64_t start = requests[members[index] + 1], offset = requests[members[index] + 2];
+      const int64_t length = requests[members[index] + 3];
+      tile[index].narrow(1, 0, group * length).copy_(
+          query.narrow(0, offset, length).transpose(0, 1).reshape({key_heads, group * length, dim}));
+      causal_rows(entries + index * rows * span, rows, span, group, start, length);
+    }
+    auto attended = at::scaled_dot_product_attention(tile, block_keys, block_values, mask, 0.0, false, scale);
+    for (int64_t index = 0; index < count; ++index) {
+      const int64_t offset = requests[members[index] + 2], length = requests[members[index] + 3];
+      out.narrow(0, offset, length)
+          .copy_(attended[index].narrow(1, 0, group * length).reshape({query_heads, length, dim}).transpose(0, 1));
+    }
+  }
+  return finish(hidden, out.unsqueeze(0), weights, numbers, post_eps);
 }
 
 TORCH_LIBRARY(adaflash_native, m) {
@@ -178,4 +262,9 @@ TORCH_LIBRARY(adaflash_native, m) {
       "Tensor values, int query_heads, int key_heads, float input_eps, float post_eps, float scale, int key_block, "
       "int[] attention_rows) -> (Tensor, Tensor, Tensor)");
   m.impl("decode_layer", c10::DispatchKey::CompositeExplicitAutograd, TORCH_FN(decode_layer));
+  m.def(
+      "packed_layer(Tensor hidden, Tensor cos, Tensor sin, Tensor[] weights, int[] numbers, Tensor(a!) key_pool, "
+      "Tensor(b!) value_pool, Tensor token_slots, Tensor token_positions, int[] requests, int[] spans, "
+      "int query_heads, int key_heads, float input_eps, float post_eps, float scale, int key_block) -> Tensor");
+  m.impl("packed_layer", c10::DispatchKey::CompositeExplicitAutograd, TORCH_FN(packed_layer));
 }
