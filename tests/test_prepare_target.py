@@ -375,3 +375,18 @@ def test_projections_of_one_input_run_as_one_linear_and_each_member_returns_its_
             assert out.shape[-1] == module.out_features and torch.allclose(out.float(), expected, atol=0.05)
         attention.k_proj.weight.mul_(2)  # a member's weight written: the group's weights are taken again
         assert torch.equal(attention.k_proj(x), 2 * k)
+
+
+def test_a_timed_prefill_weighs_in_the_choice_of_a_served_dtype():
+    from adaflash_hf.prepared.choice import PREFILL, PROMPT_TOKENS_PER_TOKEN, choose, expected_rate
+
+    decoding_fast = {1: 0.055, 4: 0.150}  # a 16-request step; its prefill is slow
+    prefilling_fast = {1: 0.062, 4: 0.110}
+    assert expected_rate(decoding_fast) > expected_rate(prefilling_fast)
+    assert choose({"fp32": {1: 0.09}, "int4": decoding_fast, "bf16": prefilling_fast})[0] == "int4"
+    timings = {"fp32": {PREFILL: 0.050, 1: 0.09}, "int4": {PREFILL: 0.027, **decoding_fast}}
+    timings["bf16"] = {PREFILL: 0.015, **prefilling_fast}
+    best, why = choose(timings)
+    assert best == "bf16" and "prefill 27.0 ms a prompt token" in why
+    rate = 1 / (0.062 / 1 + PROMPT_TOKENS_PER_TOKEN * 0.015)
+    assert expected_rate(timings["bf16"]) == pytest.approx(max(rate, 1 / (0.110 / 1.875 + 2 * 0.015)))

@@ -431,7 +431,9 @@ def test_auto_times_the_engines_packed_forward_to_choose_the_served_dtype(target
     )
     target = target_factory("llama")
     prepare_served_target(target, "auto", learn=False)
-    assert len(timed) == 2 and "measured fastest" in is_prepared(target).reason
+    reason = is_prepared(target).reason
+    assert len(timed) == 2 and "measured fastest" in reason
+    assert reason.count("ms a prompt token") == 2  # the prompts' prefill is timed and weighed too
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "int4"])

@@ -6,8 +6,9 @@ and batched serving equal plain greedy decoding of the same target token for tok
   ``adaflash_hf.prepare_target``;
 - ``forward.py``: the batch-invariant forward it installs on the model (linears, attention, rotary embeddings);
 - ``lean.py``: a Llama decoder layer run as one function of the same ops (bitwise transformers' layer, less Python);
-- ``native.py``: that layer over one sequence's new tokens as one compiled call of the same ATen ops
-  (``csrc/decode_layer.cpp``, built on first use; bitwise the Python layer, which runs where it cannot be built);
+- ``native.py``: that layer as one compiled call of the same ATen ops, for ``generate``'s forwards and the serving
+  engine's packed forward (``csrc/decode_layer.cpp``, built on first use; bitwise the Python layer, which runs where
+  it cannot be built);
 - ``tiles.py``: the construction under it: every call of an op at one fixed row count, checked for row position;
 - ``linear.py``, ``attention.py``: the linear (oneDNN's prepacked kernels) and the causal attention run in tiles;
 - ``cpu.py``: what this CPU offers bf16 matrix products (its model and bf16 flags).

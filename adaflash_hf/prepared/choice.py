@@ -15,7 +15,11 @@ half of fp32's. So where the CPU reports a bf16 unit, ``prepare_target(dtype="au
 
 A timer is a function ``timer(model) -> {n: seconds}``: the default (``forward_timer``) times a forward of n new tokens
 after a prompt, as ``generate`` verifies; ``adaflash serve`` passes one that times the engine's packed forward of
-sixteen requests with n rows each. The timings are kept per machine (CPU model and flags, torch and its threads, the
+sixteen requests with n rows each, and the prefill of their prompts (``PREFILL``): a served request reads its
+prompt first, and a forward whose decode steps are fastest can prefill slowest (on one Intel Xeon with AMX the 4-bit
+target's 16-request step took 0.9-1.2x bf16's, its prefill 2.3x, and it served 0.71x bf16's tokens/s at 16
+requests).
+The timings are kept per machine (CPU model and flags, torch and its threads, the
 target's architecture, the timer, transformers' version and a digest of the forward's code) under
 ``$ADAFLASH_CACHE`` (default ``~/.cache/adaflash_hf``; empty: not kept), so a second process chooses without timing.
 """
@@ -45,14 +49,24 @@ logger = logging.get_logger(__name__)
 
 PLAIN_TOLERANCE = 1.05
 REFERENCE_ACCEPTANCE = 0.5
+# A timer's key for the seconds of prefill per prompt token of each of its sequences (a forward prefilling all of
+# them, over the prompt's length), where it gives one (the engine's timer: a served request reads its prompt first).
+PREFILL = 0
+# Prompt tokens a served request reads per token it generates, for the choice where prefills are timed: held-out
+# chat, code and math prompts for 64-token answers read about 2.3.
+PROMPT_TOKENS_PER_TOKEN = 2.0
 SIZES = (1, 4, 8, 16)
 Timer = Callable[[torch.nn.Module], dict[int, float]]
 
 
 def expected_rate(seconds: dict[int, float], acceptance: float = REFERENCE_ACCEPTANCE) -> float:
     """Expected committed tokens per second at the best measured verify size: a forward of n tokens (n - 1 drafts)
-    commits ``1 + a + ... + a^(n-1)`` tokens in expectation."""
-    return max(sum(acceptance**i for i in range(n)) / t for n, t in seconds.items())
+    commits ``1 + a + ... + a^(n-1)`` tokens in expectation. Where the timings hold a prefill (``PREFILL``), each
+    committed token also pays the prefill of ``PROMPT_TOKENS_PER_TOKEN`` prompt tokens."""
+    decoding = max(sum(acceptance**i for i in range(n)) / t for n, t in seconds.items() if n >= 1)
+    if PREFILL not in seconds:
+        return decoding
+    return 1.0 / (1.0 / decoding + PROMPT_TOKENS_PER_TOKEN * seconds[PREFILL])
 
 
 def choose(timings: dict[str, dict[int, float]]) -> tuple[str, str]:
@@ -61,8 +75,10 @@ def choose(timings: dict[str, dict[int, float]]) -> tuple[str, str]:
     eligible = [name for name, seconds in timings.items() if seconds[1] <= PLAIN_TOLERANCE * plain]
     best = max(eligible, key=lambda name: expected_rate(timings[name]))
     figures = "; ".join(
-        f"{name}: 1-token step {seconds[1] * 1e3:.1f} ms, {expected_rate(seconds):.1f} tok/s at acceptance "
-        f"{REFERENCE_ACCEPTANCE}"
+        f"{name}: 1-token step {seconds[1] * 1e3:.1f} ms"
+        + (f", prefill {seconds[PREFILL] * 1e3:.1f} ms a prompt token" if PREFILL in seconds else "")
+        + f", {expected_rate(seconds):.1f} tok/s at acceptance {REFERENCE_ACCEPTANCE}"
+        + (f" and {PROMPT_TOKENS_PER_TOKEN:g} prompt tokens a token" if PREFILL in seconds else "")
         for name, seconds in timings.items()
     )
     slower = [name for name in timings if name not in eligible]

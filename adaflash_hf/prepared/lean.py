@@ -18,6 +18,8 @@ projections run as groups; other architectures keep transformers' layer. A call 
 where the lean one would not be the same: gradients enabled, hidden states in another dtype than the linears' or
 empty, or a forward hook or pre-hook on one of the layer's modules (other than transformers' own output-capturing
 hooks, which record nothing from a layer's inner modules with this attention: it returns no attention weights).
+Where the compiled layer is loaded and applies (``adaflash_hf.prepared.native``), a call runs its one compiled call
+of these same ops instead of the ops one by one.
 """
 
 from __future__ import annotations

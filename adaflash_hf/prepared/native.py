@@ -1,24 +1,32 @@
-"""A prepared Llama layer's forward over one sequence's new tokens as one compiled call: the same ATen ops, none of
-the interpreter's time between them.
+"""A prepared Llama layer's forward as one compiled call: the same ATen ops, none of the interpreter's time between
+them.
 
 A decode step of a small target is mostly Python: some 70 ops a layer, each a few microseconds of interpreter and
 dispatch around kernels that take tens (on one Intel Xeon with AMX, a 4-bit step of the offline target spent 5 ms
-in its linears, 2 in its output embedding and 2 in attention out of 23). ``csrc/decode_layer.cpp`` runs the ops
-``lean_layer_forward`` runs for a batch of one sequence (``adaflash_hf.prepared.lean``: the norms, each projection
-group's linear in its tiles, the rotary embedding, the dynamic cache's concatenation, the invariant attention's key
-blocks in their tiles, the MLP) in C++, in the same order, on the same shapes and dtypes, on the same kernels: the
-result is bitwise the Python layer's (``tests/test_native_layer.py`` compares them for decode steps, verifies and
-prefills across key blocks), so every guarantee of the prepared forward holds unchanged.
+in its linears, 2 in its output embedding and 2 in attention out of 23). ``csrc/decode_layer.cpp`` runs in C++ the
+ops the Python layer runs (``adaflash_hf.prepared.lean``: the norms, each projection group's linear in its tiles,
+the rotary embedding, the attention, the MLP), in the same order, on the same shapes and dtypes, on the same
+kernels, in two forms:
+
+- ``decode_layer``: one sequence's new tokens over transformers' dynamic cache (``generate``'s prefill, decode steps
+  and verifies): the cache's concatenation, then the invariant attention's key blocks in their tiles;
+- ``packed_layer``: the serving engine's packed forward (``adaflash_hf.serving.cache``): the new keys and values
+  written to the slot pools, then each request's rows attended as ``slot_invariant_attention`` does (the requests of
+  one key block stacked in one call, the others through their key blocks' tiles).
+
+The result is bitwise the Python layer's (``tests/test_native_layer.py`` compares them for prefills, decode steps
+and verifies across key blocks, and for packed forwards of prefills, decode steps and verifies together), so every
+guarantee of the prepared forward holds unchanged.
 
 It is built from source on first use on a machine (torch's C++ extension loader with ninja and the system's C++
 compiler, about 10 s, kept in torch's extensions folder for later processes) and loaded as ``torch.ops``. Where it
 cannot be built (no compiler), or with ``ADAFLASH_NATIVE=0``, the Python layer runs, with one warning.
 
-A layer call runs here only where the Python layer would run exactly these ops: one sequence (batch of one), no
-attention mask or one that is causal (``generate``'s unpadded sequence), transformers' dynamic cache layer, the invariant attention, a SiLU
-MLP, a CPU tensor, and attention tiles already made for the key blocks it touches (the Python layer makes them at
-its first call there). Anything else (batches, padding, the serving engine's packed forward, other caches) runs the
-Python layer.
+A layer call runs here only where the Python layer would run exactly these ops: a CPU tensor, a SiLU MLP, attention
+tiles already made for the key blocks it touches (the Python layer makes them at its first call there), and either
+one sequence (batch of one) with transformers' dynamic cache layer, the invariant attention and no attention mask or
+a causal one (``generate``'s unpadded sequence), or the engine's invariant packed forward (its attention function
+marked ``packed_attention``). Anything else (batches, padding, other caches and attentions) runs the Python layer.
 """
 
 from __future__ import annotations

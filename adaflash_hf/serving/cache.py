@@ -36,6 +36,7 @@ from transformers.cache_utils import Cache
 from adaflash_hf.kernels.verify_attention import slot_verify_attention
 from adaflash_hf.kernels.verify_packing import SlotPacking
 from adaflash_hf.prepared.attention import slot_invariant_attention
+from adaflash_hf.prepared.choice import PREFILL
 from adaflash_hf.prepared.prepare import is_prepared
 
 ATTENTION_NAME = "ada_ragged"
@@ -236,8 +237,9 @@ def packed_forward_timer(
     target, requests: int = 16, sizes=(1, 4, 8), context: int = 64, repeats: int = 2
 ) -> dict[int, float]:
     """Median seconds of the engine's packed forward of ``requests`` requests with n new tokens each, after a prompt of
-    ``context`` tokens per request, for each n of ``sizes``: what ``adaflash serve --dtype auto`` compares its
-    candidates by (``adaflash_hf.prepared.choice``)."""
+    ``context`` tokens per request, for each n of ``sizes``, and under ``PREFILL`` (0) the seconds per prompt token of
+    prefilling those prompts in one forward: what ``adaflash serve --dtype auto`` compares its candidates by
+    (``adaflash_hf.prepared.choice``)."""
     import statistics
     import time
 
@@ -248,8 +250,12 @@ def packed_forward_timer(
     store = SlotKVStore(target.config.get_text_config().num_hidden_layers)
     store.reserve(requests, context + max(sizes))
     slots = list(range(requests))
-    prompts = RaggedBatch.build(store, slots, [0] * requests, [context] * requests, max(sizes), device)
-    packed_target_forward(target, ids[:, :context].reshape(1, -1), prompts, logits_to_keep=1)
+    prefills = []
+    for _ in range(2):  # the first warms up (tiles, packed weights)
+        prompts = RaggedBatch.build(store, slots, [0] * requests, [context] * requests, max(sizes), device)
+        start = time.perf_counter()
+        packed_target_forward(target, ids[:, :context].reshape(1, -1), prompts, logits_to_keep=1)
+        prefills.append((time.perf_counter() - start) / context)
     seconds: dict[int, list[float]] = {n: [] for n in sizes}
     for repeat in range(repeats + 1):
         for n in sizes:
@@ -258,4 +264,4 @@ def packed_forward_timer(
             packed_target_forward(target, ids[:, context : context + n].reshape(1, -1), batch)
             if repeat:  # the first round warms up (tiles, packed weights)
                 seconds[n].append(time.perf_counter() - start)
-    return {n: statistics.median(values) for n, values in seconds.items()}
+    return {PREFILL: prefills[-1], **{n: statistics.median(values) for n, values in seconds.items()}}
