@@ -423,6 +423,8 @@ def _coarse_to_fine(sizes: list[int]) -> list[int]:
 
 def calibration_path(target, kind: str) -> Path | None:
     """Where this machine's calibration of ``target`` for ``kind`` forwards is kept (None: saving is off)."""
+    from adaflash_hf.prepared import native  # the forward's modules: not imported with the package
+
     root = os.environ.get("ADAFLASH_CACHE", str(Path.home() / ".cache" / "adaflash_hf"))
     if not root:
         return None
@@ -449,6 +451,7 @@ def calibration_path(target, kind: str) -> Path | None:
         "target": [type(target).__name__, *(getattr(config, name, None) for name in names)],
         "forward": type(target).forward.__qualname__ + str(getattr(target, "_adaflash_preparation", "")),
         "forward_code": forward_code_digest(),
+        "compiled_layer": native.loaded(),
     }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return Path(root) / "cost" / f"{kind}-{digest}.json"

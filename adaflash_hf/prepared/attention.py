@@ -137,13 +137,8 @@ def slot_invariant_attention(
     scale = dim**-0.5 if scale is None else scale
     by_span: dict[int, list[tuple[int, int, int, int]]] = {}
     for slot, start, offset, length in zip(packing.slots, packing.starts, packing.offsets, packing.lengths):
-        block = start // KEY_BLOCK
-        span = (block + 1) * KEY_BLOCK
-        rows = heads // kv_heads * length
-        if (start + length - 1) // KEY_BLOCK == block and rows <= stacking_rows(
-            kv_heads, dim, span, query.dtype, query.device
-        ):
-            by_span.setdefault(span, []).append((slot, start, offset, length))
+        if stacked_rows(start, length, heads // kv_heads, kv_heads, dim, query.dtype, query.device):
+            by_span.setdefault((start // KEY_BLOCK + 1) * KEY_BLOCK, []).append((slot, start, offset, length))
             continue
         end = start + length
         attended = sequence_attention(
@@ -157,6 +152,17 @@ def slot_invariant_attention(
     for span, requests in by_span.items():
         stacked_block_attention(out, query, key_pool, value_pool, requests, span, scale)
     return out
+
+
+def stacked_rows(start: int, length: int, group: int, kv_heads: int, dim: int, dtype, device) -> int:
+    """The rows of the stacked call a request of ``length`` new rows at ``start`` goes in (its key block's, with the
+    others of that block: ``stacked_block_attention``), or 0 where it goes through ``sequence_attention``: its rows
+    must sit in one key block and fill at most one tile, and stacking must agree on this machine."""
+    block = start // KEY_BLOCK
+    if (start + length - 1) // KEY_BLOCK != block:
+        return 0
+    rows = stacking_rows(kv_heads, dim, (block + 1) * KEY_BLOCK, dtype, device)
+    return rows if group * length <= rows else 0
 
 
 def stacked_block_attention(out, query, key_pool, value_pool, requests, span: int, scale: float) -> None:

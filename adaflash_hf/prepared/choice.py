@@ -42,7 +42,6 @@ from transformers import DynamicCache
 from transformers.utils import logging
 
 from adaflash_hf.atomic import atomic_write_json
-from adaflash_hf.prepared import native
 from adaflash_hf.prepared.cpu import bf16_units, cpu_model
 
 logger = logging.get_logger(__name__)
@@ -133,6 +132,8 @@ def forward_code_digest() -> str:
 
 def timings_path(target, timer: Timer, candidates: tuple[str, ...] = ("bf16",)) -> Path | None:
     """Where this machine's timings of ``target``'s candidates under ``timer`` are kept (None: not kept)."""
+    from adaflash_hf.prepared import native  # the forward's modules: not imported with the package
+
     root = os.environ.get("ADAFLASH_CACHE", str(Path.home() / ".cache" / "adaflash_hf"))
     if not root:
         return None

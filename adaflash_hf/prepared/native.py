@@ -43,7 +43,7 @@ from transformers.cache_utils import DynamicLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import logging
 
-from adaflash_hf.prepared.attention import ATTENTION_NAME, KEY_BLOCK, made_block_tiles, stacking_rows
+from adaflash_hf.prepared.attention import ATTENTION_NAME, KEY_BLOCK, made_block_tiles, stacked_rows
 from adaflash_hf.prepared.four_bit import four_bit_linear
 from adaflash_hf.prepared.linear import _packed_linear, group_route, linear_route
 
@@ -185,6 +185,8 @@ def _packed_forward(plan: _Plan, hidden_states, position_embeddings, ragged):
     requests, spans = geometry
     store = ragged.store
     store._layer(plan.index, hidden_states.new_empty(0, plan.key_heads, plan.head_dim))  # allocated or grown
+    if store.keys[plan.index].dtype != hidden_states.dtype:
+        return None  # the Python layer casts the new keys to the pools' dtype
     cos, sin = position_embeddings
     return _PACKED_LAYER(
         hidden_states,
@@ -219,22 +221,18 @@ def _packed_geometry(packing, plan: _Plan, dtype, device):
     group = plan.query_heads // plan.key_heads
     requests, spans = [], {}
     for slot, start, offset, length in zip(packing.slots, packing.starts, packing.offsets, packing.lengths):
-        block = start // KEY_BLOCK
-        span = (block + 1) * KEY_BLOCK
-        stack = 0
-        if (start + length - 1) // KEY_BLOCK == block:
-            rows = stacking_rows(plan.key_heads, plan.head_dim, span, dtype, device)
-            stack = int(0 < group * length <= rows)
-            if stack:
-                spans.setdefault(span, [span, rows, rows])[2] = rows
-        if not stack:
-            for touched in range(block, (start + length - 1) // KEY_BLOCK + 1):
-                end = (touched + 1) * KEY_BLOCK
-                tiles = made_block_tiles(plan.key_heads, plan.head_dim, end, dtype, device)
+        rows = stacked_rows(start, length, group, plan.key_heads, plan.head_dim, dtype, device)
+        if rows:
+            span = (start // KEY_BLOCK + 1) * KEY_BLOCK
+            spans.setdefault(span, [span, rows, rows])[2] = rows
+        else:
+            for block in range(start // KEY_BLOCK, (start + length - 1) // KEY_BLOCK + 1):
+                span = (block + 1) * KEY_BLOCK
+                tiles = made_block_tiles(plan.key_heads, plan.head_dim, span, dtype, device)
                 if tiles is None or tiles.rows == 1:
                     return None
-                spans.setdefault(end, [end, tiles.rows, 0])[1] = tiles.rows
-        requests += (slot, start, offset, length, stack)
+                spans.setdefault(span, [span, tiles.rows, 0])[1] = tiles.rows
+        requests += (slot, start, offset, length, int(rows > 0))
     geometry = (requests, [number for entry in spans.values() for number in entry])
     globals()["_LAST_PACKING"] = (packing, key, geometry)
     return geometry
@@ -324,7 +322,7 @@ def _linear_numbers(route, weights: list) -> tuple[int, int, int]:
     """``(kind, tile rows, small rows)`` of a linear's route, its two tensors and bias appended to ``weights``."""
     _, op, tiles, _ = route
     keywords = op.keywords
-    kind = _KINDS[op.func]
+    kind = _KINDS[op.func]  # every op linear._route makes
     if kind == 0:
         tensors = (keywords["codes"], keywords["scales"])
     elif kind == 1:
