@@ -162,12 +162,7 @@ def layer_forward(layer, inner, hidden_states, attention_mask, position_embeddin
         plan.numbers,
         cached.keys,
         cached.values,
-        plan.query_heads,
-        plan.key_heads,
-        plan.input_eps,
-        plan.post_eps,
-        plan.scale,
-        KEY_BLOCK,
+        *plan.layer_numbers(),
         rows,
     )
     return output
@@ -200,12 +195,7 @@ def _packed_forward(plan: _Plan, hidden_states, position_embeddings, ragged):
         ragged.packing.token_positions,
         requests,
         spans,
-        plan.query_heads,
-        plan.key_heads,
-        plan.input_eps,
-        plan.post_eps,
-        plan.scale,
-        KEY_BLOCK,
+        *plan.layer_numbers(),
     )
 
 
@@ -276,6 +266,11 @@ class _Plan:
     weights: list
     numbers: list
     attention_rows: dict = field(default_factory=dict)  # (key span, dtype) -> the attention tile's rows
+
+    def layer_numbers(self) -> tuple:
+        """What both compiled calls take after their tensors: the heads, the norms' epsilons, the attention's scale
+        and the key block."""
+        return (self.query_heads, self.key_heads, self.input_eps, self.post_eps, self.scale, KEY_BLOCK)
 
 
 def _plan(layer, inner) -> _Plan | None:
