@@ -175,9 +175,10 @@ def stacked_block_attention(out, query, key_pool, value_pool, requests, span: in
     rows = stacking_rows(kv_heads, dim, span, query.dtype, query.device)
     count = len(requests)
     slots = torch.tensor([r[0] for r in requests], device=query.device)
-    # [count, Hkv, span, D]; past a request's length its slot holds zeros or its own rejected drafts' keys, where
+    # [count, Hkv, span, D], a view of the gathered [count, span, Hkv, D] (stacking_agrees checks the call on such
+    # views); past a request's length its slot holds zeros or its own rejected drafts' keys, where
     # sequence_attention has zeros: masked, so a finite key there changes no bit (the module docstring)
-    keys, values = (pool[slots, :span].transpose(1, 2).contiguous() for pool in (key_pool, value_pool))
+    keys, values = (pool[slots, :span].transpose(1, 2) for pool in (key_pool, value_pool))
     tile = query.new_zeros(count, kv_heads, rows, dim)
     mask = torch.ones(count, 1, rows, span, dtype=torch.bool, device=query.device)
     for index, (_, start, offset, length) in enumerate(requests):
@@ -218,7 +219,9 @@ STACKING_ROUNDS = 8
 @torch.no_grad()
 def stacking_agrees(kv_heads: int, dim: int, span: int, dtype, device, rows: int) -> bool:
     """Whether SDPA over a stack of tiles (``[count, Hkv, rows, D]``, each entry its own keys, values and mask) gives
-    every entry bitwise what that tile's own call gives it, for stacks of 2 to 9 entries of random tiles."""
+    every entry bitwise what that tile's own call gives it, for stacks of 2 to 9 entries of random tiles. The stack's
+    keys and values are views ``[count, span, Hkv, D] -> [count, Hkv, span, D]`` as the slot pools give them, each
+    tile's own contiguous as ``sequence_attention`` gives them."""
     generator = torch.Generator().manual_seed(span + rows)
     for count in range(2, 2 + STACKING_ROUNDS):
         entries = []
@@ -229,7 +232,8 @@ def stacking_agrees(kv_heads: int, dim: int, span: int, dtype, device, rows: int
             )
             entries.append((query, allowed, keys, values))
         stacked = F.scaled_dot_product_attention(
-            *(torch.stack([e[i] for e in entries]) for i in (0, 2, 3)),
+            torch.stack([e[0] for e in entries]),
+            *(torch.stack([e[i].transpose(0, 1) for e in entries]).transpose(1, 2) for i in (2, 3)),
             attn_mask=torch.stack([e[1] for e in entries])[:, None],
             scale=dim**-0.5,
         )

@@ -88,13 +88,14 @@ def _load() -> bool:
             f"results, slower decode steps): {type(error).__name__}: {str(error).strip().splitlines()[-1:]}"
         )
         return False
-    global _DECODE_LAYER, _PACKED_LAYER
+    global _DECODE_LAYER, _PACKED_LAYER, _PACKED_PLAN
     _DECODE_LAYER = torch.ops.adaflash_native.decode_layer.default
     _PACKED_LAYER = torch.ops.adaflash_native.packed_layer.default
+    _PACKED_PLAN = torch.ops.adaflash_native.packed_plan.default
     return True
 
 
-_DECODE_LAYER = _PACKED_LAYER = None  # the loaded ops
+_DECODE_LAYER = _PACKED_LAYER = _PACKED_PLAN = None  # the loaded ops
 
 
 def _build() -> None:
@@ -174,10 +175,10 @@ def _packed_forward(plan: _Plan, hidden_states, position_embeddings, ragged):
     function = ALL_ATTENTION_FUNCTIONS.get(plan.config._attn_implementation)
     if not getattr(function, "packed_attention", False) or not getattr(ragged, "invariant", False):
         return None
-    geometry = _packed_geometry(ragged.packing, plan, hidden_states.dtype, hidden_states.device)
+    geometry = _packed_geometry(ragged.packing, plan, hidden_states)
     if geometry is None:
         return None
-    requests, spans = geometry
+    requests, spans, stacked = geometry
     store = ragged.store
     store._layer(plan.index, hidden_states.new_empty(0, plan.key_heads, plan.head_dim))  # allocated or grown
     if store.keys[plan.index].dtype != hidden_states.dtype:
@@ -195,15 +196,17 @@ def _packed_forward(plan: _Plan, hidden_states, position_embeddings, ragged):
         ragged.packing.token_positions,
         requests,
         spans,
+        stacked,
         *plan.layer_numbers(),
     )
 
 
-def _packed_geometry(packing, plan: _Plan, dtype, device):
-    """``(requests, spans)`` for ``packed_layer`` (decode_layer.cpp): each request's (slot, start, offset, length,
-    stacked), stacked as ``slot_invariant_attention`` decides it, and (span, tile rows, stacking rows) of every key
-    block they touch; None where a block's tiles are not made yet. The same for every layer of a forward: kept for
-    the last packing seen."""
+def _packed_geometry(packing, plan: _Plan, hidden_states):
+    """``(requests, spans, stacked)`` for ``packed_layer`` (decode_layer.cpp): each request's (slot, start, offset,
+    length, stacked), stacked as ``slot_invariant_attention`` decides it, (span, tile rows, stacking rows) of every
+    key block they touch, and the stacked calls' gathers and masks (``packed_plan``); None where a block's tiles are
+    not made yet. The same for every layer of a forward: kept for the last packing seen."""
+    dtype, device = hidden_states.dtype, hidden_states.device
     key = (plan.key_heads, plan.head_dim, dtype, torch.get_num_threads())
     last = _LAST_PACKING
     if last[0] is packing and last[1] == key:
@@ -223,7 +226,11 @@ def _packed_geometry(packing, plan: _Plan, dtype, device):
                     return None
                 spans.setdefault(span, [span, tiles.rows, 0])[1] = tiles.rows
         requests += (slot, start, offset, length, int(rows > 0))
-    geometry = (requests, [number for entry in spans.values() for number in entry])
+    spans = [number for entry in spans.values() for number in entry]
+    stacked = _PACKED_PLAN(
+        hidden_states, requests, spans, hidden_states.shape[1], plan.query_heads, plan.key_heads, KEY_BLOCK
+    )
+    geometry = (requests, spans, stacked)
     globals()["_LAST_PACKING"] = (packing, key, geometry)
     return geometry
 

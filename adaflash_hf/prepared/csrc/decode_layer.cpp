@@ -10,6 +10,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -183,16 +184,79 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_layer(
   return {finish(hidden, attended.transpose(0, 1).unsqueeze(0), weights, numbers, post_eps), all_keys, all_values};
 }
 
+// What packed_layer's stacked calls take, made once per packed forward (every layer has the same geometry); see
+// packed_layer for `requests` and `spans`, `like` gives the attention's dtype. Per stacked key span, in the order of
+// its first request, five tensors: the slots of its requests [count]; `gather` [count * Hkv * rows], for each row
+// of the stacked tile [count, Hkv, rows, D] the row of the query [T * Hq (+ 1 zero row), D] it holds (the zero row
+// past a request's group * length rows); the additive mask [count, 1, rows, span] of the query's dtype, 0 where a
+// row sees a key and -inf elsewhere (what SDPA makes of the boolean mask attention.stacked_block_attention gives
+// it); `source` and `destination`: the rows of the attended tile and of the output [T * Hq, D] that take them.
+std::vector<at::Tensor> packed_plan(const at::Tensor& like, c10::IntArrayRef requests, c10::IntArrayRef spans,
+                                    int64_t token_count, int64_t query_heads, int64_t key_heads, int64_t key_block) {
+  const int64_t group = query_heads / key_heads, zero_row = token_count * query_heads;
+  auto longs = at::TensorOptions().dtype(at::kLong);
+  std::vector<int64_t> order;
+  for (size_t i = 0; i < requests.size(); i += 5) {
+    if (!requests[i + 4]) continue;
+    const int64_t span = (requests[i + 1] / key_block + 1) * key_block;
+    if (std::find(order.begin(), order.end(), span) == order.end()) order.push_back(span);
+  }
+  std::vector<at::Tensor> plan;
+  for (const int64_t span : order) {
+    int64_t rows = 0;
+    for (size_t i = 0; i < spans.size(); i += 3)
+      if (spans[i] == span) rows = spans[i + 2];
+    TORCH_CHECK(rows > 0, "packed_plan: no stacking rows given for the key span ", span);
+    std::vector<int64_t> slots, gather, source, destination;
+    for (size_t i = 0; i < requests.size(); i += 5) {
+      const int64_t start = requests[i + 1], offset = requests[i + 2], length = requests[i + 3];
+      if (!requests[i + 4] || (start / key_block + 1) * key_block != span) continue;
+      const int64_t index = slots.size();
+      slots.push_back(requests[i]);
+      // tile row r of key head h: query[offset + r % length, h * group + r / length] (the GQA group's heads in
+      // turn, as query[offset : offset + length].transpose(0, 1).reshape(Hkv, group * length, D) orders them)
+      for (int64_t head = 0; head < key_heads; ++head)
+        for (int64_t row = 0; row < rows; ++row)
+          gather.push_back(row < group * length
+                               ? (offset + row % length) * query_heads + head * group + row / length
+                               : zero_row);
+      for (int64_t token = 0; token < length; ++token)
+        for (int64_t head = 0; head < query_heads; ++head) {
+          destination.push_back((offset + token) * query_heads + head);
+          source.push_back((index * key_heads + head / group) * rows + (head % group) * length + token);
+        }
+    }
+    const int64_t count = slots.size();
+    auto allowed = at::empty({count, 1, rows, span}, like.options().dtype(at::kBool));
+    bool* entries = allowed.data_ptr<bool>();
+    int64_t index = 0;
+    for (size_t i = 0; i < requests.size(); i += 5) {
+      const int64_t start = requests[i + 1], length = requests[i + 3];
+      if (!requests[i + 4] || (start / key_block + 1) * key_block != span) continue;
+      causal_rows(entries + index++ * rows * span, rows, span, group, start, length);
+    }
+    auto mask = at::zeros(allowed.sizes(), like.options()).masked_fill_(allowed.logical_not(), -INFINITY);
+    plan.push_back(at::tensor(slots, longs));
+    plan.push_back(at::tensor(gather, longs));
+    plan.push_back(mask);
+    plan.push_back(at::tensor(source, longs));
+    plan.push_back(at::tensor(destination, longs));
+  }
+  return plan;
+}
+
 // The serving engine's packed forward (adaflash_hf/serving/cache.py, ragged_attention_forward with the invariant
 // attention): hidden [1, T, H] holds every request's new tokens; their keys and values are written to the pools
 // [slots, capacity, Hkv, D] at (token_slots, token_positions), then attention.slot_invariant_attention. requests:
 // (slot, start, offset, length, stacked) per request, stacked = 1 where its rows go in its key block's stacked call;
-// spans: (span, attention tile rows, stacking rows) of every key block a request touches. Returns the layer's output.
+// spans: (span, attention tile rows, stacking rows) of every key block a request touches; stacked: packed_plan's
+// tensors for these. Returns the layer's output.
 at::Tensor packed_layer(const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& sin,
                         at::TensorList weight_list, c10::IntArrayRef number_list, at::Tensor key_pool,
                         at::Tensor value_pool, const at::Tensor& token_slots, const at::Tensor& token_positions,
-                        c10::IntArrayRef requests, c10::IntArrayRef spans, int64_t query_heads, int64_t key_heads,
-                        double input_eps, double post_eps, double scale, int64_t key_block) {
+                        c10::IntArrayRef requests, c10::IntArrayRef spans, at::TensorList stacked,
+                        int64_t query_heads, int64_t key_heads, double input_eps, double post_eps, double scale,
+                        int64_t key_block) {
   std::vector<at::Tensor> weights(weight_list.begin(), weight_list.end());
   std::vector<int64_t> numbers(number_list.begin(), number_list.end());
   auto [query4, key, value] = projections(hidden, cos, sin, weights, numbers, query_heads, key_heads, input_eps);
@@ -201,56 +265,37 @@ at::Tensor packed_layer(const at::Tensor& hidden, const at::Tensor& cos, const a
   key_pool.index_put_(where, key[0].transpose(0, 1));
   value_pool.index_put_(where, value[0].transpose(0, 1));
   auto query = query4[0].transpose(0, 1);  // [T, Hq, D]
-  const int64_t dim = query.size(2), group = query_heads / key_heads;
-  auto out = at::empty_like(query);
-  auto span_value = [&](int64_t span, int64_t field) {
+  const int64_t tokens = query.size(0), dim = query.size(2);
+  auto out = at::empty({tokens, query_heads, dim}, query.options());
+  auto tile_rows = [&](int64_t span) {
     for (size_t i = 0; i < spans.size(); i += 3)
-      if (spans[i] == span) return spans[i + field];
+      if (spans[i] == span) return spans[i + 1];
     TORCH_CHECK(false, "packed_layer: no tile rows given for the key span ", span);
   };
-  std::vector<int64_t> order;  // stacked spans, in the order of their first request
   for (size_t i = 0; i < requests.size(); i += 5) {
+    if (requests[i + 4]) continue;
     const int64_t slot = requests[i], start = requests[i + 1], offset = requests[i + 2], length = requests[i + 3];
-    if (requests[i + 4]) {
-      const int64_t span = (start / key_block + 1) * key_block;
-      if (std::find(order.begin(), order.end(), span) == order.end()) order.push_back(span);
-      continue;
-    }
     std::vector<int64_t> rows;
     for (int64_t block = start / key_block; block <= (start + length - 1) / key_block; ++block)
-      rows.push_back(span_value((block + 1) * key_block, 1));
+      rows.push_back(tile_rows((block + 1) * key_block));
     const int64_t end = start + length;
     auto attended = sequence_attention(query.narrow(0, offset, length).transpose(0, 1),
                                        key_pool[slot].narrow(0, 0, end).transpose(0, 1),
                                        value_pool[slot].narrow(0, 0, end).transpose(0, 1), scale, key_block, rows);
     out.narrow(0, offset, length).copy_(attended.transpose(0, 1));
   }
-  // attention.stacked_block_attention, one call per key span
-  for (const int64_t span : order) {
-    std::vector<int64_t> members;
-    for (size_t i = 0; i < requests.size(); i += 5)
-      if (requests[i + 4] && (requests[i + 1] / key_block + 1) * key_block == span) members.push_back(i);
-    const int64_t count = members.size(), rows = span_value(span, 2);
-    std::vector<int64_t> slot_list;
-    for (const int64_t i : members) slot_list.push_back(requests[i]);
-    auto slots = at::tensor(slot_list, query.options().dtype(at::kLong));
-    auto block_keys = key_pool.narrow(1, 0, span).index_select(0, slots).transpose(1, 2).contiguous();
-    auto block_values = value_pool.narrow(1, 0, span).index_select(0, slots).transpose(1, 2).contiguous();
-    auto tile = at::zeros({count, key_heads, rows, dim}, query.options());
-    auto mask = at::empty({count, 1, rows, span}, query.options().dtype(at::kBool));
-    bool* entries = mask.data_ptr<bool>();
-    for (int64_t index = 0; index < count; ++index) {
-      const int64_t start = requests[members[index] + 1], offset = requests[members[index] + 2];
-      const int64_t length = requests[members[index] + 3];
-      tile[index].narrow(1, 0, group * length).copy_(
-          query.narrow(0, offset, length).transpose(0, 1).reshape({key_heads, group * length, dim}));
-      causal_rows(entries + index * rows * span, rows, span, group, start, length);
-    }
-    auto attended = at::scaled_dot_product_attention(tile, block_keys, block_values, mask, 0.0, false, scale);
-    for (int64_t index = 0; index < count; ++index) {
-      const int64_t offset = requests[members[index] + 2], length = requests[members[index] + 3];
-      out.narrow(0, offset, length)
-          .copy_(attended[index].narrow(1, 0, group * length).reshape({query_heads, length, dim}).transpose(0, 1));
+  // attention.stacked_block_attention, one call per key span: the tile, its keys and values gathered in one op each
+  if (!stacked.empty()) {
+    auto rows_of_query = at::cat({query.reshape({-1, dim}), at::zeros({1, dim}, query.options())});
+    auto out_rows = out.view({-1, dim});
+    for (size_t s = 0; s < stacked.size(); s += 5) {
+      const auto &slots = stacked[s], &gather = stacked[s + 1], &mask = stacked[s + 2];
+      const int64_t count = slots.size(0), rows = mask.size(2), span = mask.size(3);
+      auto block_keys = key_pool.narrow(1, 0, span).index_select(0, slots).transpose(1, 2);
+      auto block_values = value_pool.narrow(1, 0, span).index_select(0, slots).transpose(1, 2);
+      auto tile = rows_of_query.index_select(0, gather).view({count, key_heads, rows, dim});
+      auto attended = at::scaled_dot_product_attention(tile, block_keys, block_values, mask, 0.0, false, scale);
+      out_rows.index_copy_(0, stacked[s + 4], attended.view({-1, dim}).index_select(0, stacked[s + 3]));
     }
   }
   return finish(hidden, out.unsqueeze(0), weights, numbers, post_eps);
@@ -265,6 +310,10 @@ TORCH_LIBRARY(adaflash_native, m) {
   m.def(
       "packed_layer(Tensor hidden, Tensor cos, Tensor sin, Tensor[] weights, int[] numbers, Tensor(a!) key_pool, "
       "Tensor(b!) value_pool, Tensor token_slots, Tensor token_positions, int[] requests, int[] spans, "
-      "int query_heads, int key_heads, float input_eps, float post_eps, float scale, int key_block) -> Tensor");
+      "Tensor[] stacked, int query_heads, int key_heads, float input_eps, float post_eps, float scale, int key_block) -> Tensor");
   m.impl("packed_layer", c10::DispatchKey::CompositeExplicitAutograd, TORCH_FN(packed_layer));
+  m.def(
+      "packed_plan(Tensor like, int[] requests, int[] spans, int token_count, int query_heads, int key_heads, "
+      "int key_block) -> Tensor[]");
+  m.impl("packed_plan", c10::DispatchKey::CompositeExplicitAutograd, TORCH_FN(packed_plan));
 }
