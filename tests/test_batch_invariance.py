@@ -307,6 +307,49 @@ def test_a_small_shape_whose_rows_differ_from_the_tiles_is_refused():
     assert torch.equal(tiles.run(op, x), x * 2)
 
 
+def test_large_shapes_that_agree_with_the_tiles_run_long_inputs_in_their_calls():
+    calls = []
+
+    def op(x):
+        calls.append(x.shape[-2])
+        return x * 3
+
+    tiles = Tiles("test", op, _sample, pads=(0.0,), large=(2, 4))
+    assert (tiles.rows, tiles.large) == (16, (64, 32))
+    x = torch.randn(150, 4, generator=torch.Generator().manual_seed(4))
+    calls.clear()
+    assert torch.equal(tiles.run(op, x), x * 3)
+    # 150 rows padded to 160: the largest admitted call that is left each time, tiles last
+    assert calls == [64, 64, 32]
+    assert tiles.calls(176) == [(0, 64), (64, 64), (128, 32), (160, 16)]
+    assert tiles.large_mask() == (1 << 4) | (1 << 2)
+
+
+def test_a_large_shape_whose_rows_differ_from_the_tiles_is_refused_and_a_smaller_one_kept():
+    # a kernel that sums in another order from 48 rows on, in a few outputs only
+    def op(x):
+        out = x * 2
+        if x.shape[-2] >= 48:
+            out = out + (x[:, :1] > 1.5) * 1e-3
+        return out
+
+    tiles = Tiles("test", op, _sample, pads=(0.0,), large=(4, 2))
+    assert (tiles.rows, tiles.large) == (16, (32,))
+    x = torch.full((100, 4), 2.0)
+    assert torch.equal(tiles.run(op, x), x * 2)
+    assert Tiles("test", op, _sample, pads=(0.0,)).large == ()  # only where asked for
+
+
+def test_prefill_rows_of_a_prepared_linear_equal_those_rows_alone():
+    # the linears' large shape (where this CPU admits one) serves long inputs; every row as in a decode step
+    torch.manual_seed(5)
+    linear = torch.nn.Linear(64, 96, bias=False).to(torch.bfloat16)
+    x = torch.randn(100, 64).to(torch.bfloat16)
+    together = invariant_linear(x, linear.weight)
+    for i in (0, 15, 16, 31, 32, 63, 64, 99):
+        assert torch.equal(together[i : i + 1], invariant_linear(x[i : i + 1], linear.weight))
+
+
 def test_a_rows_result_depending_on_its_neighbours_is_refused():
     def op(x):
         return x + x.roll(1, dims=-2) * 1e-3

@@ -30,6 +30,11 @@ from adaflash_hf.kernels.verify_packing import SlotPacking
 from adaflash_hf.prepared.tiles import Tiles, made_tiles, tiles_for
 
 KEY_BLOCK = 64
+# The large calls a key block's attention may make over a prompt's rows (multiples of its tile; admitted where they
+# agree, adaflash_hf.prepared.tiles): 12 tiles of 16 rows hold a whole key block of a 3-query-head GQA group (the
+# offline target), 4 a third of it. On one Intel Xeon with AMX, SDPA gives 192 rows in one call 0.2-0.3x the time of
+# twelve tiles, bitwise the same.
+ATTENTION_LARGE = (12, 4)
 # the name the prepared forward registers this attention under with transformers (adaflash_hf.prepared.forward); no
 # "flash" in it: transformers would take it for a flash-attention kernel
 ATTENTION_NAME = "ada_invariant"
@@ -75,12 +80,13 @@ def _block_tiles(kv_heads: int, dim: int, span: int, dtype, device, op) -> Tiles
     # no small shape: SDPA's result for a row differs between a 3-row and a 16-row call in about 1 random draw of 70
     # (one AMD EPYC), too rare for the tiles' check to see in a few rounds
     sample = functools.partial(_sample, kv_heads, dim, span, dtype, device)
-    return tiles_for(("attention", kv_heads, dim, span, dtype, device), op, sample, pads=(0.0, True))
+    key = ("attention", kv_heads, dim, span, dtype, device)
+    return tiles_for(key, op, sample, pads=(0.0, True), large=ATTENTION_LARGE)
 
 
 def made_block_tiles(kv_heads: int, dim: int, span: int, dtype, device) -> Tiles | None:
     """The tiles of the attention over the key block ending at ``span`` where a forward has made them, else None."""
-    return made_tiles(("attention", kv_heads, dim, span, dtype, device))
+    return made_tiles(("attention", kv_heads, dim, span, dtype, device), large=ATTENTION_LARGE)
 
 
 def sequence_attention(

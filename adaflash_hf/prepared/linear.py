@@ -23,6 +23,9 @@ from adaflash_hf.prepared.four_bit import ATTRIBUTE, four_bit_linear, kernel_of
 from adaflash_hf.prepared.four_bit import TILE_ROWS as FOUR_BIT_TILE_ROWS
 from adaflash_hf.prepared.tiles import Tiles, tiles_for
 
+# The large calls a linear may make (multiples of its tile; admitted where they agree, adaflash_hf.prepared.tiles): on
+# one Intel Xeon with AMX oneDNN's bf16 linears agree at 2 tiles (0.55-0.67x the time of two) and not at 3 or more.
+LINEAR_LARGE = (4, 2)
 # module -> (weight stamp, op, tiles); kept beside the module so that neither deepcopy nor the state dict sees the
 # packed weight
 _ROUTES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -83,7 +86,12 @@ def _op_and_tiles(weight: torch.Tensor, bias: torch.Tensor | None, packed: torch
     features, out_features = weight.shape[1], weight.shape[0]
     key = (kind, features, out_features, bias is not None, weight.dtype, weight.device, weight.stride())
     return op, tiles_for(
-        key, op, functools.partial(_sample, features, weight.dtype, weight.device), pads=(0.0,), small=1
+        key,
+        op,
+        functools.partial(_sample, features, weight.dtype, weight.device),
+        pads=(0.0,),
+        small=1,
+        large=LINEAR_LARGE,
     )
 
 
@@ -186,7 +194,9 @@ class InvariantLinear(torch.nn.Linear):
         features, out_features = weight.shape[1], weight.shape[0]
         key = ("four_bit_linear", features, out_features, bias is not None, weight.device)
         sample = functools.partial(_sample, features, torch.bfloat16, weight.device)
-        return op, tiles_for(key, op, sample, pads=(0.0,), candidates=FOUR_BIT_TILE_ROWS, small=1)
+        return op, tiles_for(
+            key, op, sample, pads=(0.0,), candidates=FOUR_BIT_TILE_ROWS, small=1, large=LINEAR_LARGE
+        )
 
 
 def group_output(members: tuple[InvariantLinear, ...], x: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -150,8 +150,8 @@ def layer_forward(layer, inner, hidden_states, attention_mask, position_embeddin
             )
             if tiles is None or tiles.rows == 1:
                 return None  # the Python layer makes a block's tiles; one row per call is its own path
-            tile_rows = plan.attention_rows[(span, hidden_states.dtype)] = tiles.rows
-        rows.append(tile_rows)
+            tile_rows = plan.attention_rows[(span, hidden_states.dtype)] = (tiles.rows, tiles.large_mask())
+        rows += tile_rows
     if not cached.is_initialized:
         cached.lazy_initialization(hidden_states, hidden_states)
     cos, sin = position_embeddings
@@ -203,8 +203,8 @@ def _packed_forward(plan: _Plan, hidden_states, position_embeddings, ragged):
 
 def _packed_geometry(packing, plan: _Plan, hidden_states):
     """``(requests, spans, stacked)`` for ``packed_layer`` (decode_layer.cpp): each request's (slot, start, offset,
-    length, stacked), stacked as ``slot_invariant_attention`` decides it, (span, tile rows, stacking rows) of every
-    key block they touch, and the stacked calls' gathers and masks (``packed_plan``); None where a block's tiles are
+    length, stacked), stacked as ``slot_invariant_attention`` decides it, (span, tile rows, large calls, stacking
+    rows) of every key block they touch, and the stacked calls' gathers and masks (``packed_plan``); None where a block's tiles are
     not made yet. The same for every layer of a forward: kept for the last packing seen."""
     dtype, device = hidden_states.dtype, hidden_states.device
     key = (plan.key_heads, plan.head_dim, dtype, torch.get_num_threads())
@@ -217,14 +217,14 @@ def _packed_geometry(packing, plan: _Plan, hidden_states):
         rows = stacked_rows(start, length, group, plan.key_heads, plan.head_dim, dtype, device)
         if rows:
             span = (start // KEY_BLOCK + 1) * KEY_BLOCK
-            spans.setdefault(span, [span, rows, rows])[2] = rows
+            spans.setdefault(span, [span, rows, 0, rows])[3] = rows
         else:
             for block in range(start // KEY_BLOCK, (start + length - 1) // KEY_BLOCK + 1):
                 span = (block + 1) * KEY_BLOCK
                 tiles = made_block_tiles(plan.key_heads, plan.head_dim, span, dtype, device)
                 if tiles is None or tiles.rows == 1:
                     return None
-                spans.setdefault(span, [span, tiles.rows, 0])[1] = tiles.rows
+                spans.setdefault(span, [span, 0, 0, 0])[1:3] = tiles.rows, tiles.large_mask()
         requests += (slot, start, offset, length, int(rows > 0))
     spans = [number for entry in spans.values() for number in entry]
     stacked = _PACKED_PLAN(
@@ -272,7 +272,9 @@ class _Plan:
     scale: float
     weights: list
     numbers: list
-    attention_rows: dict = field(default_factory=dict)  # (key span, dtype) -> the attention tile's rows
+    attention_rows: dict = field(
+        default_factory=dict
+    )  # (key span, dtype) -> the attention tiles' (rows, large calls)
 
     def layer_numbers(self) -> tuple:
         """What both compiled calls take after their tensors: the heads, the norms' epsilons, the attention's scale
@@ -320,8 +322,9 @@ def _plan(layer, inner) -> _Plan | None:
     return plan
 
 
-def _linear_numbers(route, weights: list) -> tuple[int, int, int]:
-    """``(kind, tile rows, small rows)`` of a linear's route, its two tensors and bias appended to ``weights``."""
+def _linear_numbers(route, weights: list) -> tuple[int, int, int, int]:
+    """``(kind, tile rows, small rows, large calls)`` of a linear's route (``Tiles.large_mask``), its two tensors and bias
+    appended to ``weights``."""
     _, op, tiles, _ = route
     keywords = op.keywords
     kind = _KINDS[op.func]  # every op linear._route makes
@@ -333,4 +336,4 @@ def _linear_numbers(route, weights: list) -> tuple[int, int, int]:
         tensors = (keywords["weight"], _EMPTY)
     bias = keywords["bias"]
     weights += (*tensors, _EMPTY if bias is None else bias)
-    return kind, tiles.rows, tiles.small
+    return kind, tiles.rows, tiles.small, tiles.large_mask()

@@ -25,6 +25,13 @@ it runs as is, in calls of exactly ``small`` rows, where that shape gives every 
 tile). One more shape is one more kernel path; the check is what admits it, on this machine, as the position check
 admits a tile. Where it fails, ``small`` calls go in tiles like any other.
 
+Large shapes. A prompt's prefill calls each linear with hundreds of rows, and each call has its price: a GEMM reads
+its weight once per call (on one Intel Xeon with AMX, oneDNN's bf16 linear runs 32 rows in 0.55-0.67x the time of two
+16-row tiles), an attention call sets up its blocks (SDPA over a key block runs 192 rows in 0.2-0.3x the time of
+twelve tiles). So an op may name multiples of its tile (``large``) that it runs in one call, each admitted where that
+shape gives every row bitwise what the tiles give it (``large_agrees``: random rows in one call equal the same rows in
+their tiles). A longer input then goes in calls of the largest admitted size that is left, tiles after.
+
 Tile sizes tried: ``TILE_ROWS`` in order (16 covers a decode step and a full 16-token verify in one call; 32 and 64
 for kernels whose register blocks do not divide 16). Where none is position-invariant the op runs one row per call
 (one shape, one position: invariant whatever the kernel does, and slow); it warns, and ``prepare_target`` reports it.
@@ -108,11 +115,29 @@ def small_agrees(op: Op, sample: Sampler, rows: int, small: int, rounds: int = S
     return True
 
 
+@torch.no_grad()
+def large_agrees(op: Op, sample: Sampler, rows: int, large: int, rounds: int = SMALL_ROUNDS) -> bool:
+    """Whether ``op`` called with ``large`` rows (a multiple of ``rows``) gives each of them bitwise what its tile of
+    ``rows`` rows gives it: in ``rounds`` draws of ``large`` random rows, the call equals the tiles' calls."""
+    generator = torch.Generator().manual_seed(rows + large)
+    for _ in range(rounds):
+        batch = sample(large, generator)
+        together = op(*batch)
+        for start in range(0, large, rows):
+            alone = op(
+                *(t[..., start : start + rows, :].clone(memory_format=torch.contiguous_format) for t in batch)
+            )
+            if not torch.equal(together[..., start : start + rows, :], alone):
+                return False
+    return True
+
+
 class Tiles:
     """How one row-wise op is called (module docstring): always ``rows`` rows, or exactly ``small`` where that shape
-    agrees (``self.small``, 0 where none). ``op(*inputs)`` takes tensors with rows on dim -2 and returns rows on dim
-    -2; ``sample(rows, generator)`` draws random inputs for the checks; ``pads`` holds the padding value of each
-    input."""
+    agrees (``self.small``, 0 where none), or in calls of the ``large`` multiples of ``rows`` that agree
+    (``self.large``: their row counts, largest first; checked in ``SMALL_ROUNDS`` rounds as a small shape is).
+    ``op(*inputs)`` takes tensors with rows on dim -2 and returns rows on dim -2; ``sample(rows, generator)`` draws
+    random inputs for the checks; ``pads`` holds the padding value of each input."""
 
     def __init__(
         self,
@@ -122,14 +147,22 @@ class Tiles:
         pads: Sequence,
         candidates: Sequence[int] = TILE_ROWS,
         small: int = 0,
+        large: Sequence[int] = (),
     ):
         self.name, self.pads, self._kept, self.small = name, tuple(pads), {}, 0
+        self.large: tuple[int, ...] = ()
         for rows in candidates:
             if position_invariant(op, sample, rows, self.pads):
                 self.rows = rows
                 if 0 < small < rows and small_agrees(op, sample, rows, small):
                     self.small = small
-                logger.debug(f"tiles {name}: {rows} rows, small calls of {self.small or 'none'}")
+                if rows > 1:
+                    sizes = sorted({rows * m for m in large if m > 1}, reverse=True)
+                    self.large = tuple(n for n in sizes if large_agrees(op, sample, rows, n))
+                logger.debug(
+                    f"tiles {name}: {rows} rows, small calls of {self.small or 'none'}, large calls of "
+                    f"{self.large or 'none'}"
+                )
                 return
         self.rows = 1
         logger.warning(
@@ -151,9 +184,23 @@ class Tiles:
             return op(*self._kept_tiles(inputs, size))[..., :count, :]
         whole = -(-count // size) * size
         padded = [padded_rows(t, whole, p) for t, p in zip(inputs, self.pads)]
-        outputs = [op(*(_tile(t, start, size) for t in padded)) for start in range(0, whole, size)]
+        outputs = [op(*(_tile(t, start, rows) for t in padded)) for start, rows in self.calls(whole)]
         out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-2)
         return out if whole == count else out[..., :count, :]
+
+    def calls(self, whole: int) -> list[tuple[int, int]]:
+        """``(start, rows)`` of the calls over ``whole`` rows (a whole number of tiles): each the largest admitted
+        large size that is left, else a tile."""
+        calls, start = [], 0
+        while start < whole:
+            rows = next((n for n in self.large if n <= whole - start), self.rows)
+            calls.append((start, rows))
+            start += rows
+        return calls
+
+    def large_mask(self) -> int:
+        """``self.large`` as multiples of the tile, bit m set for each (what the compiled layer takes)."""
+        return sum(1 << (n // self.rows) for n in self.large)
 
     def _kept_tiles(self, inputs: Sequence[torch.Tensor], size: int) -> list[torch.Tensor]:
         """``inputs`` (at most ``size`` rows) written at the start of tiles of ``size`` rows kept for this thread and
@@ -189,21 +236,29 @@ _TILES: dict[tuple, Tiles] = {}
 
 
 def tiles_for(
-    key: tuple, op: Op, sample: Sampler, pads: Sequence, candidates: Sequence[int] = TILE_ROWS, small: int = 0
+    key: tuple,
+    op: Op,
+    sample: Sampler,
+    pads: Sequence,
+    candidates: Sequence[int] = TILE_ROWS,
+    small: int = 0,
+    large: Sequence[int] = (),
 ) -> Tiles:
     """The tiles of the op named by ``key`` (its kind and every shape, dtype and device it depends on) at the current
     thread count, made on first use with ``op`` (any op of that key: a kernel's path depends on shapes, not
-    values), the first position-invariant size of ``candidates``, and ``small`` calls where they agree."""
-    full_key = (*key, small, torch.get_num_threads())
+    values), the first position-invariant size of ``candidates``, and ``small`` and ``large`` calls where they
+    agree."""
+    full_key = (*key, small, tuple(large), torch.get_num_threads())
     tiles = _TILES.get(full_key)
     if tiles is None:
-        tiles = _TILES[full_key] = Tiles(str(full_key), op, sample, pads, candidates, small)
+        tiles = _TILES[full_key] = Tiles(str(full_key), op, sample, pads, candidates, small, large)
     return tiles
 
 
-def made_tiles(key: tuple, small: int = 0) -> Tiles | None:
-    """The tiles ``tiles_for(key, ..., small=small)`` made for the current thread count, None where none were made."""
-    return _TILES.get((*key, small, torch.get_num_threads()))
+def made_tiles(key: tuple, small: int = 0, large: Sequence[int] = ()) -> Tiles | None:
+    """The tiles ``tiles_for(key, ..., small=small, large=large)`` made for the current thread count, None where none
+    were made."""
+    return _TILES.get((*key, small, tuple(large), torch.get_num_threads()))
 
 
 def row_by_row_ops() -> list[str]:

@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -31,8 +32,16 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const st
   return op.call(x, packed, bias, "none", c10::List<std::optional<c10::Scalar>>(), c10::string_view(""));
 }
 
+// Tiles.calls: the rows of the next call with `left` rows (a whole number of tiles) left: the largest admitted large
+// size that fits (`large`: bit m set where m tiles in one call agree, Tiles.large_mask), else a tile
+int64_t call_rows(int64_t rows, int64_t large, int64_t left) {
+  for (int64_t multiple = 62; multiple > 1; --multiple)
+    if ((large >> multiple) & 1 && rows * multiple <= left) return rows * multiple;
+  return rows;
+}
+
 struct Linear {
-  int64_t kind, rows, small;
+  int64_t kind, rows, small, large;
   at::Tensor a, b;
   std::optional<at::Tensor> bias;
 
@@ -46,15 +55,27 @@ struct Linear {
   }
 
   // Tiles.run: x [count, K] in calls of exactly `rows` rows (padded with zeros, cropped), or as is where count is
-  // the op's agreeing small shape
+  // the op's agreeing small shape, or in its large calls (call_rows)
   at::Tensor run(const at::Tensor& x) const {
     const int64_t count = x.size(0);
     if (count == rows || (count < rows && count == small)) return call(x.contiguous());
     const int64_t whole = (count + rows - 1) / rows * rows;
-    auto padded = at::zeros({whole, x.size(1)}, x.options());
-    padded.narrow(0, 0, count).copy_(x);
+    // tiles.padded_rows: x itself where it is whole tiles already, else a copy padded with zero rows
+    auto padded = x;
+    if (whole != count || !x.is_contiguous()) {
+      padded = at::empty({whole, x.size(1)}, x.options());
+      padded.narrow(0, 0, count).copy_(x);
+      padded.narrow(0, count, whole - count).zero_();
+    }
     std::vector<at::Tensor> outputs;
-    for (int64_t start = 0; start < whole; start += rows) outputs.push_back(call(padded.narrow(0, start, rows)));
+    for (int64_t start = 0; start < whole;) {
+      const int64_t size = call_rows(rows, large, whole - start);
+      auto tile = padded.narrow(0, start, size);
+      // tiles._tile: a fresh copy where the slice would not be 64-byte aligned
+      if (reinterpret_cast<uintptr_t>(tile.data_ptr()) % 64) tile = tile.clone(at::MemoryFormat::Contiguous);
+      outputs.push_back(call(tile));
+      start += size;
+    }
     auto out = outputs.size() == 1 ? outputs[0] : at::cat(outputs, 0);
     return whole == count ? out : out.narrow(0, 0, count);
   }
@@ -67,8 +88,9 @@ struct Linear {
 };
 
 Linear linear_of(const std::vector<at::Tensor>& weights, const std::vector<int64_t>& numbers, int64_t index) {
-  Linear linear{numbers[3 * index], numbers[3 * index + 1], numbers[3 * index + 2], weights[2 + 3 * index],
-                weights[3 + 3 * index], std::nullopt};
+  Linear linear{numbers[4 * index],     numbers[4 * index + 1], numbers[4 * index + 2],
+                numbers[4 * index + 3], weights[2 + 3 * index], weights[3 + 3 * index],
+                std::nullopt};
   if (weights[4 + 3 * index].numel() > 0) linear.bias = weights[4 + 3 * index];
   return linear;
 }
@@ -91,7 +113,8 @@ void causal_rows(bool* entries, int64_t size, int64_t span, int64_t group, int64
 }
 
 // attention.sequence_attention(query [Hq, n, D], keys/values [Hkv, L, D], start = L - n, scale), no extra mask:
-// each key block's queries in tiles of that block's row count (tile_rows[block - first block])
+// each key block's queries in the calls of that block's tiles: tile_rows[2 * (block - first block)] rows each, or its
+// large calls (the next entry: Tiles.large_mask)
 at::Tensor sequence_attention(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
                               double scale, int64_t key_block, const std::vector<int64_t>& tile_rows) {
   const int64_t heads = query.size(0), count = query.size(1), dim = query.size(2);
@@ -103,7 +126,7 @@ at::Tensor sequence_attention(const at::Tensor& query, const at::Tensor& keys, c
     const int64_t first = std::max(start, block * key_block) - start;
     const int64_t last = std::min(start + count, (block + 1) * key_block) - start;
     const int64_t rows = last - first, span = (block + 1) * key_block;
-    const int64_t size = tile_rows[block - first_block];
+    const int64_t size = tile_rows[2 * (block - first_block)], large = tile_rows[2 * (block - first_block) + 1];
     // _keys_of_block: the first `span` positions, zeros past the sequence
     at::Tensor block_keys, block_values;
     const int64_t kept = std::min(span, length), missing = span - kept;
@@ -116,17 +139,24 @@ at::Tensor sequence_attention(const at::Tensor& query, const at::Tensor& keys, c
     }
     // rows (head of the GQA group, query), each query seeing keys up to its own position; padding rows see all
     const int64_t total = group * rows, whole = (total + size - 1) / size * size;
-    auto tiles = at::zeros({key_heads, whole, dim}, query.options());
+    auto tiles = at::empty({key_heads, whole, dim}, query.options());
     tiles.narrow(1, 0, total).copy_(query.narrow(1, first, rows).reshape({key_heads, total, dim}));
+    tiles.narrow(1, total, whole - total).zero_();
     auto allowed = at::empty({whole, span}, query.options().dtype(at::kBool));
     causal_rows(allowed.data_ptr<bool>(), whole, span, group, start + first, rows);
+    // the additive mask SDPA makes of the boolean one at each call, made once for the block's calls
+    auto mask = at::zeros({whole, span}, query.options()).masked_fill_(allowed.logical_not(), -INFINITY);
     std::vector<at::Tensor> parts;
-    for (int64_t offset = 0; offset < whole; offset += size) {
-      auto tile = tiles.narrow(1, offset, size);
-      if (whole > size) tile = tile.clone(at::MemoryFormat::Contiguous);
+    for (int64_t offset = 0; offset < whole;) {
+      const int64_t call = call_rows(size, large, whole - offset);
+      auto tile = tiles.narrow(1, offset, call);
+      // tiles._tile: a fresh copy where the slice is not contiguous or not 64-byte aligned
+      if (!tile.is_contiguous() || reinterpret_cast<uintptr_t>(tile.data_ptr()) % 64)
+        tile = tile.clone(at::MemoryFormat::Contiguous);
       parts.push_back(at::scaled_dot_product_attention(tile.unsqueeze(0), block_keys.unsqueeze(0),
-                                                       block_values.unsqueeze(0), allowed.narrow(0, offset, size),
-                                                       0.0, false, scale)[0]);
+                                                       block_values.unsqueeze(0), mask.narrow(0, offset, call), 0.0,
+                                                       false, scale)[0]);
+      offset += call;
     }
     auto attended = parts.size() == 1 ? parts[0] : at::cat(parts, 1);
     outputs.push_back(attended.narrow(1, 0, total).reshape({heads, rows, dim}));
@@ -164,10 +194,10 @@ at::Tensor finish(const at::Tensor& hidden, const at::Tensor& attended, const st
 }  // namespace
 
 // hidden [1, n, H]; cos, sin [1, n, D]; weights: input norm, post-attention norm, then (a, b, bias) for q/k/v, o,
-// gate/up and down (bias: an empty tensor where none); numbers: (kind, tile rows, small rows) of each of those four
-// linears; keys and values [1, Hkv, L, D]: the layer's cache before this forward; attention_rows: the attention
-// tile's rows for each key block the new tokens fall in. Returns the layer's output and the cache's keys and values
-// after this forward.
+// gate/up and down (bias: an empty tensor where none); numbers: (kind, tile rows, small rows, large calls) of each of
+// those four linears (large calls: Tiles.large_mask); keys and values [1, Hkv, L, D]: the layer's cache before this
+// forward; attention_rows: the attention tiles' rows and large calls for each key block the new tokens fall in.
+// Returns the layer's output and the cache's keys and values after this forward.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_layer(
     const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& sin, at::TensorList weight_list,
     c10::IntArrayRef number_list, const at::Tensor& keys, const at::Tensor& values, int64_t query_heads,
@@ -204,8 +234,8 @@ std::vector<at::Tensor> packed_plan(const at::Tensor& like, c10::IntArrayRef req
   std::vector<at::Tensor> plan;
   for (const int64_t span : order) {
     int64_t rows = 0;
-    for (size_t i = 0; i < spans.size(); i += 3)
-      if (spans[i] == span) rows = spans[i + 2];
+    for (size_t i = 0; i < spans.size(); i += 4)
+      if (spans[i] == span) rows = spans[i + 3];
     TORCH_CHECK(rows > 0, "packed_plan: no stacking rows given for the key span ", span);
     std::vector<int64_t> slots, gather, source, destination;
     for (size_t i = 0; i < requests.size(); i += 5) {
@@ -249,8 +279,8 @@ std::vector<at::Tensor> packed_plan(const at::Tensor& like, c10::IntArrayRef req
 // attention): hidden [1, T, H] holds every request's new tokens; their keys and values are written to the pools
 // [slots, capacity, Hkv, D] at (token_slots, token_positions), then attention.slot_invariant_attention. requests:
 // (slot, start, offset, length, stacked) per request, stacked = 1 where its rows go in its key block's stacked call;
-// spans: (span, attention tile rows, stacking rows) of every key block a request touches; stacked: packed_plan's
-// tensors for these. Returns the layer's output.
+// spans: (span, attention tile rows, large calls, stacking rows) of every key block a request touches; stacked:
+// packed_plan's tensors for these. Returns the layer's output.
 at::Tensor packed_layer(const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& sin,
                         at::TensorList weight_list, c10::IntArrayRef number_list, at::Tensor key_pool,
                         at::Tensor value_pool, const at::Tensor& token_slots, const at::Tensor& token_positions,
@@ -267,9 +297,9 @@ at::Tensor packed_layer(const at::Tensor& hidden, const at::Tensor& cos, const a
   auto query = query4[0].transpose(0, 1);  // [T, Hq, D]
   const int64_t tokens = query.size(0), dim = query.size(2);
   auto out = at::empty({tokens, query_heads, dim}, query.options());
-  auto tile_rows = [&](int64_t span) {
-    for (size_t i = 0; i < spans.size(); i += 3)
-      if (spans[i] == span) return spans[i + 1];
+  auto tile_rows = [&](int64_t span, int64_t field) {
+    for (size_t i = 0; i < spans.size(); i += 4)
+      if (spans[i] == span) return spans[i + field];
     TORCH_CHECK(false, "packed_layer: no tile rows given for the key span ", span);
   };
   for (size_t i = 0; i < requests.size(); i += 5) {
@@ -277,7 +307,7 @@ at::Tensor packed_layer(const at::Tensor& hidden, const at::Tensor& cos, const a
     const int64_t slot = requests[i], start = requests[i + 1], offset = requests[i + 2], length = requests[i + 3];
     std::vector<int64_t> rows;
     for (int64_t block = start / key_block; block <= (start + length - 1) / key_block; ++block)
-      rows.push_back(tile_rows((block + 1) * key_block));
+      for (int64_t field = 1; field <= 2; ++field) rows.push_back(tile_rows((block + 1) * key_block, field));
     const int64_t end = start + length;
     auto attended = sequence_attention(query.narrow(0, offset, length).transpose(0, 1),
                                        key_pool[slot].narrow(0, 0, end).transpose(0, 1),
