@@ -25,6 +25,7 @@ from transformers.utils import logging
 from adaflash_hf.drafting import DraftingSettings
 from adaflash_hf.generation import _DRAFTERS_WITH_STATS, AdaFlashCandidateGenerator, drafting_settings
 from adaflash_hf.modeling import AdaFlashDrafter
+from adaflash_hf.prepared.linear import fast_linears
 
 logger = logging.get_logger(__name__)
 
@@ -91,6 +92,7 @@ def validate_adaflash_generation(
     check_knob_names(generation_config)
     drafter.align_dtype(target)
     drafter.check_target(target)
+    fast_linears(drafter)
     if generation_config.num_beams > 1 or generation_mode in (
         GenerationMode.BEAM_SEARCH,
         GenerationMode.BEAM_SAMPLE,

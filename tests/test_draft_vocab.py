@@ -218,3 +218,33 @@ def test_export_and_import_keep_the_subset(qwen3_target, drafter_factory, tmp_pa
     assert imported.draft_token_ids.tolist() == EVERY_EIGHTH
     for name, tensor in drafter.state_dict().items():
         assert torch.equal(imported.state_dict()[name], tensor), name
+
+
+def test_a_drafters_linears_run_on_packed_weights_at_inference_and_follow_a_reload():
+    from adaflash_hf.prepared.linear import FastLinear, can_pack, fast_linears
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.ReLU(), torch.nn.Linear(48, 8, bias=False))
+    model = model.to(torch.bfloat16)
+    x = torch.randn(5, 3, 32).to(torch.bfloat16)
+    expected = model(x)
+    assert fast_linears(model) == 2 and fast_linears(model) == 0
+    assert all(type(m) is FastLinear for m in (model[0], model[2]))
+    with torch.inference_mode():
+        assert torch.allclose(model(x), expected, rtol=2e-2, atol=2e-2)
+    # a hot reload writes the weights in place: the next call packs them again
+    state = {k: torch.randn_like(v) for k, v in model.state_dict().items()}
+    model.load_state_dict(state)
+    reference = torch.nn.functional.linear(
+        torch.relu(torch.nn.functional.linear(x, state["0.weight"], state["0.bias"])), state["2.weight"]
+    )
+    with torch.inference_mode():
+        assert torch.allclose(model(x), reference, rtol=2e-2, atol=5e-2)
+    # a call that wants gradients runs F.linear and gets them
+    model(x).float().sum().backward()
+    assert model[0].weight.grad is not None and model[2].weight.grad is not None
+    assert model.state_dict().keys() == state.keys()
+    if can_pack(model[0].weight):
+        from adaflash_hf.prepared import linear
+
+        assert id(model[0].weight) in linear._FAST

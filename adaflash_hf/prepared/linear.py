@@ -248,3 +248,55 @@ def row_tile(model) -> int | None:
         if route is not None:
             counts[route[2].rows] = counts.get(route[2].rows, 0) + 1
     return max(counts, key=counts.get) if counts else None
+
+
+# id(weight) -> (weakref to the weight, (data_ptr, version, dtype), oneDNN's prepacked copy): fast_linear's; an entry
+# leaves with its weight
+_FAST: dict[int, tuple] = {}
+
+
+def fast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``, at inference on oneDNN's prepacked copy of ``weight`` where it packs one (kept
+    while the weight's storage and version stay; ``F.linear`` in bf16 reorders the weight at every call). Not
+    batch-invariant: for the drafter, whose drafts only the target's verification judges."""
+    wants_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    if (
+        wants_grad
+        or x.dtype != weight.dtype
+        or x.numel() == 0
+        or x.device.type != "cpu"
+        or not can_pack(weight)
+        or weight.is_inference()  # no version to tell a write in place by
+    ):
+        return F.linear(x, weight, bias)
+    stamp = (weight.data_ptr(), weight._version, weight.dtype)
+    kept = _FAST.get(id(weight))
+    if kept is None or kept[0]() is not weight or kept[1] != stamp:
+        if kept is None or kept[0]() is not weight:
+            weakref.finalize(weight, _FAST.pop, id(weight), None)
+        kept = _FAST[id(weight)] = (
+            weakref.ref(weight),
+            stamp,
+            torch.ops.mkldnn._reorder_linear_weight(weight.detach()),
+        )
+    out = _packed_linear(x.reshape(-1, weight.shape[1]), kept[2], bias)
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+class FastLinear(torch.nn.Linear):
+    """``nn.Linear`` running ``fast_linear`` (same parameters, same state dict): a drafter's linears where it serves
+    (``fast_linears``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fast_linear(x, self.weight, self.bias)
+
+
+def fast_linears(model: torch.nn.Module) -> int:
+    """Give ``model``'s ``nn.Linear`` s the class ``FastLinear`` (idempotent); how many changed. A weight written in
+    place (a hot reload) or replaced is packed again at its next call; a call that wants gradients runs ``F.linear``."""
+    changed = 0
+    for module in model.modules():
+        if type(module) is torch.nn.Linear:
+            module.__class__ = FastLinear
+            changed += 1
+    return changed

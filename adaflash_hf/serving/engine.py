@@ -69,6 +69,7 @@ from adaflash_hf.policy import (
     policy_for,
     truncate_lookup,
 )
+from adaflash_hf.prepared.linear import fast_linears
 from adaflash_hf.serving.admission import AdmissionConfig, AdmissionController, with_kv_budget
 from adaflash_hf.serving.cache import (
     DrafterBatch,
@@ -219,6 +220,7 @@ class AdaFlashEngine:
         if drafter is not None:
             drafter.align_dtype(target)
             drafter.check_target(target)
+            fast_linears(drafter)
         self.target = target
         # γ and min_len resolved against the drafter now, before any request or forward.
         self.settings = settings.resolve(drafter.config) if drafter is not None else settings
