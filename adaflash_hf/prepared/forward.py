@@ -106,9 +106,13 @@ def install_invariant_forward(target) -> None:
 
 
 def runs_invariant_forward(target) -> bool:
-    """Whether ``target`` still runs the invariant forward (attention, every linear, every rotary embedding)."""
-    return (
-        target.config._attn_implementation == ATTENTION_NAME
-        and not any(type(m) is torch.nn.Linear for m in target.modules())
-        and all("forward" in vars(m) for m in rotary_modules(target))
-    )
+    """Whether ``target`` still runs the invariant forward (attention, every linear, every rotary embedding): one walk
+    over its modules (the engine asks at every forward)."""
+    if target.config._attn_implementation != ATTENTION_NAME:
+        return False
+    for module in target.modules():
+        if type(module) is torch.nn.Linear:
+            return False
+        if isinstance(getattr(module, "inv_freq", None), torch.Tensor) and "forward" not in vars(module):
+            return False
+    return True
