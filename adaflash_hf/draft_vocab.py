@@ -13,14 +13,13 @@ lm_head itself: it drafts over the whole vocabulary with the same weights (still
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from adaflash_hf.prepared.linear import fast_linear
+from adaflash_hf.prepared.linear import fast_linear, kept_for_weight
 
 
 def build_draft_vocab(
@@ -99,14 +98,12 @@ def _subset_rows(weight: torch.Tensor, token_ids: torch.LongTensor) -> torch.Ten
     # The storage and dtype too: a cast in place (``prepare_target``, ``model.to(dtype)``) keeps the Parameter and
     # its version but gives it new data.
     key = (weight._version, weight.data_ptr(), weight.dtype, token_ids.data_ptr(), token_ids.numel())
-    cached = _SUBSET_CACHE.get(id(weight))
-    if cached is None or cached[0]() is not weight or cached[1] != key:
-        with torch.inference_mode(False):  # a normal tensor: fast_linear keeps its packed copy by its version
-            rows = weight.detach()[token_ids]
-        cached = (weakref.ref(weight), key, rows)
-        _SUBSET_CACHE[id(weight)] = cached
-        weakref.finalize(weight, _SUBSET_CACHE.pop, id(weight), None)
-    return cached[2]
+    return kept_for_weight(_SUBSET_CACHE, weight, key, lambda: _gathered(weight, token_ids))
+
+
+def _gathered(weight: torch.Tensor, token_ids: torch.LongTensor) -> torch.Tensor:
+    with torch.inference_mode(False):  # a normal tensor: fast_linear keeps its packed copy by its version
+        return weight.detach()[token_ids]
 
 
 # id(weight) -> (weakref to the weight, (version, subset), rows); an entry leaves with its weight tensor.

@@ -250,9 +250,20 @@ def row_tile(model) -> int | None:
     return max(counts, key=counts.get) if counts else None
 
 
-# id(weight) -> (weakref to the weight, (data_ptr, version, dtype), oneDNN's prepacked copy): fast_linear's; an entry
-# leaves with its weight
+# id(weight) -> (weakref to the weight, its stamp, oneDNN's prepacked copy): fast_linear's (``kept_for_weight``)
 _FAST: dict[int, tuple] = {}
+
+
+def kept_for_weight(cache: dict, weight: torch.Tensor, stamp: tuple, make):
+    """``make()``, kept in ``cache`` for ``weight`` while ``stamp`` stays the same; an entry leaves with its weight
+    (keyed by the tensor's id: a tensor's ``==`` is elementwise, so it cannot be a dict key)."""
+    kept = cache.get(id(weight))
+    if kept is None or kept[0]() is not weight:
+        weakref.finalize(weight, cache.pop, id(weight), None)
+    elif kept[1] == stamp:
+        return kept[2]
+    kept = cache[id(weight)] = (weakref.ref(weight), stamp, make())
+    return kept[2]
 
 
 def fast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -270,16 +281,10 @@ def fast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ):
         return F.linear(x, weight, bias)
     stamp = (weight.data_ptr(), weight._version, weight.dtype)
-    kept = _FAST.get(id(weight))
-    if kept is None or kept[0]() is not weight or kept[1] != stamp:
-        if kept is None or kept[0]() is not weight:
-            weakref.finalize(weight, _FAST.pop, id(weight), None)
-        kept = _FAST[id(weight)] = (
-            weakref.ref(weight),
-            stamp,
-            torch.ops.mkldnn._reorder_linear_weight(weight.detach()),
-        )
-    out = _packed_linear(x.reshape(-1, weight.shape[1]), kept[2], bias)
+    packed = kept_for_weight(
+        _FAST, weight, stamp, lambda: torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+    )
+    out = _packed_linear(x.reshape(-1, weight.shape[1]), packed, bias)
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 

@@ -112,6 +112,12 @@ void causal_rows(bool* entries, int64_t size, int64_t span, int64_t group, int64
   }
 }
 
+// the additive mask SDPA makes of a boolean one at each call (0 where a row sees a key, -inf elsewhere, in the query's
+// dtype), made once for many calls
+at::Tensor additive_mask(const at::Tensor& allowed, const at::TensorOptions& options) {
+  return at::zeros(allowed.sizes(), options).masked_fill_(allowed.logical_not(), -INFINITY);
+}
+
 // attention.sequence_attention(query [Hq, n, D], keys/values [Hkv, L, D], start = L - n, scale), no extra mask:
 // each key block's queries in the calls of that block's tiles: tile_rows[2 * (block - first block)] rows each, or its
 // large calls (the next entry: Tiles.large_mask)
@@ -144,8 +150,7 @@ at::Tensor sequence_attention(const at::Tensor& query, const at::Tensor& keys, c
     tiles.narrow(1, total, whole - total).zero_();
     auto allowed = at::empty({whole, span}, query.options().dtype(at::kBool));
     causal_rows(allowed.data_ptr<bool>(), whole, span, group, start + first, rows);
-    // the additive mask SDPA makes of the boolean one at each call, made once for the block's calls
-    auto mask = at::zeros({whole, span}, query.options()).masked_fill_(allowed.logical_not(), -INFINITY);
+    auto mask = additive_mask(allowed, query.options());
     std::vector<at::Tensor> parts;
     for (int64_t offset = 0; offset < whole;) {
       const int64_t call = call_rows(size, large, whole - offset);
@@ -237,12 +242,17 @@ std::vector<at::Tensor> packed_plan(const at::Tensor& like, c10::IntArrayRef req
     for (size_t i = 0; i < spans.size(); i += 4)
       if (spans[i] == span) rows = spans[i + 3];
     TORCH_CHECK(rows > 0, "packed_plan: no stacking rows given for the key span ", span);
+    std::vector<size_t> members;  // the requests stacked in this span's call
+    for (size_t i = 0; i < requests.size(); i += 5)
+      if (requests[i + 4] && (requests[i + 1] / key_block + 1) * key_block == span) members.push_back(i);
+    const int64_t count = members.size();
+    auto allowed = at::empty({count, 1, rows, span}, like.options().dtype(at::kBool));
     std::vector<int64_t> slots, gather, source, destination;
-    for (size_t i = 0; i < requests.size(); i += 5) {
+    for (int64_t index = 0; index < count; ++index) {
+      const size_t i = members[index];
       const int64_t start = requests[i + 1], offset = requests[i + 2], length = requests[i + 3];
-      if (!requests[i + 4] || (start / key_block + 1) * key_block != span) continue;
-      const int64_t index = slots.size();
       slots.push_back(requests[i]);
+      causal_rows(allowed.data_ptr<bool>() + index * rows * span, rows, span, group, start, length);
       // tile row r of key head h: query[offset + r % length, h * group + r / length] (the GQA group's heads in
       // turn, as query[offset : offset + length].transpose(0, 1).reshape(Hkv, group * length, D) orders them)
       for (int64_t head = 0; head < key_heads; ++head)
@@ -256,19 +266,9 @@ std::vector<at::Tensor> packed_plan(const at::Tensor& like, c10::IntArrayRef req
           source.push_back((index * key_heads + head / group) * rows + (head % group) * length + token);
         }
     }
-    const int64_t count = slots.size();
-    auto allowed = at::empty({count, 1, rows, span}, like.options().dtype(at::kBool));
-    bool* entries = allowed.data_ptr<bool>();
-    int64_t index = 0;
-    for (size_t i = 0; i < requests.size(); i += 5) {
-      const int64_t start = requests[i + 1], length = requests[i + 3];
-      if (!requests[i + 4] || (start / key_block + 1) * key_block != span) continue;
-      causal_rows(entries + index++ * rows * span, rows, span, group, start, length);
-    }
-    auto mask = at::zeros(allowed.sizes(), like.options()).masked_fill_(allowed.logical_not(), -INFINITY);
     plan.push_back(at::tensor(slots, longs));
     plan.push_back(at::tensor(gather, longs));
-    plan.push_back(mask);
+    plan.push_back(additive_mask(allowed, like.options()));
     plan.push_back(at::tensor(source, longs));
     plan.push_back(at::tensor(destination, longs));
   }
