@@ -9,8 +9,11 @@ and batched serving equal plain greedy decoding of the same target token for tok
 - ``native.py``: that layer as one compiled call of the same ATen ops, for ``generate``'s forwards and the serving
   engine's packed forward (``csrc/decode_layer.cpp``, built on first use; bitwise the Python layer, which runs where
   it cannot be built);
-- ``tiles.py``: the construction under it: every call of an op at one fixed row count, checked for row position;
+- ``tiles.py``: the construction under it: every call of an op at one fixed row count, checked for row position
+  (and a one-row call, and for long inputs calls of several tiles, where this machine checks they agree);
 - ``linear.py``, ``attention.py``: the linear (oneDNN's prepacked kernels) and the causal attention run in tiles;
+  ``linear.py`` also runs a drafter's linears on prepacked weights (``fast_linears``; a draft needs no batch
+  invariance: the target verifies it);
 - ``cpu.py``: what this CPU offers bf16 matrix products (its model and bf16 flags).
 
 Importing this package imports none of them.
