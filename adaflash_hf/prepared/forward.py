@@ -86,9 +86,13 @@ def _padded_rotary_forward(self, x, position_ids):
     return cos[..., :count, :], sin[..., :count, :]
 
 
+def _is_rotary(module: torch.nn.Module) -> bool:
+    return isinstance(getattr(module, "inv_freq", None), torch.Tensor)
+
+
 def rotary_modules(target) -> list[torch.nn.Module]:
     """The target's rotary embeddings (the modules holding an ``inv_freq`` buffer)."""
-    return [m for m in target.modules() if isinstance(getattr(m, "inv_freq", None), torch.Tensor)]
+    return [m for m in target.modules() if _is_rotary(m)]
 
 
 def install_invariant_forward(target) -> None:
@@ -113,6 +117,6 @@ def runs_invariant_forward(target) -> bool:
     for module in target.modules():
         if type(module) is torch.nn.Linear:
             return False
-        if isinstance(getattr(module, "inv_freq", None), torch.Tensor) and "forward" not in vars(module):
+        if _is_rotary(module) and "forward" not in vars(module):
             return False
     return True

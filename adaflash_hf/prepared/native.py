@@ -272,9 +272,8 @@ class _Plan:
     scale: float
     weights: list
     numbers: list
-    attention_rows: dict = field(
-        default_factory=dict
-    )  # (key span, dtype) -> the attention tiles' (rows, large calls)
+    # (key span, dtype) -> the attention tiles' (rows, large calls)
+    attention_rows: dict = field(default_factory=dict)
 
     def layer_numbers(self) -> tuple:
         """What both compiled calls take after their tensors: the heads, the norms' epsilons, the attention's scale
