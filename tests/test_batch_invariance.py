@@ -194,16 +194,21 @@ def test_attention_rows_do_not_depend_on_the_query_count_or_the_masked_tail(dtyp
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_engines_requests_attend_as_each_would_alone_whether_stacked_or_not(dtype):
-    # decode steps and verifies of one key block share an SDPA call; a prefill and a verify across a key block do not
+    # decode steps and verifies of one key block share an SDPA call; a prefill and a verify across a key block do not;
+    # a block's keys are gathered from slots far apart (1, 3, 5), a view of slots side by side (7, 8) or of a range
+    # with a free slot among them (9, 11), whose non-finite keys change nothing
     from adaflash_hf.kernels.verify_packing import SlotPacking
-    from adaflash_hf.prepared.attention import slot_invariant_attention, stacking_rows
+    from adaflash_hf.prepared.attention import slot_invariant_attention, stacked_entries, stacking_rows
 
     generator = torch.Generator().manual_seed(4)
-    heads, kv_heads, dim, capacity = 6, 2, 16, 256
+    heads, kv_heads, dim, capacity = 6, 2, 16, 320
     key_pool, value_pool = (
-        torch.randn(8, capacity, kv_heads, dim, generator=generator).to(dtype) for _ in range(2)
+        torch.randn(12, capacity, kv_heads, dim, generator=generator).to(dtype) for _ in range(2)
     )
+    key_pool[10], value_pool[10] = float("nan"), float("inf")
     requests = [(0, 10, 1), (3, 70, 1), (5, 75, 4), (1, 100, 5), (2, 60, 8), (6, 0, 70), (7, 130, 1)]
+    requests += [(8, 140, 2), (9, 200, 1), (11, 250, 3)]
+    assert [stacked_entries(group) for group in ([3, 5, 1], [7, 8], [9, 11])] == [None, (7, 2), (9, 3)]
     slots, starts, lengths = (list(column) for column in zip(*requests))
     packing = SlotPacking.build(slots, starts, lengths, 8, torch.device("cpu"))
     query = torch.randn(sum(lengths), heads, dim, generator=generator).to(dtype)

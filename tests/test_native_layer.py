@@ -97,7 +97,9 @@ def test_the_compiled_layer_gives_bitwise_the_python_layers_results(kind, target
 @torch.no_grad()
 def packed(target) -> list[torch.Tensor]:
     """Logits of the engine's packed forwards, then its pools: three requests prefilled (one across two key blocks),
-    decode steps, verifies of 4 and 16 tokens beside a decode step and a prefill (one verify across a key block)."""
+    decode steps, verifies of 4 and 16 tokens beside a decode step and a prefill (one verify across a key block),
+    then decode steps whose key block's requests sit in slots far apart (their keys gathered) and in a range with
+    another request's slot among them (a view of the pools)."""
     store = SlotKVStore(target.config.num_hidden_layers)
     store.reserve(4, 256)
     rounds = [
@@ -105,6 +107,8 @@ def packed(target) -> list[torch.Tensor]:
         ([0, 1, 2], [30, 70, 5], [1, 1, 1]),
         ([0, 1, 2, 3], [31, 71, 6, 0], [4, 16, 1, 40]),
         ([0, 1, 2, 3], [35, 87, 7, 40], [1, 1, 16, 1]),
+        ([0, 3, 1], [36, 41, 88], [1, 1, 1]),
+        ([0, 2, 3], [37, 23, 42], [1, 1, 1]),
     ]
     outputs = []
     for slots, starts, lengths in rounds:
@@ -129,7 +133,7 @@ def test_the_engines_packed_forward_through_the_compiled_layer_is_bitwise_the_py
     compiled_calls.clear()
     compiled = packed(target)
     layers = target.config.num_hidden_layers
-    assert compiled_calls == [("packed", n) for n in (105, 3, 61, 19) for _ in range(layers)]
+    assert compiled_calls == [("packed", n) for n in (105, 3, 61, 19, 3, 3) for _ in range(layers)]
     assert_bitwise_equal(compiled, reference)
 
 

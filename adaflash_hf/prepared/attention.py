@@ -171,30 +171,50 @@ def stacked_rows(start: int, length: int, group: int, kv_heads: int, dim: int, d
     return rows if group * length <= rows else 0
 
 
+def stacked_entries(slots: list[int]) -> tuple[int, int] | None:
+    """``(first, entries)`` where a stacked call over requests in ``slots`` reads its keys and values as a view of the
+    pools, entries ``first .. first + entries - 1`` (the slots of that range, the ones of no request in this call
+    attended too and their rows left unused): where at most half as many other slots sit among the requests' as
+    there are requests (a wasted entry costs about what gathering a request's keys does); None where it gathers
+    them. The compiled layer decides the same (``packed_plan``)."""
+    first, entries = min(slots), max(slots) - min(slots) + 1
+    return (first, entries) if 2 * (entries - len(slots)) <= len(slots) else None
+
+
 def stacked_block_attention(out, query, key_pool, value_pool, requests, span: int, scale: float) -> None:
     """Requests ``(slot, start, offset, length)`` whose new rows all sit in the key block ending at ``span``: their
     rows in one SDPA call, one request per batch entry, each entry the tile ``sequence_attention`` would give that
-    request alone (its rows first, padding rows after). Written into ``out [T, Hq, D]``."""
+    request alone (its rows first, padding rows after). Written into ``out [T, Hq, D]``. The entries are the
+    requests' slots in a range of the pools where ``stacked_entries`` says so (a view, nothing copied; an entry
+    of no request sees every key and is not read), else the requests in turn, their keys gathered."""
     heads, dim = query.shape[1], query.shape[2]
     kv_heads = key_pool.shape[2]
     group = heads // kv_heads
     rows = stacking_rows(kv_heads, dim, span, query.dtype, query.device)
-    count = len(requests)
-    slots = torch.tensor([r[0] for r in requests], device=query.device)
-    # [count, Hkv, span, D], a view of the gathered [count, span, Hkv, D] (stacking_agrees checks the call on such
-    # views); past a request's length its slot holds zeros or its own rejected drafts' keys, where
-    # sequence_attention has zeros: masked, so a finite key there changes no bit (the module docstring)
-    keys, values = (pool[slots, :span].transpose(1, 2) for pool in (key_pool, value_pool))
+    slots = [r[0] for r in requests]
+    view = stacked_entries(slots)
+    # [entries, Hkv, span, D], a view of [entries, span, Hkv, D] (stacking_agrees checks the call on such views);
+    # past a request's length its slot holds zeros or its own rejected drafts' keys, where sequence_attention has
+    # zeros: masked, so a finite key there changes no bit (the module docstring)
+    if view is None:
+        entry_of = range(len(requests))
+        index = torch.tensor(slots, device=query.device)
+        keys, values = (pool[index, :span].transpose(1, 2) for pool in (key_pool, value_pool))
+    else:
+        first, entries = view
+        entry_of = [slot - first for slot in slots]
+        keys, values = (pool[first : first + entries, :span].transpose(1, 2) for pool in (key_pool, value_pool))
+    count = keys.shape[0]
     tile = query.new_zeros(count, kv_heads, rows, dim)
     mask = torch.ones(count, 1, rows, span, dtype=torch.bool, device=query.device)
-    for index, (_, start, offset, length) in enumerate(requests):
-        tile[index, :, : group * length] = (
+    for entry, (_, start, offset, length) in zip(entry_of, requests):
+        tile[entry, :, : group * length] = (
             query[offset : offset + length].transpose(0, 1).reshape(kv_heads, group * length, dim)
         )
-        mask[index, 0, : group * length] = _causal_rows(start, start + length, span, group, query.device)
+        mask[entry, 0, : group * length] = _causal_rows(start, start + length, span, group, query.device)
     attended = F.scaled_dot_product_attention(tile, keys, values, attn_mask=mask, scale=scale)
-    for index, (_, _, offset, length) in enumerate(requests):
-        part = attended[index, :, : group * length].reshape(heads, length, dim)
+    for entry, (_, _, offset, length) in zip(entry_of, requests):
+        part = attended[entry, :, : group * length].reshape(heads, length, dim)
         out[offset : offset + length] = part.transpose(0, 1)
 
 
@@ -226,8 +246,9 @@ STACKING_ROUNDS = 8
 def stacking_agrees(kv_heads: int, dim: int, span: int, dtype, device, rows: int) -> bool:
     """Whether SDPA over a stack of tiles (``[count, Hkv, rows, D]``, each entry its own keys, values and mask) gives
     every entry bitwise what that tile's own call gives it, for stacks of 2 to 9 entries of random tiles. The stack's
-    keys and values are views ``[count, span, Hkv, D] -> [count, Hkv, span, D]`` as the slot pools give them, each
-    tile's own contiguous as ``sequence_attention`` gives them."""
+    keys and values are views ``[count, span, Hkv, D] -> [count, Hkv, span, D]`` as the slot pools give them, every
+    other round of longer slots cut to the span (``stacked_entries``' view of the pools), each tile's own contiguous
+    as ``sequence_attention`` gives them."""
     generator = torch.Generator().manual_seed(span + rows)
     for count in range(2, 2 + STACKING_ROUNDS):
         entries = []
@@ -237,9 +258,15 @@ def stacking_agrees(kv_heads: int, dim: int, span: int, dtype, device, rows: int
                 torch.randn(kv_heads, span, dim, generator=generator).to(device, dtype) for _ in range(2)
             )
             entries.append((query, allowed, keys, values))
+        capacity = span + KEY_BLOCK * (count % 2)
+        pools = []
+        for i in (2, 3):
+            pool = torch.zeros(count, capacity, kv_heads, dim, dtype=dtype, device=device)
+            pool[:, :span] = torch.stack([e[i].transpose(0, 1) for e in entries])
+            pools.append(pool[:, :span].transpose(1, 2))
         stacked = F.scaled_dot_product_attention(
             torch.stack([e[0] for e in entries]),
-            *(torch.stack([e[i].transpose(0, 1) for e in entries]).transpose(1, 2) for i in (2, 3)),
+            *pools,
             attn_mask=torch.stack([e[1] for e in entries])[:, None],
             scale=dim**-0.5,
         )

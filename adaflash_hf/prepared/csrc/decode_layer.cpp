@@ -221,11 +221,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_layer(
 
 // What packed_layer's stacked calls take, made once per packed forward (every layer has the same geometry); see
 // packed_layer for `requests` and `spans`, `like` gives the attention's dtype. Per stacked key span, in the order of
-// its first request, five tensors: the slots of its requests [count]; `gather` [count * Hkv * rows], for each row
-// of the stacked tile [count, Hkv, rows, D] the row of the query [T * Hq (+ 1 zero row), D] it holds (the zero row
-// past a request's group * length rows); the additive mask [count, 1, rows, span] of the query's dtype, 0 where a
-// row sees a key and -inf elsewhere (what SDPA makes of the boolean mask attention.stacked_block_attention gives
-// it); `source` and `destination`: the rows of the attended tile and of the output [T * Hq, D] that take them.
+// its first request, six tensors: the slots of the call's entries [count]; `gather` [count * Hkv * rows], for each
+// row of the stacked tile [count, Hkv, rows, D] the row of the query [T * Hq (+ 1 zero row), D] it holds (the zero
+// row past a request's group * length rows); the additive mask [count, 1, rows, span] of the query's dtype, 0 where
+// a row sees a key and -inf elsewhere (what SDPA makes of the boolean mask attention.stacked_block_attention gives
+// it); `source` and `destination`: the rows of the attended tile and of the output [T * Hq, D] that take them;
+// `first`: [first slot] where the entries are the pools' slots first.. (attention.stacked_entries: a view, an entry
+// of no request all zero rows that see every key), empty where they are the requests in turn, gathered.
 std::vector<at::Tensor> packed_plan(const at::Tensor& like, c10::IntArrayRef requests, c10::IntArrayRef spans,
                                     int64_t token_count, int64_t query_heads, int64_t key_heads, int64_t key_block) {
   const int64_t group = query_heads / key_heads, zero_row = token_count * query_heads;
@@ -243,27 +245,42 @@ std::vector<at::Tensor> packed_plan(const at::Tensor& like, c10::IntArrayRef req
       if (spans[i] == span) rows = spans[i + 3];
     TORCH_CHECK(rows > 0, "packed_plan: no stacking rows given for the key span ", span);
     std::vector<size_t> members;  // the requests stacked in this span's call
+    int64_t low = INT64_MAX, high = -1;
     for (size_t i = 0; i < requests.size(); i += 5)
-      if (requests[i + 4] && (requests[i + 1] / key_block + 1) * key_block == span) members.push_back(i);
-    const int64_t count = members.size();
+      if (requests[i + 4] && (requests[i + 1] / key_block + 1) * key_block == span) {
+        members.push_back(i);
+        low = std::min(low, requests[i]);
+        high = std::max(high, requests[i]);
+      }
+    const int64_t requested = members.size();
+    const bool view = 2 * (high - low + 1 - requested) <= requested;  // attention.stacked_entries
+    const int64_t count = view ? high - low + 1 : requested;
+    std::vector<int64_t> entry_of(requested), slots(count);
+    for (int64_t index = 0; index < requested; ++index) {
+      entry_of[index] = view ? requests[members[index]] - low : index;
+      slots[entry_of[index]] = requests[members[index]];
+    }
+    if (view)
+      for (int64_t entry = 0; entry < count; ++entry) slots[entry] = low + entry;
     auto allowed = at::empty({count, 1, rows, span}, like.options().dtype(at::kBool));
-    std::vector<int64_t> slots, gather, source, destination;
-    for (int64_t index = 0; index < count; ++index) {
+    std::vector<int64_t> gather(count * key_heads * rows, zero_row), source, destination;
+    for (int64_t entry = 0; entry < count; ++entry)  // entries of no request: every row sees every key
+      causal_rows(allowed.data_ptr<bool>() + entry * rows * span, rows, span, group, 0, 0);
+    for (int64_t index = 0; index < requested; ++index) {
       const size_t i = members[index];
+      const int64_t entry = entry_of[index];
       const int64_t start = requests[i + 1], offset = requests[i + 2], length = requests[i + 3];
-      slots.push_back(requests[i]);
-      causal_rows(allowed.data_ptr<bool>() + index * rows * span, rows, span, group, start, length);
+      causal_rows(allowed.data_ptr<bool>() + entry * rows * span, rows, span, group, start, length);
       // tile row r of key head h: query[offset + r % length, h * group + r / length] (the GQA group's heads in
       // turn, as query[offset : offset + length].transpose(0, 1).reshape(Hkv, group * length, D) orders them)
       for (int64_t head = 0; head < key_heads; ++head)
-        for (int64_t row = 0; row < rows; ++row)
-          gather.push_back(row < group * length
-                               ? (offset + row % length) * query_heads + head * group + row / length
-                               : zero_row);
+        for (int64_t row = 0; row < group * length; ++row)
+          gather[(entry * key_heads + head) * rows + row] =
+              (offset + row % length) * query_heads + head * group + row / length;
       for (int64_t token = 0; token < length; ++token)
         for (int64_t head = 0; head < query_heads; ++head) {
           destination.push_back((offset + token) * query_heads + head);
-          source.push_back((index * key_heads + head / group) * rows + (head % group) * length + token);
+          source.push_back((entry * key_heads + head / group) * rows + (head % group) * length + token);
         }
     }
     plan.push_back(at::tensor(slots, longs));
@@ -271,6 +288,7 @@ std::vector<at::Tensor> packed_plan(const at::Tensor& like, c10::IntArrayRef req
     plan.push_back(additive_mask(allowed, like.options()));
     plan.push_back(at::tensor(source, longs));
     plan.push_back(at::tensor(destination, longs));
+    plan.push_back(view ? at::tensor(std::vector<int64_t>{low}, longs) : at::empty({0}, longs));
   }
   return plan;
 }
@@ -314,15 +332,24 @@ at::Tensor packed_layer(const at::Tensor& hidden, const at::Tensor& cos, const a
                                        value_pool[slot].narrow(0, 0, end).transpose(0, 1), scale, key_block, rows);
     out.narrow(0, offset, length).copy_(attended.transpose(0, 1));
   }
-  // attention.stacked_block_attention, one call per key span: the tile, its keys and values gathered in one op each
+  // attention.stacked_block_attention, one call per key span: the tile gathered, its keys and values a view of the
+  // pools or gathered (packed_plan)
   if (!stacked.empty()) {
     auto rows_of_query = at::cat({query.reshape({-1, dim}), at::zeros({1, dim}, query.options())});
     auto out_rows = out.view({-1, dim});
-    for (size_t s = 0; s < stacked.size(); s += 5) {
+    for (size_t s = 0; s < stacked.size(); s += 6) {
       const auto &slots = stacked[s], &gather = stacked[s + 1], &mask = stacked[s + 2];
       const int64_t count = slots.size(0), rows = mask.size(2), span = mask.size(3);
-      auto block_keys = key_pool.narrow(1, 0, span).index_select(0, slots).transpose(1, 2);
-      auto block_values = value_pool.narrow(1, 0, span).index_select(0, slots).transpose(1, 2);
+      auto keys = key_pool.narrow(1, 0, span), values = value_pool.narrow(1, 0, span);
+      if (stacked[s + 5].numel()) {  // a range of slots: a view
+        const int64_t first = stacked[s + 5].item<int64_t>();
+        keys = keys.narrow(0, first, count);
+        values = values.narrow(0, first, count);
+      } else {
+        keys = keys.index_select(0, slots);
+        values = values.index_select(0, slots);
+      }
+      auto block_keys = keys.transpose(1, 2), block_values = values.transpose(1, 2);
       auto tile = rows_of_query.index_select(0, gather).view({count, key_heads, rows, dim});
       auto attended = at::scaled_dot_product_attention(tile, block_keys, block_values, mask, 0.0, false, scale);
       out_rows.index_copy_(0, stacked[s + 4], attended.view({-1, dim}).index_select(0, stacked[s + 3]));
