@@ -34,6 +34,42 @@ def test_bench_serve_runs_all_modes_and_writes_json_table_and_plot(target_factor
     assert saved["cost_curve"] and (tmp_path / "cost_curve.png").stat().st_size > 0  # measured by goodput
 
 
+def test_warm_up_waves_run_every_mode_untimed_and_keep_their_first_tokens_per_s(
+    target_factory, drafter_factory, monkeypatch
+):
+    from adaflash_hf.bench import serve
+
+    target = target_factory("llama")
+    drafter = drafter_factory(target)
+    prompts = [torch.randint(0, 500, (n,), generator=torch.Generator().manual_seed(n)) for n in (5, 9)]
+    calls = []
+    real = serve.run_level
+    monkeypatch.setattr(serve, "run_level", lambda *a, **k: calls.append((a[2], a[4])) or real(*a, **k))
+    modes = ("plain", "goodput")
+    results = run_benchmark(
+        target,
+        drafter,
+        prompts,
+        [2],
+        modes=modes,
+        requests_per_level=2,
+        max_new_tokens=4,
+        repeats=2,
+        warmup_waves=1,
+    )
+    # one warm-up request per mode, then at the level one untimed round and two timed ones, interleaved
+    assert calls == [("plain", 1), ("goodput", 1)] + [(m, 2) for _ in range(3) for m in modes]
+    for row in results["summary"]:
+        assert len(row["seconds"]) == 2 and row["first_wave_tokens_per_s"] > 0
+    assert results["settings"]["warmup_waves"] == 1
+    cold = run_benchmark(
+        target, drafter, prompts, [2], modes=("plain",), requests_per_level=2, max_new_tokens=4
+    )
+    assert cold["summary"][0]["first_wave_tokens_per_s"] is None
+    with pytest.raises(ValueError, match="warmup_waves: expected an int >= 0, got -1"):
+        run_benchmark(target, drafter, prompts, [2], modes=modes, warmup_waves=-1)
+
+
 def test_modes_without_plain_are_refused_before_loading_anything(tmp_path, capsys):
     assert make_parser().parse_args(["--quick"]).concurrency is None and QUICK["concurrency"] == [1, 2]
     with pytest.raises(SystemExit) as exit_:
@@ -55,6 +91,7 @@ def no_target(monkeypatch):
         (["--concurrency", "1", "0"], "argument --concurrency: expected an int >= 1, got 0"),
         (["--requests-per-level", "0"], "argument --requests-per-level: expected an int >= 1, got 0"),
         (["--threads", "0"], "argument --threads: expected an int >= 1, got 0"),
+        (["--warmup-waves", "-1"], "argument --warmup-waves: expected an int >= 0, got -1"),
         (
             ["--lookup-min-prob", "-0.5"],
             r"argument --lookup-min-prob: expected a number in \[0, 1\], got -0.5",

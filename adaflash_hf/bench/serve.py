@@ -6,7 +6,7 @@ expected committed tokens per second on this machine, ``adaflash_hf.drafting``).
     adaflash bench serve [--drafter DIR|random] [--concurrency 1 2 4 8 16 32] [--requests-per-level 32]
                          [--max-new-tokens 128] [--modes plain dflash adaflash hybrid] [--repeats 1] [--threads 2]
                          [--output-dir runs/bench_serve] [--dtype fp32|bf16|auto] [--prepared]
-                         [--plain-baselines fp32 bf16]
+                         [--plain-baselines fp32 bf16] [--warmup-waves 1]
     python -m adaflash_hf.bench.serve --quick          # smoke run: concurrency 1 2, 2 requests, 16 tokens
 
 Requests are held-out prompts (``adaflash_hf.data``: chat, code, math in turn, chat template, at most
@@ -14,7 +14,10 @@ Requests are held-out prompts (``adaflash_hf.data``: chat, code, math in turn, c
 max(requests-per-level, c) requests queued at once (closed loop: a finished request's slot goes to the next
 one), and a token budget that never binds (c·block_size + the longest prompt), so the modes differ only in
 their drafts. All modes run in one process, interleaved per repeat (plain, dflash, adaflash, hybrid, then
-again), after one warm-up request per mode. ``--drafter random`` builds an untrained drafter: timing smoke
+again), after one warm-up request per mode and, at each level, ``--warmup-waves`` untimed rounds (1; 0 with
+``--quick``): a process's first wave at a load meets what a running server met long before (the machine checks
+of new shapes, the cost and acceptance models' first samples at that load), and costs drafting 5-10% of that wave
+at 16 requests on one Intel Xeon; its tokens/s is kept (``first_wave_tokens_per_s``). ``--drafter random`` builds an untrained drafter: timing smoke
 tests only (nothing gets accepted).
 
 Per concurrency and mode: throughput = generated tokens / wall seconds (median over repeats); speed-up = that
@@ -60,8 +63,20 @@ from adaflash_hf.stats import tau_of
 logger = logging.get_logger(__name__)
 
 DOMAINS = ("chat", "code", "math")
-QUICK = {"concurrency": [1, 2], "requests_per_level": 2, "max_new_tokens": 16, "repeats": 1}
-FULL = {"concurrency": [1, 2, 4, 8, 16, 32], "requests_per_level": 32, "max_new_tokens": 128, "repeats": 1}
+QUICK = {
+    "concurrency": [1, 2],
+    "requests_per_level": 2,
+    "max_new_tokens": 16,
+    "repeats": 1,
+    "warmup_waves": 0,
+}
+FULL = {
+    "concurrency": [1, 2, 4, 8, 16, 32],
+    "requests_per_level": 32,
+    "max_new_tokens": 128,
+    "repeats": 1,
+    "warmup_waves": 1,
+}
 WARMUP_TOKENS = 8
 # bench mode -> (draft source, length mode); "plain" runs without a drafter
 ENGINE_SETTINGS = {
@@ -165,25 +180,33 @@ def _check_run(drafter, prompts, concurrency, modes, requests_per_level, max_new
 
 
 def _run_level_repeats(
-    target, drafter, modes, prompts, level, max_new_tokens, repeats, lookup_min_prob, timed
+    target, drafter, modes, prompts, level, max_new_tokens, repeats, lookup_min_prob, timed, warmup_waves=0
 ):
-    """Every mode and timed baseline at one concurrency, interleaved per repeat."""
+    """Every mode and timed baseline at one concurrency, interleaved per repeat, after ``warmup_waves`` untimed
+    rounds of the same (returned third: each mode's tokens/s in its first wave at this level, or None)."""
     runs = {mode: [] for mode in modes}
     baseline_runs = {name: [] for name in timed}
-    outputs = {}
-    for _ in range(repeats):
+    outputs, first_waves = {}, {}
+    for repeat in range(-warmup_waves, repeats):
         for mode in modes:
             run, outputs[mode] = run_level(
                 target, drafter, mode, prompts, level, max_new_tokens, lookup_min_prob
             )
-            runs[mode].append(run)
-            logger.info(f"c={level} {mode}: {run['generated'] / run['seconds']:.1f} tok/s")
+            tokens_per_s = run["generated"] / run["seconds"]
+            first_waves.setdefault(mode, tokens_per_s)
+            if repeat >= 0:
+                runs[mode].append(run)
+            logger.info(f"c={level} {mode}{' (warm-up)' if repeat < 0 else ''}: {tokens_per_s:.1f} tok/s")
         for name, model in timed.items():
-            baseline_runs[name].append(run_level(model, None, "plain", prompts, level, max_new_tokens)[0])
-    return runs, baseline_runs, outputs
+            run = run_level(model, None, "plain", prompts, level, max_new_tokens)[0]
+            if repeat >= 0:
+                baseline_runs[name].append(run)
+    return runs, baseline_runs, outputs, (first_waves if warmup_waves else {})
 
 
-def _level_rows(level, modes, runs, baseline_runs, outputs, baselines, requests) -> list[dict]:
+def _level_rows(
+    level, modes, runs, baseline_runs, outputs, baselines, requests, first_waves=None
+) -> list[dict]:
     """One summary row per mode at this level, against plain and against the fastest plain baseline."""
     plain_tps = statistics.median(r["generated"] / r["seconds"] for r in runs["plain"])
     baseline_tps = {
@@ -202,6 +225,7 @@ def _level_rows(level, modes, runs, baseline_runs, outputs, baselines, requests)
             plain_baseline_tokens_per_s=baseline_tps,
             speedup_vs_fastest_plain=row["tokens_per_s"] / baseline_tps[fastest],
             exact_rate=statistics.fmean(o == p for o, p in zip(outputs[mode], outputs["plain"])),
+            first_wave_tokens_per_s=(first_waves or {}).get(mode),
         )
         rows.append(row)
     return rows
@@ -218,10 +242,14 @@ def run_benchmark(
     repeats: int = 1,
     lookup_min_prob: float = 0.0,
     baselines: dict | None = None,
+    warmup_waves: int = 0,
 ) -> dict:
     """Every mode at every concurrency, interleaved per repeat; the results dict of the module docstring.
     ``lookup_min_prob`` is the hybrid mode's engine setting. ``baselines``: the plain batched decodings timed beside
-    the modes (``targets.plain_baselines``); per level the fastest is each row's ``fastest_plain``."""
+    the modes (``targets.plain_baselines``); per level the fastest is each row's ``fastest_plain``.
+    ``warmup_waves``: untimed rounds of every mode before each level's timed ones (``first_wave_tokens_per_s``)."""
+    if not isinstance(warmup_waves, int) or warmup_waves < 0:
+        raise ValueError(f"warmup_waves: expected an int >= 0, got {warmup_waves!r}")
     baselines, timed = timed_baselines(baselines)
     _check_run(drafter, prompts, concurrency, modes, requests_per_level, max_new_tokens, repeats)
     modes = tuple(m for m in MODES if m in modes)  # plain first: it is the reference
@@ -232,7 +260,7 @@ def run_benchmark(
     summary = []
     for level in concurrency:
         level_prompts = prompts[: max(requests_per_level, level)]
-        runs, baseline_runs, outputs = _run_level_repeats(
+        runs, baseline_runs, outputs, first_waves = _run_level_repeats(
             target,
             drafter,
             modes,
@@ -242,8 +270,11 @@ def run_benchmark(
             repeats,
             lookup_min_prob,
             timed,
+            warmup_waves,
         )
-        summary += _level_rows(level, modes, runs, baseline_runs, outputs, baselines, len(level_prompts))
+        summary += _level_rows(
+            level, modes, runs, baseline_runs, outputs, baselines, len(level_prompts), first_waves
+        )
     return {
         "settings": {
             "modes": list(modes),
@@ -251,6 +282,7 @@ def run_benchmark(
             "requests_per_level": requests_per_level,
             "max_new_tokens": max_new_tokens,
             "repeats": repeats,
+            "warmup_waves": warmup_waves,
             "block_size": None if drafter is None else drafter.config.block_size,
             "gamma": None if drafter is None else drafter.config.length_head_gamma,
             "lookup_min_prob": lookup_min_prob,
@@ -294,8 +326,8 @@ def markdown_table(results: dict) -> str:
     settings = results["settings"]
     return column_table(COLUMNS, results["summary"], "rl" + "r" * 9 + "cr") + (
         f"\nGreedy, {settings['max_new_tokens']} new tokens per request, max(requests_per_level="
-        f"{settings['requests_per_level']}, concurrency) requests per level, {settings['repeats']} repeat(s), "
-        f"{settings['threads']} thread(s).\n"
+        f"{settings['requests_per_level']}, concurrency) requests per level, {settings['repeats']} repeat(s) after "
+        f"{settings.get('warmup_waves', 0)} untimed warm-up wave(s) per level, {settings['threads']} thread(s).\n"
         f"CPU: {settings['cpu_model']} ({settings['cpu']}); target {settings.get('target_dtype', '?')}, prepared: "
         f"{settings.get('prepared')}. vs fastest plain: against the fastest of {settings['plain_baselines']} plain "
         "batched decoding at that concurrency (named in brackets).\n"
@@ -347,6 +379,13 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--max-prompt-tokens", type=int_at_least(1), default=384, help="skip longer prompts (384)"
     )
+    parser.add_argument(
+        "--warmup-waves",
+        type=int_at_least(0),
+        help="untimed rounds of every mode at each level before its timed repeats: what a server meets once "
+        "(shapes checked, the cost and acceptance models' first samples at that load); the first one's tokens/s "
+        f"is kept as first_wave_tokens_per_s (FULL {FULL['warmup_waves']}, --quick {QUICK['warmup_waves']})",
+    )
     return parser
 
 
@@ -389,6 +428,7 @@ def main(argv: list[str] | None = None) -> int:
         repeats=args.repeats,
         lookup_min_prob=args.lookup_min_prob,
         baselines=baselines,
+        warmup_waves=args.warmup_waves,
     )
     results["settings"].update(settings)
     write_outputs(results, args.output_dir)

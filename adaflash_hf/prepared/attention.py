@@ -203,7 +203,9 @@ def stacked_block_attention(out, query, key_pool, value_pool, requests, span: in
     else:
         first, entries = view
         entry_of = [slot - first for slot in slots]
-        keys, values = (pool[first : first + entries, :span].transpose(1, 2) for pool in (key_pool, value_pool))
+        keys, values = (
+            pool[first : first + entries, :span].transpose(1, 2) for pool in (key_pool, value_pool)
+        )
     count = keys.shape[0]
     tile = query.new_zeros(count, kv_heads, rows, dim)
     mask = torch.ones(count, 1, rows, span, dtype=torch.bool, device=query.device)

@@ -214,6 +214,7 @@ def run(
     eager: bool = False,
     repeats: int = 1,
     waves: int | None = None,
+    prefix_caching: bool = True,
 ) -> int:
     """Every engine in a fresh process of its own (vLLM's CPU build does not always tear one down cleanly enough
     for the next), ``repeats`` times; or, with ``waves``, every engine of a dtype at once in one fresh process
@@ -221,8 +222,10 @@ def run(
     prompts = json.loads((out / "prompts.json").read_text())
     results: dict = {"max_tokens": max_tokens, "num_speculative_tokens": speculative_tokens, "rows": []}
     results |= {"prompts": len(prompts), "host": _host(), "enforce_eager": eager, "repeats": repeats}
+    results |= {"prefix_caching": prefix_caching}
     extra = {} if gpu_memory_utilization is None else {"gpu_memory_utilization": gpu_memory_utilization}
     extra |= {"enforce_eager": True} if eager else {}
+    extra |= {} if prefix_caching else {"enable_prefix_caching": False}
     common = {"out": out, "concurrency": concurrency, "max_tokens": max_tokens}
     common |= {"speculative_tokens": speculative_tokens, "extra": extra}
     if waves is not None:
@@ -422,6 +425,11 @@ def main(argv: list[str] | None = None) -> int:
         "--eager", action="store_true", help="enforce_eager (no torch.compile: starts sooner)"
     )
     second.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="vLLM's prefix cache off for every engine (waves of the same prompts would otherwise prefill from it)",
+    )
+    second.add_argument(
         "--repeats",
         type=int,
         default=1,
@@ -465,6 +473,7 @@ def main(argv: list[str] | None = None) -> int:
         args.eager,
         args.repeats,
         args.paired,
+        not args.no_prefix_caching,
     )
 
 
