@@ -181,8 +181,12 @@ def build_in_process(drafter: str):
     """An engine and tokenizer as ``adaflash serve --drafter DRAFTER`` builds them with its other flags' defaults."""
     from adaflash_hf.assets import DEFAULT_TARGET
     from adaflash_hf.serving.server import served_engine
+    from adaflash_hf.serving.worker import in_own_thread
 
-    engine, _, tokenizer = served_engine(DEFAULT_TARGET, None if drafter == "default" else drafter)
+    # as the server builds it: on a thread that ends, so that the engine's thread has the only OpenMP team
+    engine, _, tokenizer = in_own_thread(
+        served_engine, DEFAULT_TARGET, None if drafter == "default" else drafter
+    )
     return engine, tokenizer
 
 

@@ -39,7 +39,7 @@ from adaflash_hf.serving.admission import AdmissionConfig
 from adaflash_hf.serving.cache import packed_forward_timer
 from adaflash_hf.serving.engine import AdaFlashEngine
 from adaflash_hf.serving.memory import limit_malloc_arenas
-from adaflash_hf.serving.worker import EngineWorker, QueueFull, ShuttingDown
+from adaflash_hf.serving.worker import EngineWorker, QueueFull, ShuttingDown, in_own_thread
 
 logger = logging.get_logger(__name__)
 
@@ -482,7 +482,10 @@ def serve(options, learner_factory=None) -> int:
             f"dtype, and AdamW on bf16 weights loses its small updates), got {options.dtype}"
         )
     sock = bind(options.host, options.port, names=("--host", "--port"))
-    engine, target, tokenizer = served_engine(
+    # built on a thread that ends before the engine's starts: the engine's thread is then the only one with an
+    # OpenMP team (worker.in_own_thread)
+    engine, target, tokenizer = in_own_thread(
+        served_engine,
         options.target,
         options.drafter,
         dtype=options.dtype,
@@ -492,7 +495,9 @@ def serve(options, learner_factory=None) -> int:
         max_running=options.max_running,
         token_budget=options.token_budget,
     )
-    learner = learner_factory(engine, target, tokenizer) if learner_factory is not None else None
+    learner = (
+        in_own_thread(learner_factory, engine, target, tokenizer) if learner_factory is not None else None
+    )
     worker = EngineWorker(engine, tokenizer, max_waiting=options.max_waiting, learner=learner)
     model_name = options.served_model_name or Path(options.target).name
     app = create_app(worker, tokenizer, model_name, options.default_max_tokens, options.grace_period, learner)

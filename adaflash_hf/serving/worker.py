@@ -168,6 +168,30 @@ def _percentile(ordered: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
 
 
+def in_own_thread(function: Callable, *args, **kwargs):
+    """``function(*args, **kwargs)`` run on a thread of its own that ends when it returns; its result is returned and
+    its exception raised here. Build what the engine thread serves this way (load, prepare, calibrate), not on the
+    thread that then waits on the server: torch's CPU ops run on OpenMP (libgomp), which gives every thread that
+    ever ran a parallel op a team of worker threads for that thread's life, and while more such threads exist than
+    cores it stops their workers from spin-waiting, so every parallel op waits for sleeping workers to wake. A target
+    loaded on the main thread and served from the engine's ran its ops at 0.4-0.7x and the engine at half its speed
+    (a 2-core Intel Xeon); built on a thread that has ended, the engine's is the only team."""
+    result: dict = {}
+
+    def run() -> None:
+        try:
+            result["value"] = function(*args, **kwargs)
+        except BaseException as error:  # noqa: BLE001 - raised again on the caller's thread
+            result["error"] = error
+
+    thread = threading.Thread(target=run, name=f"adaflash-build-{getattr(function, '__name__', 'call')}")
+    thread.start()
+    thread.join()
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
+
+
 class EngineWorker(threading.Thread):
     """See the module docstring."""
 
