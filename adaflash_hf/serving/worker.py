@@ -24,6 +24,10 @@ so memory stays flat however long it serves.
 Without a tokenizer (the online loop) nothing is detokenized: no "text" events, and stop strings are not supported.
 A caller without an asyncio loop hands ``submit`` an ``on_event`` callable, called on the engine thread.
 
+Build the engine with ``in_own_thread`` where the thread that builds it goes on running (a server's event loop, a
+notebook): a thread that ran torch's parallel ops keeps an OpenMP team, and with two teams in the process libgomp
+slows the engine thread's ops to about half their speed.
+
 A learner (``--learn``) is any object with ``between_steps()`` and ``request_ended(request)``; the second is called for
 every request that ends, aborted ones included (their rounds were never pushed by the engine's round recorder).
 """

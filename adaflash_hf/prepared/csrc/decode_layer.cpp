@@ -256,12 +256,8 @@ std::vector<at::Tensor> packed_plan(const at::Tensor& like, c10::IntArrayRef req
     const bool view = 2 * (high - low + 1 - requested) <= requested;  // attention.stacked_entries
     const int64_t count = view ? high - low + 1 : requested;
     std::vector<int64_t> entry_of(requested), slots(count);
-    for (int64_t index = 0; index < requested; ++index) {
-      entry_of[index] = view ? requests[members[index]] - low : index;
-      slots[entry_of[index]] = requests[members[index]];
-    }
-    if (view)
-      for (int64_t entry = 0; entry < count; ++entry) slots[entry] = low + entry;
+    for (int64_t index = 0; index < requested; ++index) entry_of[index] = view ? requests[members[index]] - low : index;
+    for (int64_t entry = 0; entry < count; ++entry) slots[entry] = view ? low + entry : requests[members[entry]];
     auto allowed = at::empty({count, 1, rows, span}, like.options().dtype(at::kBool));
     std::vector<int64_t> gather(count * key_heads * rows, zero_row), source, destination;
     for (int64_t entry = 0; entry < count; ++entry)  // entries of no request: every row sees every key
