@@ -56,3 +56,55 @@ def test_the_server_builds_its_engine_and_learner_off_the_thread_that_serves(mon
     main = threading.current_thread()
     assert built_on["engine"] is not main and built_on["learner"] is not main
     assert not built_on["engine"].is_alive() and not built_on["learner"].is_alive()
+
+
+def _on_a_thread(function):
+    out = []
+    thread = threading.Thread(target=lambda: out.append(function()))
+    thread.start()
+    thread.join()
+    return out[0]
+
+
+def test_a_pinned_thread_keeps_its_count_when_another_sets_torch_s_later():
+    import torch
+
+    from adaflash_hf.serving.worker import pin_torch_threads
+
+    before = torch.get_num_threads()
+    pinned, go = threading.Event(), threading.Event()
+
+    def worker():
+        pin_torch_threads(1)
+        pinned.set()
+        go.wait()
+        torch.ones(512, 512) @ torch.ones(512, 512)  # a parallel op after another thread's set
+        return torch.get_num_threads()
+
+    out = []
+    thread = threading.Thread(target=lambda: out.append(worker()))
+    thread.start()
+    pinned.wait()
+    torch.set_num_threads(2)
+    go.set()
+    thread.join()
+    torch.set_num_threads(before)
+    assert out == [1]
+
+
+def test_a_learner_beside_an_engine_of_this_process_trains_on_one_torch_thread(monkeypatch):
+    import torch
+
+    from adaflash_hf.online.live import LiveLearner
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    learner = object.__new__(LiveLearner)  # only the thread's set-up is exercised here
+    monkeypatch.setattr(learner, "train", lambda: torch.get_num_threads(), raising=False)
+    learner.reloader = object()  # an engine in this process hot-reloads
+    beside_engine = _on_a_thread(lambda: (learner._train_beside(), torch.get_num_threads())[1])
+    torch.set_num_threads(2)  # torch's count for threads not yet started (pinning set it to 1)
+    learner.reloader = None  # vLLM's engine, another process
+    beside_vllm = _on_a_thread(lambda: (learner._train_beside(), torch.get_num_threads())[1])
+    torch.set_num_threads(before)
+    assert (beside_engine, beside_vllm) == (1, 2)

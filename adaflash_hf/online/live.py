@@ -43,6 +43,7 @@ from adaflash_hf.online.weights import (
     publish_weights,
     save_online_checkpoint,
 )
+from adaflash_hf.serving.worker import pin_torch_threads
 
 logger = logging.get_logger(__name__)
 
@@ -133,7 +134,7 @@ class LiveLearner:
         self.last: dict[str, float] = {}
         self.diverged = False
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self.train, name="adaflash-learner", daemon=True)
+        self._thread = threading.Thread(target=self._train_beside, name="adaflash-learner", daemon=True)
 
     # ------------------------------------------------------------------------------------------ engine thread
     def between_steps(self) -> None:
@@ -149,6 +150,17 @@ class LiveLearner:
     # ----------------------------------------------------------------------------------------- trainer thread
     def start(self) -> None:
         self._thread.start()
+
+    def _train_beside(self) -> None:
+        """``train`` on the learner's thread. Beside an engine of this process it trains on one torch thread: on a
+        CPU, torch's ops run on OpenMP (libgomp), which keeps a team of workers for every thread that ran a parallel
+        op, for that thread's life, and stops their spin-waiting while it manages more threads than cores, so a
+        learner that once trained on two threads slowed every op of the engine's thread 1.5-2.4x for as long as it
+        lived, idle or not (a 2-core Intel Xeon; ``serving.worker.in_own_thread``). A learner beside another
+        process's engine (vLLM's) keeps torch's thread count."""
+        if self.reloader is not None:
+            pin_torch_threads(1)
+        self.train()
 
     def stop(self) -> None:
         """End training at the next buffer wait (a round in progress finishes)."""

@@ -43,6 +43,7 @@ from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from transformers.utils import logging
 
 from adaflash_hf.serving.detokenize import IncrementalText
@@ -196,6 +197,14 @@ def in_own_thread(function: Callable, *args, **kwargs):
     return result["value"]
 
 
+def pin_torch_threads(threads: int) -> None:
+    """Give the calling thread ``threads`` torch threads for the rest of its life. torch sets a thread's count from
+    its last ``set_num_threads`` anywhere at that thread's first op: initialised first, the thread keeps its own.
+    The count also becomes torch's for threads that have not run an op yet."""
+    torch.get_num_threads()  # the thread's first-use initialisation, from torch's last set count
+    torch.set_num_threads(threads)
+
+
 class EngineWorker(threading.Thread):
     """See the module docstring."""
 
@@ -226,6 +235,9 @@ class EngineWorker(threading.Thread):
         self._deadline: float | None = None
         self._grace_s = 0.0
         self._busy = False
+        # the engine thread's torch threads: its creator's (a thread takes torch's last set count at its first op,
+        # and a learner beside it trains on one)
+        self.threads = torch.get_num_threads()
 
     # ------------------------------------------------------------------------------------ HTTP side (any thread)
     @property
@@ -283,6 +295,7 @@ class EngineWorker(threading.Thread):
 
     # -------------------------------------------------------------------------------------------- engine thread
     def run(self) -> None:
+        pin_torch_threads(self.threads)
         engine = self.engine
         try:
             while True:
