@@ -204,9 +204,7 @@ def _run_level_repeats(
     return runs, baseline_runs, outputs, (first_waves if warmup_waves else {})
 
 
-def _level_rows(
-    level, modes, runs, baseline_runs, outputs, baselines, requests, first_waves=None
-) -> list[dict]:
+def _level_rows(level, modes, runs, baseline_runs, outputs, baselines, requests, first_waves) -> list[dict]:
     """One summary row per mode at this level, against plain and against the fastest plain baseline."""
     plain_tps = statistics.median(r["generated"] / r["seconds"] for r in runs["plain"])
     baseline_tps = {
@@ -225,7 +223,7 @@ def _level_rows(
             plain_baseline_tokens_per_s=baseline_tps,
             speedup_vs_fastest_plain=row["tokens_per_s"] / baseline_tps[fastest],
             exact_rate=statistics.fmean(o == p for o, p in zip(outputs[mode], outputs["plain"])),
-            first_wave_tokens_per_s=(first_waves or {}).get(mode),
+            first_wave_tokens_per_s=first_waves.get(mode),
         )
         rows.append(row)
     return rows

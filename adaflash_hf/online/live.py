@@ -152,11 +152,9 @@ class LiveLearner:
         self._thread.start()
 
     def _train_beside(self) -> None:
-        """``train`` on the learner's thread. Beside an engine of this process it trains on one torch thread: on a
-        CPU, torch's ops run on OpenMP (libgomp), which keeps a team of workers for every thread that ran a parallel
-        op, for that thread's life, and stops their spin-waiting while it manages more threads than cores, so a
-        learner that once trained on two threads slowed every op of the engine's thread 1.5-2.4x for as long as it
-        lived, idle or not (a 2-core Intel Xeon; ``serving.worker.in_own_thread``). A learner beside another
+        """``train`` on the learner's thread. Beside an engine of this process it trains on one torch thread: a
+        learner thread with an OpenMP team of its own slowed every op of the engine's thread 1.5-2.4x for as long as
+        it lived, idle or not (a 2-core Intel Xeon; why: ``serving.worker.in_own_thread``). A learner beside another
         process's engine (vLLM's) keeps torch's thread count."""
         if self.reloader is not None:
             pin_torch_threads(1)
