@@ -169,8 +169,19 @@ def test_plain_fp32_linear_rows_depend_on_the_row_count():
     assert not all(torch.equal(r, results[0]) for r in results)
 
 
+@pytest.fixture(params=["row kernel", "sdpa tiles"])
+def attention_route(request, monkeypatch):
+    """The invariant attention through the compiled row kernel, or through SDPA in tiles (where no compiler is)."""
+    from adaflash_hf.prepared import attention, native
+
+    if request.param == "row kernel" and not native.load():
+        pytest.skip("the compiled library could not be built here")
+    monkeypatch.setattr(attention, "ROW_KERNEL", request.param == "row kernel")
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_attention_rows_do_not_depend_on_the_query_count_or_the_masked_tail(dtype):
+def test_attention_rows_do_not_depend_on_the_query_count_or_the_masked_tail(dtype, attention_route):
     generator = torch.Generator().manual_seed(0)
     heads, kv_heads, dim, length = 6, 2, 16, 150
     keys = torch.randn(kv_heads, length, dim, generator=generator).to(dtype)
@@ -193,7 +204,7 @@ def test_attention_rows_do_not_depend_on_the_query_count_or_the_masked_tail(dtyp
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_engines_requests_attend_as_each_would_alone_whether_stacked_or_not(dtype):
+def test_the_engines_requests_attend_as_each_would_alone_whether_stacked_or_not(dtype, attention_route):
     # decode steps and verifies of one key block share an SDPA call; a prefill and a verify across a key block do not;
     # a block's keys are gathered from slots far apart (1, 3, 5), a view of slots side by side (7, 8) or of a range
     # with a free slot among them (9, 11), whose non-finite keys change nothing

@@ -1,6 +1,11 @@
 """Batch-invariant causal attention over a growing cache: a query's result depends on its own position and the keys
 it sees, not on how many queries share the call nor on the masked keys after it.
 
+Where the compiled layer's library is loaded (``adaflash_hf.prepared.native``: built on first use with the system's C++
+compiler), CPU tensors in float32 or bfloat16 go through its row attention (``csrc/row_attention.cpp``): each query
+row computed alone, in one order of float32 operations written out in its source, so a row's result cannot depend on
+the call (``ROW_KERNEL = False`` turns it off). Elsewhere (no compiler, a GPU, another dtype), SDPA in tiles:
+
 SDPA on CPU reduces a query's softmax and its probability-value product over the call's whole key length (with the
 masked tail), and picks its blocking from the query count, so a verified token's attention differs from the same
 token decoded alone. Here keys come in blocks of ``KEY_BLOCK`` positions, fixed in absolute position: a query at
@@ -38,6 +43,19 @@ ATTENTION_LARGE = (12, 4)
 # the name the prepared forward registers this attention under with transformers (adaflash_hf.prepared.forward); no
 # "flash" in it: transformers would take it for a flash-attention kernel
 ATTENTION_NAME = "ada_invariant"
+ROW_KERNEL = True  # the compiled row attention where it is loaded (module docstring)
+
+
+def _row_kernel(query: torch.Tensor, dim: int):
+    """The compiled library's module where the row attention serves these rows, else None."""
+    if not ROW_KERNEL or query.device.type != "cpu" or dim % 16 or dim > 512:
+        return None
+    if query.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    from adaflash_hf.prepared import native  # it imports this module
+
+    native.load()  # built on first use; the attention runs it even where a layer runs the Python ops
+    return native if native.ROW_ATTENTION is not None else None
 
 
 def block_attention(query, allowed, *, keys, values, scale: float) -> torch.Tensor:
@@ -104,6 +122,12 @@ def sequence_attention(
     kv_heads = keys.shape[0]
     group = heads // kv_heads
     scale = dim**-0.5 if scale is None else scale
+    kernel = _row_kernel(query, dim)
+    if kernel is not None and keys.dtype == query.dtype:
+        mask = query.new_empty(0, dtype=torch.bool) if allowed is None else allowed
+        return kernel.ROW_ATTENTION(
+            query.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), start, scale, mask
+        ).transpose(0, 1)
     outputs = []
     for block in range(start // key_block, (start + count - 1) // key_block + 1):
         first = max(start, block * key_block) - start
@@ -137,10 +161,16 @@ def slot_invariant_attention(
     Requests whose new rows sit in one key block and fill at most one tile (decode steps and verifies) go through
     ``stacked_block_attention``, those of one key block in one call; the others (prefills) through
     ``sequence_attention`` each."""
-    out = torch.empty_like(query)
     heads, dim = query.shape[1], query.shape[2]
     kv_heads = key_pool.shape[2]
     scale = dim**-0.5 if scale is None else scale
+    kernel = _row_kernel(query, dim)
+    if kernel is not None and key_pool.dtype == query.dtype:
+        requests = [
+            n for entry in zip(packing.slots, packing.starts, packing.offsets, packing.lengths) for n in entry
+        ]
+        return kernel.PACKED_ROW_ATTENTION(query, key_pool, value_pool, requests, scale)
+    out = torch.empty_like(query)
     by_span: dict[int, list[tuple[int, int, int, int]]] = {}
     for slot, start, offset, length in zip(packing.slots, packing.starts, packing.offsets, packing.lengths):
         if stacked_rows(start, length, heads // kv_heads, kv_heads, dim, query.dtype, query.device):
@@ -176,7 +206,7 @@ def stacked_entries(slots: list[int]) -> tuple[int, int] | None:
     pools, entries ``first .. first + entries - 1`` (the slots of that range, the ones of no request in this call
     attended too and their rows left unused): where at most half as many other slots sit among the requests' as
     there are requests (a wasted entry costs about what gathering a request's keys does); None where it gathers
-    them. The compiled layer decides the same (``packed_plan``)."""
+    them."""
     first, entries = min(slots), max(slots) - min(slots) + 1
     return (first, entries) if 2 * (entries - len(slots)) <= len(slots) else None
 

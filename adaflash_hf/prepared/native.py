@@ -1,5 +1,4 @@
-"""A prepared Llama layer's forward as one compiled call: the same ATen ops, none of the interpreter's time between
-them.
+"""A prepared Llama layer's forward as one compiled call, and the invariant attention's row kernel.
 
 A decode step of a small target is mostly Python: some 70 ops a layer, each a few microseconds of interpreter and
 dispatch around kernels that take tens (on one Intel Xeon with AMX, a 4-bit step of the offline target spent 5 ms
@@ -9,21 +8,25 @@ the rotary embedding, the attention, the MLP), in the same order, on the same sh
 kernels, in two forms:
 
 - ``decode_layer``: one sequence's new tokens over transformers' dynamic cache (``generate``'s prefill, decode steps
-  and verifies): the cache's concatenation, then the invariant attention's key blocks in their tiles;
+  and verifies): the cache's concatenation, then the row attention;
 - ``packed_layer``: the serving engine's packed forward (``adaflash_hf.serving.cache``): the new keys and values
-  written to the slot pools, then each request's rows attended as ``slot_invariant_attention`` does (the requests of
-  one key block stacked in one call, the others through their key blocks' tiles).
+  written to the slot pools, then every request's rows through the row attention over its slot.
+
+``csrc/row_attention.cpp`` is the attention itself: causal attention computed row by row in one order written out in
+the source (its scores, softmax and value sums in float32), so a row's result is a function of the row, its position
+and the keys it sees, whatever else the call holds, on any CPU. Where this library is loaded, the Python attention
+(``adaflash_hf.prepared.attention``) calls it too, so every forward of the process attends the same way.
 
 The result is bitwise the Python layer's (``tests/test_native_layer.py`` compares them for prefills, decode steps
 and verifies across key blocks, and for packed forwards of prefills, decode steps and verifies together), so every
 guarantee of the prepared forward holds unchanged.
 
 It is built from source on first use on a machine (torch's C++ extension loader with ninja and the system's C++
-compiler, about 10 s, kept in torch's extensions folder for later processes) and loaded as ``torch.ops``. Where it
-cannot be built (no compiler), or with ``ADAFLASH_NATIVE=0``, the Python layer runs, with one warning.
+compiler, for this CPU, about 20 s, kept in torch's extensions folder for later processes) and loaded as
+``torch.ops``. Where it cannot be built (no compiler), or with ``ADAFLASH_NATIVE=0``, the Python layer runs and the
+attention runs SDPA in tiles (``adaflash_hf.prepared.attention``), with one warning.
 
-A layer call runs here only where the Python layer would run exactly these ops: a CPU tensor, a SiLU MLP, attention
-tiles already made for the key blocks it touches (the Python layer makes them at its first call there), and either
+A layer call runs here only where the Python layer would run exactly these ops: a CPU tensor, a SiLU MLP, and either
 one sequence (batch of one) with transformers' dynamic cache layer, the invariant attention and no attention mask or
 a causal one (``generate``'s unpadded sequence), or the engine's invariant packed forward (its attention function
 marked ``packed_attention``). Anything else (batches, padding, other caches and attentions) runs the Python layer.
@@ -33,7 +36,7 @@ from __future__ import annotations
 
 import os
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -43,14 +46,14 @@ from transformers.cache_utils import DynamicLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import logging
 
-from adaflash_hf.prepared.attention import ATTENTION_NAME, KEY_BLOCK, made_block_tiles, stacked_rows
+from adaflash_hf.prepared.attention import ATTENTION_NAME
 from adaflash_hf.prepared.four_bit import four_bit_linear
 from adaflash_hf.prepared.linear import _packed_linear, group_route, linear_route
 
 logger = logging.get_logger(__name__)
 
 ENVIRONMENT = "ADAFLASH_NATIVE"  # "0": run the Python layer
-SOURCE = Path(__file__).parent / "csrc" / "decode_layer.cpp"
+SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("decode_layer.cpp", "row_attention.cpp"))
 _KINDS = {four_bit_linear: 0, _packed_linear: 1, F.linear: 2}  # decode_layer.cpp's kFourBit, kPacked, kPlain
 _SILU = (activations.SiLUActivation, torch.nn.SiLU)
 _EMPTY = torch.empty(0)
@@ -84,18 +87,21 @@ def _load() -> bool:
         _build()
     except Exception as error:  # no compiler, no ninja, a build error: the Python layer is the same forward
         logger.warning(
-            f"prepared forward: the compiled layer ({SOURCE.name}) could not be built, the Python layer runs (same "
+            f"prepared forward: the compiled layer ({', '.join(p.name for p in SOURCES)}) could not be built, the Python layer runs (same "
             f"results, slower decode steps): {type(error).__name__}: {str(error).strip().splitlines()[-1:]}"
         )
         return False
-    global _DECODE_LAYER, _PACKED_LAYER, _PACKED_PLAN
+    global _DECODE_LAYER, _PACKED_LAYER, ROW_ATTENTION, PACKED_ROW_ATTENTION
     _DECODE_LAYER = torch.ops.adaflash_native.decode_layer.default
     _PACKED_LAYER = torch.ops.adaflash_native.packed_layer.default
-    _PACKED_PLAN = torch.ops.adaflash_native.packed_plan.default
+    ROW_ATTENTION = torch.ops.adaflash_native.row_attention.default
+    PACKED_ROW_ATTENTION = torch.ops.adaflash_native.packed_row_attention.default
     return True
 
 
-_DECODE_LAYER = _PACKED_LAYER = _PACKED_PLAN = None  # the loaded ops
+# the loaded ops; ROW_ATTENTION (query [n, Hq, D], keys/values [L, Hkv, D], start, scale, allowed [n, L] or empty)
+# and PACKED_ROW_ATTENTION (query [T, Hq, D], pools, requests (slot, start, offset, length)..., scale): row_attention.cpp
+_DECODE_LAYER = _PACKED_LAYER = ROW_ATTENTION = PACKED_ROW_ATTENTION = None
 
 
 def _build() -> None:
@@ -106,8 +112,10 @@ def _build() -> None:
         os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
     cpp_extension.load(
         name="adaflash_native",
-        sources=[str(SOURCE)],
-        extra_cflags=["-O2"],
+        sources=[str(source) for source in SOURCES],
+        # this CPU's vector units; no fast-math: the row attention's order of operations is its source's (without
+        # trapping math, its selects vectorise)
+        extra_cflags=["-O3", "-march=native", "-fno-fast-math", "-fno-trapping-math", "-fopenmp", "-mprefer-vector-width=512"],
         is_python_module=False,
         verbose=False,
     )
@@ -140,18 +148,6 @@ def layer_forward(layer, inner, hidden_states, attention_mask, position_embeddin
     count = hidden_states.shape[1]
     if attention_mask is not None and not _causal(attention_mask, count, length + count):
         return None
-    rows = []
-    for block in range(length // KEY_BLOCK, (length + count - 1) // KEY_BLOCK + 1):
-        span = (block + 1) * KEY_BLOCK
-        tile_rows = plan.attention_rows.get((span, hidden_states.dtype))
-        if tile_rows is None:
-            tiles = made_block_tiles(
-                plan.key_heads, plan.head_dim, span, hidden_states.dtype, hidden_states.device
-            )
-            if tiles is None or tiles.rows == 1:
-                return None  # the Python layer makes a block's tiles; one row per call is its own path
-            tile_rows = plan.attention_rows[(span, hidden_states.dtype)] = (tiles.rows, tiles.large_mask())
-        rows += tile_rows
     if not cached.is_initialized:
         cached.lazy_initialization(hidden_states, hidden_states)
     cos, sin = position_embeddings
@@ -164,7 +160,6 @@ def layer_forward(layer, inner, hidden_states, attention_mask, position_embeddin
         cached.keys,
         cached.values,
         *plan.layer_numbers(),
-        rows,
     )
     return output
 
@@ -175,10 +170,12 @@ def _packed_forward(plan: _Plan, hidden_states, position_embeddings, ragged):
     function = ALL_ATTENTION_FUNCTIONS.get(plan.config._attn_implementation)
     if not getattr(function, "packed_attention", False) or not getattr(ragged, "invariant", False):
         return None
-    geometry = _packed_geometry(ragged.packing, plan, hidden_states)
-    if geometry is None:
-        return None
-    requests, spans, stacked = geometry
+    packing = ragged.packing
+    requests = [
+        number
+        for entry in zip(packing.slots, packing.starts, packing.offsets, packing.lengths)
+        for number in entry
+    ]
     store = ragged.store
     store._layer(plan.index, hidden_states.new_empty(0, plan.key_heads, plan.head_dim))  # allocated or grown
     if store.keys[plan.index].dtype != hidden_states.dtype:
@@ -195,47 +192,8 @@ def _packed_forward(plan: _Plan, hidden_states, position_embeddings, ragged):
         ragged.packing.token_slots,
         ragged.packing.token_positions,
         requests,
-        spans,
-        stacked,
         *plan.layer_numbers(),
     )
-
-
-def _packed_geometry(packing, plan: _Plan, hidden_states):
-    """``(requests, spans, stacked)`` for ``packed_layer`` (decode_layer.cpp): each request's (slot, start, offset,
-    length, stacked), stacked as ``slot_invariant_attention`` decides it, (span, tile rows, large calls, stacking
-    rows) of every key block they touch, and the stacked calls' gathers and masks (``packed_plan``); None where a block's tiles are
-    not made yet. The same for every layer of a forward: kept for the last packing seen."""
-    dtype, device = hidden_states.dtype, hidden_states.device
-    key = (plan.key_heads, plan.head_dim, dtype, torch.get_num_threads())
-    last = _LAST_PACKING
-    if last[0] is packing and last[1] == key:
-        return last[2]
-    group = plan.query_heads // plan.key_heads
-    requests, spans = [], {}
-    for slot, start, offset, length in zip(packing.slots, packing.starts, packing.offsets, packing.lengths):
-        rows = stacked_rows(start, length, group, plan.key_heads, plan.head_dim, dtype, device)
-        if rows:
-            span = (start // KEY_BLOCK + 1) * KEY_BLOCK
-            spans.setdefault(span, [span, rows, 0, rows])[3] = rows
-        else:
-            for block in range(start // KEY_BLOCK, (start + length - 1) // KEY_BLOCK + 1):
-                span = (block + 1) * KEY_BLOCK
-                tiles = made_block_tiles(plan.key_heads, plan.head_dim, span, dtype, device)
-                if tiles is None or tiles.rows == 1:
-                    return None
-                spans.setdefault(span, [span, 0, 0, 0])[1:3] = tiles.rows, tiles.large_mask()
-        requests += (slot, start, offset, length, int(rows > 0))
-    spans = [number for entry in spans.values() for number in entry]
-    stacked = _PACKED_PLAN(
-        hidden_states, requests, spans, hidden_states.shape[1], plan.query_heads, plan.key_heads, KEY_BLOCK
-    )
-    geometry = (requests, spans, stacked)
-    globals()["_LAST_PACKING"] = (packing, key, geometry)
-    return geometry
-
-
-_LAST_PACKING: tuple = (None, None, None)  # the packing last seen by _packed_geometry, its key and geometry
 
 
 def _causal(mask: torch.Tensor, count: int, total: int) -> bool:
@@ -272,13 +230,11 @@ class _Plan:
     scale: float
     weights: list
     numbers: list
-    # (key span, dtype) -> the attention tiles' (rows, large calls)
-    attention_rows: dict = field(default_factory=dict)
 
     def layer_numbers(self) -> tuple:
-        """What both compiled calls take after their tensors: the heads, the norms' epsilons, the attention's scale
-        and the key block."""
-        return (self.query_heads, self.key_heads, self.input_eps, self.post_eps, self.scale, KEY_BLOCK)
+        """What both compiled calls take after their tensors: the heads, the norms' epsilons and the attention's
+        scale."""
+        return (self.query_heads, self.key_heads, self.input_eps, self.post_eps, self.scale)
 
 
 def _plan(layer, inner) -> _Plan | None:
