@@ -260,7 +260,12 @@ class SkipGate:
     little about the next.
 
     The first drafted round and the one after each run of skips are probes (``probing``). Under sampling, where only
-    verified drafts teach the acceptance model, a probe verifies at least one draft."""
+    verified drafts teach the acceptance model, a probe verifies at least one draft.
+
+    What a round's drafts are worth depends on the load they were judged at: beside many requests each draft costs
+    more of the shared forward than beside few. A gate that backed off at some load (``closed_at``: the requests
+    running) opens again, its average forgotten, once the load has fallen to half of it (``reopen``): a batch's
+    last requests draft again, instead of keeping the skips learnt when it was full."""
 
     max_skip: int = 16
     backoff: int = 0
@@ -268,6 +273,7 @@ class SkipGate:
     probing: bool = True
     average_surplus: float | None = None
     smoothing: float = 0.3
+    closed_at: int = 0
 
     def should_draft(self) -> bool:
         """Consumes one skipped round when skipping; the round after the last skipped one is a probe."""
@@ -277,8 +283,17 @@ class SkipGate:
             return False
         return True
 
-    def record(self, surplus: float, cost: float) -> None:
-        """A drafted round: its block's surplus and the drafter's cost, both in tokens."""
+    def reopen(self, load: int) -> None:
+        """Open a backed-off gate again where the load (``load`` requests running) is at most half of what it was when
+        it last backed off (the class docstring)."""
+        if self.skip_left > 0 and 2 * load <= self.closed_at:
+            self.skip_left = self.backoff = 0
+            self.average_surplus = None
+            self.probing = True
+
+    def record(self, surplus: float, cost: float, load: int = 1) -> None:
+        """A drafted round: its block's surplus and the drafter's cost, both in tokens, judged with ``load`` requests
+        running."""
         self.probing = False
         if self.average_surplus is None:
             self.average_surplus = max(surplus, cost)  # optimistic: the first rounds do not decide alone
@@ -288,3 +303,4 @@ class SkipGate:
         else:
             self.backoff = min(self.max_skip, max(1, 2 * self.backoff))
             self.skip_left = self.backoff
+            self.closed_at = load

@@ -354,6 +354,9 @@ class GoodputPolicy(DraftingPolicy):
             return Round(tuple(slots), step, (False,) * count, options, kinds)
         base = {"base_tokens": count, "base_committed": float(step.running), "target_seconds": curve}
         share = self.cost.marginal_drafter_seconds(count)
+        self.batch_gate.reopen(step.running)
+        for slot in slots:
+            slot.state.gate.reopen(step.running)
         batch_open = self.batch_gate.should_draft()
         drafts = tuple(
             batch_open
@@ -413,7 +416,7 @@ class GoodputPolicy(DraftingPolicy):
             if ran:
                 gains = state.last_gains or []
                 surplus = draft_surplus(gains, lambda k: round_.curve(count + k) - plain, rate)
-                state.gate.record(surplus, rate * round_.share)
+                state.gate.record(surplus, rate * round_.share, round_.step.running)
             choices.append(Choice(source or ("diffusion" if ran else "plain"), length, ran))
         return choices
 
@@ -444,7 +447,7 @@ class GoodputPolicy(DraftingPolicy):
             return
         plain_seconds = self.cost.plain_step_seconds(step.running, step.prefill_tokens, verifies)
         if plain_seconds is not None:
-            self.batch_gate.record(committed - verifies * seconds / plain_seconds, 0.0)
+            self.batch_gate.record(committed - verifies * seconds / plain_seconds, 0.0, step.running)
 
 
 def _lookup_alone_wins(slot: Slot, options: Sequence, base: Mapping, share: float) -> bool:

@@ -86,7 +86,7 @@ def test_the_compiled_layer_gives_bitwise_the_python_layers_results(kind, target
     target = prepared(kind, target_factory)
     compiled_calls.clear()  # prepare_target's own check ran decode steps
     with PythonLayer():
-        reference = decoding(target)  # also makes every key block's attention tiles
+        reference = decoding(target)
     assert not compiled_calls
     compiled = decoding(target)
     layers = target.config.num_hidden_layers
@@ -129,7 +129,7 @@ def test_the_engines_packed_forward_through_the_compiled_layer_is_bitwise_the_py
 ):
     target = prepared(kind, target_factory)
     with PythonLayer():
-        reference = packed(target)  # also makes the attention tiles
+        reference = packed(target)
     compiled_calls.clear()
     compiled = packed(target)
     layers = target.config.num_hidden_layers

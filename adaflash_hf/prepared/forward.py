@@ -20,7 +20,9 @@ plain ``generate``, assisted decoding, the serving engine's packed forward and t
   arithmetic. An elementwise op split across a thread count that does not divide its rows could still give a
   tensor's chunk a scalar tail; use a power-of-two thread count.
 
-Why this is invariant by construction: every linear and every attention block runs in tiles of one row count per op
+Why this is invariant by construction: the attention computes each query row on its own, in one order of float32
+operations written out in this package's C++ source (``adaflash_hf.prepared.native``; where that library cannot be
+built, SDPA in tiles as the linears run); every linear runs in tiles of one row count per op
 (``adaflash_hf.prepared.tiles``), so no library sees a second shape and picks a second kernel; what remains, a row's
 position inside its tile, is checked for every position when the op's tiles are made. A linear whose one-row call
 gives every row bitwise what its tile gives it (checked then too) runs a decode step's single row as it is.

@@ -41,7 +41,7 @@ inline float widen(c10::BFloat16 value) {
 
 // exp(x) for x <= 0 in a fixed sequence of float operations (Cody-Waite reduction by ln 2, a degree-6 polynomial,
 // the exponent set by integer arithmetic); 0 below -87 (and for -inf)
-inline float exp_nonpositive(float x) {
+__attribute__((always_inline)) inline float exp_nonpositive(float x) {
   const bool zero = !(x > -87.0f);
   x = zero ? 0.0f : x;  // (vectorised without branches with -fno-trapping-math)
   const int32_t n = -static_cast<int32_t>(-x * 1.44269504088896341f + 0.5f);  // round(x / ln 2), x <= 0
@@ -61,7 +61,7 @@ inline float exp_nonpositive(float x) {
   return zero ? 0.0f : p * scale;
 }
 
-inline float lane_sum(const float* lanes) {  // the fixed tree over 16 lanes
+__attribute__((always_inline)) inline float lane_sum(const float* lanes) {  // the fixed tree over 16 lanes
   float a[8];
   for (int i = 0; i < 8; ++i) a[i] = lanes[i] + lanes[i + 8];
   for (int i = 0; i < 4; ++i) a[i] = a[i] + a[i + 4];
@@ -82,66 +82,103 @@ struct Run {
   std::vector<int64_t> index;
 };
 
-// Each row of a run on its own (the top of this file): a key or value is widened once for all the run's rows that
-// see it; what a row computes does not depend on the others. Dim: the head dim where it is known here, else 0.
-template <typename T, int Dim>
-void attend_run(const Run<T>& run, int64_t runtime_dim, float scale, std::vector<float>& buffer) {
-  const int64_t dim = Dim ? Dim : runtime_dim;
+// 16 floats as one value (GCC/Clang vector extension: one AVX-512 register, two AVX2 ones, or scalar code)
+typedef float Lanes __attribute__((vector_size(64), aligned(4), may_alias));
+
+__attribute__((always_inline)) inline Lanes load(const float* from) { return *reinterpret_cast<const Lanes*>(from); }
+
+typedef float Eight __attribute__((vector_size(32)));
+typedef float Four __attribute__((vector_size(16)));
+
+// lane_sum's tree on a vector: lanes i + (i + 8), then i + (i + 4), then (0 + 2) + (1 + 3)
+__attribute__((always_inline)) inline float lane_sum(Lanes lanes) {
+  const Eight eight = __builtin_shufflevector(lanes, lanes, 0, 1, 2, 3, 4, 5, 6, 7) +
+                      __builtin_shufflevector(lanes, lanes, 8, 9, 10, 11, 12, 13, 14, 15);
+  const Four four = __builtin_shufflevector(eight, eight, 0, 1, 2, 3) + __builtin_shufflevector(eight, eight, 4, 5, 6, 7);
+  const Four two = four + __builtin_shufflevector(four, four, 2, 3, 0, 1);
+  return two[0] + two[1];
+}
+
+// A row's score for one key: its 16 lanes (d mod 16) summed over d in order, then the fixed tree
+template <int Chunks>
+__attribute__((always_inline)) inline float score(const Lanes* query, const float* key, int64_t chunks) {
+  Lanes lanes = query[0] * load(key);
+  for (int64_t c = 1; c < (Chunks ? Chunks : chunks); ++c) lanes += query[c] * load(key + c * kLanes);
+  return lane_sum(lanes);
+}
+
+// Each row of a run on its own (the top of this file): the run's keys and values are widened once into float32
+// buffers, then each row makes its scores, its softmax and its value sums. What a row computes does not depend on
+// the others. Chunks: the head dim / 16 where it is known here, else 0.
+template <typename T, int Chunks>
+void attend_run(const Run<T>& run, int64_t dim, float scale, std::vector<float>& buffer) {
+  constexpr int kMost = Chunks ? Chunks : 32;
+  const int64_t chunks = Chunks ? Chunks : dim / kLanes;
   const int64_t rows = static_cast<int64_t>(run.queries.size());
   const int64_t count = *std::max_element(run.seen.begin(), run.seen.end());
   const int64_t padded = (count + kLanes - 1) / kLanes * kLanes;
-  buffer.resize(rows * (padded + 3 * dim + 1));
-  float* scores = buffer.data();              // [rows, padded]
-  float* queries = scores + rows * padded;    // [rows, dim]
-  float* sums = queries + rows * dim;         // [rows, 2, dim]: even and odd keys
-  float* totals = sums + 2 * rows * dim;      // [rows]
+  buffer.resize(2 * count * dim + padded);
+  float* keys = buffer.data();           // [count, dim]
+  float* values = keys + count * dim;    // [count, dim]
+  float* scores = values + count * dim;  // [padded]
   const int64_t* index = run.index.empty() ? nullptr : run.index.data();
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t d = 0; d < dim; ++d) queries[r * dim + d] = widen(run.queries[r][d]);
-  alignas(64) float widened[512];
   for (int64_t j = 0; j < count; ++j) {
     const T* key = run.key_base + (index ? index[j] : j) * run.key_stride;
-    for (int64_t d = 0; d < dim; ++d) widened[d] = widen(key[d]);
-    for (int64_t r = 0; r < rows; ++r) {
-      if (j >= run.seen[r]) continue;
-      const float* query = queries + r * dim;
-      float lanes[kLanes] = {};
-      for (int64_t d = 0; d < dim; d += kLanes)
-        for (int64_t l = 0; l < kLanes; ++l) lanes[l] += query[d + l] * widened[d + l];
-      scores[r * padded + j] = lane_sum(lanes) * scale;
-    }
-  }
-  for (int64_t r = 0; r < rows; ++r) {
-    float* row = scores + r * padded;
-    const int64_t seen = run.seen[r], tail = (seen + kLanes - 1) / kLanes * kLanes;
-    float maximum = -std::numeric_limits<float>::infinity();
-    for (int64_t j = 0; j < seen; ++j) maximum = std::max(maximum, row[j]);
-    for (int64_t j = seen; j < tail; ++j) row[j] = -std::numeric_limits<float>::infinity();
-    for (int64_t j = 0; j < tail; ++j) row[j] = exp_nonpositive(row[j] - maximum);
-    float lanes[kLanes] = {};
-    for (int64_t j = 0; j < tail; j += kLanes)
-      for (int64_t l = 0; l < kLanes; ++l) lanes[l] += row[j + l];
-    totals[r] = lane_sum(lanes);
-  }
-  for (int64_t i = 0; i < 2 * rows * dim; ++i) sums[i] = 0.0f;
-  for (int64_t j = 0; j < count; ++j) {
     const T* value = run.value_base + (index ? index[j] : j) * run.value_stride;
-    for (int64_t d = 0; d < dim; ++d) widened[d] = widen(value[d]);
-    for (int64_t r = 0; r < rows; ++r) {
-      if (j >= run.seen[r]) continue;
-      const float p = scores[r * padded + j];
-      float* sum = sums + (2 * r + (j & 1)) * dim;
-      for (int64_t d = 0; d < dim; ++d) sum[d] += p * widened[d];
-    }
+    for (int64_t d = 0; d < dim; ++d) keys[j * dim + d] = widen(key[d]);
+    for (int64_t d = 0; d < dim; ++d) values[j * dim + d] = widen(value[d]);
   }
+  const float infinity = std::numeric_limits<float>::infinity();
   for (int64_t r = 0; r < rows; ++r) {
     T* out = run.outs[r];
-    const float *even = sums + 2 * r * dim, *odd = even + dim;
-    if (run.seen[r] == 0) {
+    const int64_t seen = run.seen[r], tail = (seen + kLanes - 1) / kLanes * kLanes;
+    if (seen == 0) {
       for (int64_t d = 0; d < dim; ++d) out[d] = T(0.0f);
       continue;
     }
-    for (int64_t d = 0; d < dim; ++d) out[d] = T((even[d] + odd[d]) / totals[r]);
+    Lanes query[kMost];
+    for (int64_t c = 0; c < chunks; ++c) {
+      float part[kLanes];
+      for (int64_t l = 0; l < kLanes; ++l) part[l] = widen(run.queries[r][c * kLanes + l]);
+      query[c] = load(part);
+    }
+    for (int64_t j = 0; j < seen; ++j) scores[j] = score<Chunks>(query, keys + j * dim, chunks) * scale;
+    for (int64_t j = seen; j < tail; ++j) scores[j] = -infinity;
+    // the maximum in 16 lanes (exact in any order), then the softmax's numerators and their sum in 16 lanes
+    float top[kLanes];
+    for (int64_t l = 0; l < kLanes; ++l) top[l] = -infinity;
+    for (int64_t j = 0; j < tail; j += kLanes)
+      for (int64_t l = 0; l < kLanes; ++l) top[l] = scores[j + l] > top[l] ? scores[j + l] : top[l];
+    float maximum = top[0];
+    for (int64_t l = 1; l < kLanes; ++l) maximum = top[l] > maximum ? top[l] : maximum;
+    for (int64_t j = 0; j < tail; ++j) scores[j] = exp_nonpositive(scores[j] - maximum);
+    float lanes[kLanes] = {};
+    for (int64_t j = 0; j < tail; j += kLanes)
+      for (int64_t l = 0; l < kLanes; ++l) lanes[l] += scores[j + l];
+    const float total = lane_sum(lanes);
+    // the value sums: even keys and odd keys apart, each in ascending order, then added
+    Lanes even[kMost], odd[kMost];
+    for (int64_t c = 0; c < (Chunks ? Chunks : chunks); ++c) even[c] = odd[c] = Lanes{};
+    int64_t j = 0;
+    for (; j + 2 <= seen; j += 2) {
+      const float pe = scores[j], po = scores[j + 1];
+      const float *ve = values + j * dim, *vo = ve + dim;
+      for (int64_t c = 0; c < (Chunks ? Chunks : chunks); ++c) {
+        even[c] += pe * load(ve + c * kLanes);
+        odd[c] += po * load(vo + c * kLanes);
+      }
+    }
+    if (j < seen) {
+      const float pe = scores[j];
+      const float* ve = values + j * dim;
+      for (int64_t c = 0; c < (Chunks ? Chunks : chunks); ++c) even[c] += pe * load(ve + c * kLanes);
+    }
+    for (int64_t c = 0; c < chunks; ++c) {
+      float part[kLanes];
+      const Lanes sum = even[c] + odd[c];
+      std::memcpy(part, &sum, sizeof(part));
+      for (int64_t l = 0; l < kLanes; ++l) out[c * kLanes + l] = T(part[l] / total);
+    }
   }
 }
 
@@ -166,9 +203,9 @@ void attend_runs(std::vector<Run<T>>& runs, int64_t dim, float scale) {
       const Run<T>& run = runs[order[taken]];
       if (run.queries.empty()) continue;
       if (dim == 64)
-        attend_run<T, 64>(run, dim, scale, buffer);
+        attend_run<T, 4>(run, dim, scale, buffer);
       else if (dim == 128)
-        attend_run<T, 128>(run, dim, scale, buffer);
+        attend_run<T, 8>(run, dim, scale, buffer);
       else
         attend_run<T, 0>(run, dim, scale, buffer);
     }
