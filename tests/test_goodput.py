@@ -115,6 +115,26 @@ def test_the_skip_gate_backs_off_while_the_average_surplus_is_below_the_drafters
     assert pattern == [1, 2, 4, 4, 4, 0, 0]
 
 
+def test_a_gate_that_backed_off_at_a_load_opens_again_once_the_load_has_halved():
+    gate = SkipGate(max_skip=16, smoothing=0.5)
+    assert gate.should_draft()
+    for _ in range(4):  # judged beside 16 requests: losing, the skips double
+        gate.record(0.0, cost=0.5, load=16)
+        while not gate.should_draft():
+            pass
+    gate.record(0.0, cost=0.5, load=16)
+    assert gate.backoff == 16 and gate.skip_left == 16 and gate.closed_at == 16
+    gate.reopen(9)  # more than half the load: the skips stand
+    assert gate.skip_left == 16 and not gate.should_draft()
+    gate.reopen(8)  # half the load: drafting is worth something else now; probe at once, the average forgotten
+    assert gate.skip_left == 0 and gate.backoff == 0 and gate.average_surplus is None
+    assert gate.should_draft() and gate.probing
+    gate.record(0.0, cost=0.5, load=8)
+    assert gate.skip_left == 1 and gate.closed_at == 8  # judged again at its new load
+    gate.reopen(8)
+    assert gate.skip_left == 1  # not half of 8
+
+
 def test_the_surplus_is_the_best_k_net_of_its_verify_time():
     gains = [0.8, 0.4, 0.1]
     verify = lambda k: 0.1 * k  # noqa: E731  seconds beyond the plain step; the plain step commits 2 tokens/s

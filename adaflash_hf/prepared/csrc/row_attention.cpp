@@ -87,6 +87,15 @@ typedef float Lanes __attribute__((vector_size(64), aligned(4), may_alias));
 
 __attribute__((always_inline)) inline Lanes load(const float* from) { return *reinterpret_cast<const Lanes*>(from); }
 
+typedef uint16_t Halves __attribute__((vector_size(32), aligned(2), may_alias));
+typedef uint32_t Words __attribute__((vector_size(64)));
+
+// 16 bf16 values widened (exactly: their bits in the high half of a float's)
+__attribute__((always_inline)) inline Lanes load(const c10::BFloat16* from) {
+  const Words words = __builtin_convertvector(*reinterpret_cast<const Halves*>(from), Words) << 16;
+  return reinterpret_cast<const Lanes&>(words);
+}
+
 typedef float Eight __attribute__((vector_size(32)));
 typedef float Four __attribute__((vector_size(16)));
 
@@ -100,36 +109,23 @@ __attribute__((always_inline)) inline float lane_sum(Lanes lanes) {
 }
 
 // A row's score for one key: its 16 lanes (d mod 16) summed over d in order, then the fixed tree
-template <int Chunks>
-__attribute__((always_inline)) inline float score(const Lanes* query, const float* key, int64_t chunks) {
+template <int Chunks, typename S>
+__attribute__((always_inline)) inline float score(const Lanes* query, const S* key, int64_t chunks) {
   Lanes lanes = query[0] * load(key);
   for (int64_t c = 1; c < (Chunks ? Chunks : chunks); ++c) lanes += query[c] * load(key + c * kLanes);
   return lane_sum(lanes);
 }
 
-// Each row of a run on its own (the top of this file): the run's keys and values are widened once into float32
-// buffers, then each row makes its scores, its softmax and its value sums. What a row computes does not depend on
+// The rows of a run (the top of this file) over keys and values of type S: key j at keys + index(j) * key_stride
+// (index: every key in turn where null), widened as they are read (exactly). What a row computes does not depend on
 // the others. Chunks: the head dim / 16 where it is known here, else 0.
-template <typename T, int Chunks>
-void attend_run(const Run<T>& run, int64_t dim, float scale, std::vector<float>& buffer) {
+template <typename S, int Chunks, typename T>
+void attend_rows(const Run<T>& run, const S* keys, const S* values, int64_t key_stride, int64_t value_stride,
+                 const int64_t* index, int64_t dim, float scale, float* scores) {
   constexpr int kMost = Chunks ? Chunks : 32;
   const int64_t chunks = Chunks ? Chunks : dim / kLanes;
-  const int64_t rows = static_cast<int64_t>(run.queries.size());
-  const int64_t count = *std::max_element(run.seen.begin(), run.seen.end());
-  const int64_t padded = (count + kLanes - 1) / kLanes * kLanes;
-  buffer.resize(2 * count * dim + padded);
-  float* keys = buffer.data();           // [count, dim]
-  float* values = keys + count * dim;    // [count, dim]
-  float* scores = values + count * dim;  // [padded]
-  const int64_t* index = run.index.empty() ? nullptr : run.index.data();
-  for (int64_t j = 0; j < count; ++j) {
-    const T* key = run.key_base + (index ? index[j] : j) * run.key_stride;
-    const T* value = run.value_base + (index ? index[j] : j) * run.value_stride;
-    for (int64_t d = 0; d < dim; ++d) keys[j * dim + d] = widen(key[d]);
-    for (int64_t d = 0; d < dim; ++d) values[j * dim + d] = widen(value[d]);
-  }
   const float infinity = std::numeric_limits<float>::infinity();
-  for (int64_t r = 0; r < rows; ++r) {
+  for (size_t r = 0; r < run.queries.size(); ++r) {
     T* out = run.outs[r];
     const int64_t seen = run.seen[r], tail = (seen + kLanes - 1) / kLanes * kLanes;
     if (seen == 0) {
@@ -137,12 +133,9 @@ void attend_run(const Run<T>& run, int64_t dim, float scale, std::vector<float>&
       continue;
     }
     Lanes query[kMost];
-    for (int64_t c = 0; c < chunks; ++c) {
-      float part[kLanes];
-      for (int64_t l = 0; l < kLanes; ++l) part[l] = widen(run.queries[r][c * kLanes + l]);
-      query[c] = load(part);
-    }
-    for (int64_t j = 0; j < seen; ++j) scores[j] = score<Chunks>(query, keys + j * dim, chunks) * scale;
+    for (int64_t c = 0; c < chunks; ++c) query[c] = load(run.queries[r] + c * kLanes);
+    for (int64_t j = 0; j < seen; ++j)
+      scores[j] = score<Chunks>(query, keys + (index ? index[j] : j) * key_stride, chunks) * scale;
     for (int64_t j = seen; j < tail; ++j) scores[j] = -infinity;
     // the maximum in 16 lanes (exact in any order), then the softmax's numerators and their sum in 16 lanes
     float top[kLanes];
@@ -162,7 +155,8 @@ void attend_run(const Run<T>& run, int64_t dim, float scale, std::vector<float>&
     int64_t j = 0;
     for (; j + 2 <= seen; j += 2) {
       const float pe = scores[j], po = scores[j + 1];
-      const float *ve = values + j * dim, *vo = ve + dim;
+      const S* ve = values + (index ? index[j] : j) * value_stride;
+      const S* vo = values + (index ? index[j + 1] : j + 1) * value_stride;
       for (int64_t c = 0; c < (Chunks ? Chunks : chunks); ++c) {
         even[c] += pe * load(ve + c * kLanes);
         odd[c] += po * load(vo + c * kLanes);
@@ -170,16 +164,34 @@ void attend_run(const Run<T>& run, int64_t dim, float scale, std::vector<float>&
     }
     if (j < seen) {
       const float pe = scores[j];
-      const float* ve = values + j * dim;
+      const S* ve = values + (index ? index[j] : j) * value_stride;
       for (int64_t c = 0; c < (Chunks ? Chunks : chunks); ++c) even[c] += pe * load(ve + c * kLanes);
     }
-    for (int64_t c = 0; c < chunks; ++c) {
+    for (int64_t c = 0; c < (Chunks ? Chunks : chunks); ++c) {
       float part[kLanes];
       const Lanes sum = even[c] + odd[c];
       std::memcpy(part, &sum, sizeof(part));
       for (int64_t l = 0; l < kLanes; ++l) out[c * kLanes + l] = T(part[l] / total);
     }
   }
+}
+
+// A run's rows over float32 copies of its keys and values, made once for all of them (widening is exact)
+template <typename T, int Chunks>
+void attend_run(const Run<T>& run, int64_t dim, float scale, std::vector<float>& buffer) {
+  const int64_t count = *std::max_element(run.seen.begin(), run.seen.end());
+  const int64_t padded = (count + kLanes - 1) / kLanes * kLanes;
+  const int64_t* index = run.index.empty() ? nullptr : run.index.data();
+  buffer.resize(2 * count * dim + padded);
+  float* keys = buffer.data();
+  float* values = keys + count * dim;
+  for (int64_t j = 0; j < count; ++j) {
+    const T* key = run.key_base + (index ? index[j] : j) * run.key_stride;
+    const T* value = run.value_base + (index ? index[j] : j) * run.value_stride;
+    for (int64_t d = 0; d < dim; ++d) keys[j * dim + d] = widen(key[d]);
+    for (int64_t d = 0; d < dim; ++d) values[j * dim + d] = widen(value[d]);
+  }
+  attend_rows<float, Chunks>(run, keys, values, dim, dim, nullptr, dim, scale, values + count * dim);
 }
 
 // The runs on the intra-op threads, each taking the next of the longest first (what a run computes does not depend on
