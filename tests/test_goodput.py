@@ -126,7 +126,9 @@ def test_a_gate_that_backed_off_at_a_load_opens_again_once_the_load_has_halved()
     assert gate.backoff == 16 and gate.skip_left == 16 and gate.closed_at == 16
     gate.reopen(9)  # more than half the load: the skips stand
     assert gate.skip_left == 16 and not gate.should_draft()
-    gate.reopen(8)  # half the load: drafting is worth something else now; probe at once, the average forgotten
+    gate.reopen(
+        8
+    )  # half the load: drafting is worth something else now; probe at once, the average forgotten
     assert gate.skip_left == 0 and gate.backoff == 0 and gate.average_surplus is None
     assert gate.should_draft() and gate.probing
     gate.record(0.0, cost=0.5, load=8)

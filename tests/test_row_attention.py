@@ -10,13 +10,16 @@ import torch
 from adaflash_hf.prepared import attention, native
 
 pytestmark = pytest.mark.skipif(
-    (shutil.which("c++") or shutil.which("g++")) is None, reason="no C++ compiler here: the library cannot be built"
+    (shutil.which("c++") or shutil.which("g++")) is None,
+    reason="no C++ compiler here: the library cannot be built",
 )
 
 
 @pytest.fixture(autouse=True)
 def library():
-    assert native.load() or native.ROW_ATTENTION is not None, "a C++ compiler is here, yet the library did not build"
+    assert native.load() or native.ROW_ATTENTION is not None, (
+        "a C++ compiler is here, yet the library did not build"
+    )
 
 
 def reference(query, keys, values, start, allowed=None):
@@ -99,7 +102,9 @@ def test_the_engines_packed_rows_equal_each_request_alone_and_other_slots_change
     from adaflash_hf.kernels.verify_packing import SlotPacking
 
     generator = torch.Generator().manual_seed(3)
-    key_pool, value_pool = (torch.randn(6, 256, 3, 64, generator=generator).to(torch.bfloat16) for _ in range(2))
+    key_pool, value_pool = (
+        torch.randn(6, 256, 3, 64, generator=generator).to(torch.bfloat16) for _ in range(2)
+    )
     key_pool[4], value_pool[4] = float("nan"), float("inf")  # a free slot
     requests = [(0, 10, 1), (2, 100, 5), (1, 0, 90), (5, 200, 1)]
     slots, starts, lengths = (list(column) for column in zip(*requests))

@@ -115,7 +115,14 @@ def _build() -> None:
         sources=[str(source) for source in SOURCES],
         # this CPU's vector units; no fast-math: the row attention's order of operations is its source's (without
         # trapping math, its selects vectorise)
-        extra_cflags=["-O3", "-march=native", "-fno-fast-math", "-fno-trapping-math", "-fopenmp", "-mprefer-vector-width=512"],
+        extra_cflags=[
+            "-O3",
+            "-march=native",
+            "-fno-fast-math",
+            "-fno-trapping-math",
+            "-fopenmp",
+            "-mprefer-vector-width=512",
+        ],
         is_python_module=False,
         verbose=False,
     )
