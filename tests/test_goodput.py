@@ -527,13 +527,34 @@ def test_the_batch_skips_the_drafter_while_whole_drafted_steps_lose_to_plain(fre
         judge(policy, True, 6, 4, seconds=0.22, target=0.1)
     assert policy.batch_gate.skip_left > 0
     skipped = policy.batch_gate.skip_left
-    prompts = [torch.randint(0, 500, (n,), generator=torch.Generator().manual_seed(n)) for n in (5, 9)]
+    # served beside 3 requests (more than half the 4 it was judged beside: the skips stand)
+    prompts = [torch.randint(0, 500, (n,), generator=torch.Generator().manual_seed(n)) for n in (5, 9, 13)]
     for prompt in prompts:
         engine.add_request(prompt, SamplingParams(max_new_tokens=8))
     engine.step()  # prefill
     engine.step()
-    assert engine.stats[-1].skipped_drafter == engine.stats[-1].verifies == 2
+    assert engine.stats[-1].skipped_drafter == engine.stats[-1].verifies == 3
     assert policy.batch_gate.skip_left == skipped - 1
+
+
+def test_a_batch_gate_closed_beside_4_requests_opens_again_beside_2(fresh_target, drafter_factory):
+    engine = _gated_engine(fresh_target, drafter_factory)
+    policy = engine.policies["goodput"]
+    judge(policy, False, 4, 4, seconds=0.11, target=0.1)
+    for _ in range(6):  # beside 4 requests drafted steps lose: the batch backs off
+        judge(policy, True, 6, 4, seconds=0.22, target=0.1)
+    assert policy.batch_gate.skip_left > 0 and policy.batch_gate.closed_at == 4
+    for n in (5, 9):
+        engine.add_request(
+            torch.randint(0, 500, (n,), generator=torch.Generator().manual_seed(n)),
+            SamplingParams(max_new_tokens=8),
+        )
+    engine.step()  # prefill
+    engine.step()
+    assert (
+        engine.stats[-1].skipped_drafter == 0 and engine.stats[-1].verifies == 2
+    )  # the drafter ran for both
+    assert policy.batch_gate.skip_left == 0
 
 
 def test_the_batch_gate_judges_against_measured_plain_steps_once_it_has_them(fresh_target, drafter_factory):
