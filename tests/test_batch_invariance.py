@@ -77,7 +77,9 @@ def row_mismatches(target, prompt=60, cache_lengths=(0, 3, 70), rows=ROWS, seed=
 
 @pytest.mark.parametrize("kind", ["qwen3", "llama"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_rows_of_a_prepared_forward_equal_the_tokens_decoded_alone(kind, dtype, target_factory):
+def test_rows_of_a_prepared_forward_equal_the_tokens_decoded_alone(
+    kind, dtype, target_factory, attention_route
+):
     target = prepare_target(target_factory(kind), dtype=dtype, invariant=True)
     assert row_mismatches(target) == []
 

@@ -210,5 +210,5 @@ def test_without_the_compiled_layer_the_python_layer_runs(monkeypatch, caplog):
     monkeypatch.setattr(logging.getLogger("transformers"), "propagate", True)  # to caplog's root handler
     with caplog.at_level(logging.WARNING):
         assert native._load() is False
-    assert "could not be built, the Python layer runs" in caplog.text
+    assert "could not be built: the Python layer runs, with SDPA in tiles" in caplog.text
     assert "c++: not found" in caplog.text

@@ -46,7 +46,8 @@ from transformers.cache_utils import DynamicLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import logging
 
-from adaflash_hf.prepared.attention import ATTENTION_NAME
+from adaflash_hf.prepared import attention as invariant_attention
+from adaflash_hf.prepared.attention import ATTENTION_NAME, packed_requests
 from adaflash_hf.prepared.four_bit import four_bit_linear
 from adaflash_hf.prepared.linear import _packed_linear, group_route, linear_route
 
@@ -87,8 +88,9 @@ def _load() -> bool:
         _build()
     except Exception as error:  # no compiler, no ninja, a build error: the Python layer is the same forward
         logger.warning(
-            f"prepared forward: the compiled layer ({', '.join(p.name for p in SOURCES)}) could not be built, the Python layer runs (same "
-            f"results, slower decode steps): {type(error).__name__}: {str(error).strip().splitlines()[-1:]}"
+            f"prepared forward: the compiled layer ({', '.join(p.name for p in SOURCES)}) could not be built: the "
+            f"Python layer runs, with SDPA in tiles for the attention (slower decode steps): {type(error).__name__}: "
+            f"{str(error).strip().splitlines()[-1:]}"
         )
         return False
     global _DECODE_LAYER, _PACKED_LAYER, ROW_ATTENTION, PACKED_ROW_ATTENTION
@@ -131,8 +133,12 @@ def _build() -> None:
 def layer_forward(layer, inner, hidden_states, attention_mask, position_embeddings, cache, kwargs):
     """``lean_layer_forward``'s result through the compiled layer, the cache layer (or the engine's pools) updated as
     the Python layer would; None where it does not apply (module docstring), nothing changed then."""
-    if hidden_states.shape[0] != 1 or hidden_states.device.type != "cpu":
-        return None
+    if (
+        hidden_states.shape[0] != 1
+        or hidden_states.device.type != "cpu"
+        or not invariant_attention.ROW_KERNEL
+    ):
+        return None  # (the attention switched to SDPA in tiles: the Python layer runs it)
     plan = _plan(layer, inner)
     if plan is None:
         return None
@@ -177,12 +183,6 @@ def _packed_forward(plan: _Plan, hidden_states, position_embeddings, ragged):
     function = ALL_ATTENTION_FUNCTIONS.get(plan.config._attn_implementation)
     if not getattr(function, "packed_attention", False) or not getattr(ragged, "invariant", False):
         return None
-    packing = ragged.packing
-    requests = [
-        number
-        for entry in zip(packing.slots, packing.starts, packing.offsets, packing.lengths)
-        for number in entry
-    ]
     store = ragged.store
     store._layer(plan.index, hidden_states.new_empty(0, plan.key_heads, plan.head_dim))  # allocated or grown
     if store.keys[plan.index].dtype != hidden_states.dtype:
@@ -198,7 +198,7 @@ def _packed_forward(plan: _Plan, hidden_states, position_embeddings, ragged):
         store.values[plan.index],
         ragged.packing.token_slots,
         ragged.packing.token_positions,
-        requests,
+        packed_requests(ragged.packing),
         *plan.layer_numbers(),
     )
 
