@@ -44,18 +44,16 @@ ATTENTION_LARGE = (12, 4)
 # "flash" in it: transformers would take it for a flash-attention kernel
 ATTENTION_NAME = "ada_invariant"
 ROW_KERNEL = True  # the compiled row attention where it is loaded (module docstring)
+# the compiled row attention's ops, "row" and "packed", set by adaflash_hf.prepared.native when it loads its library
+# (preparing a target loads it)
+ROW_OPS: dict = {}
 
 
-def _row_kernel(query: torch.Tensor, dim: int):
-    """The compiled library's module where the row attention serves these rows, else None."""
-    if not ROW_KERNEL or query.device.type != "cpu" or dim % 16 or dim > 512:
+def _row_kernel(query: torch.Tensor, dim: int) -> dict | None:
+    """The row attention's ops where they serve these rows, else None."""
+    if not ROW_KERNEL or not ROW_OPS or query.device.type != "cpu" or dim % 16 or dim > 512:
         return None
-    if query.dtype not in (torch.float32, torch.bfloat16):
-        return None
-    from adaflash_hf.prepared import native  # it imports this module
-
-    native.load()  # built on first use; the attention runs it even where a layer runs the Python ops
-    return native if native.ROW_ATTENTION is not None else None
+    return ROW_OPS if query.dtype in (torch.float32, torch.bfloat16) else None
 
 
 def block_attention(query, allowed, *, keys, values, scale: float) -> torch.Tensor:
@@ -125,7 +123,7 @@ def sequence_attention(
     kernel = _row_kernel(query, dim)
     if kernel is not None and keys.dtype == query.dtype:
         mask = query.new_empty(0, dtype=torch.bool) if allowed is None else allowed
-        return kernel.ROW_ATTENTION(
+        return kernel["row"](
             query.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), start, scale, mask
         ).transpose(0, 1)
     outputs = []
@@ -166,7 +164,7 @@ def slot_invariant_attention(
     scale = dim**-0.5 if scale is None else scale
     kernel = _row_kernel(query, dim)
     if kernel is not None and key_pool.dtype == query.dtype:
-        return kernel.PACKED_ROW_ATTENTION(query, key_pool, value_pool, packed_requests(packing), scale)
+        return kernel["packed"](query, key_pool, value_pool, packed_requests(packing), scale)
     out = torch.empty_like(query)
     by_span: dict[int, list[tuple[int, int, int, int]]] = {}
     for slot, start, offset, length in zip(packing.slots, packing.starts, packing.offsets, packing.lengths):

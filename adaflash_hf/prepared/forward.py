@@ -103,8 +103,8 @@ def install_invariant_forward(target) -> None:
         if type(module) is torch.nn.Linear:
             module.__class__ = InvariantLinear
     group_projections(target)
-    if install_lean_layers(target):
-        native.load()
+    install_lean_layers(target)
+    native.load()  # the compiled layer and the row attention every prepared forward attends with
     for module in rotary_modules(target):
         if "forward" not in vars(module):
             module.forward = types.MethodType(_padded_rotary_forward, module)

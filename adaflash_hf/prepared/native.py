@@ -15,7 +15,8 @@ kernels, in two forms:
 ``csrc/row_attention.cpp`` is the attention itself: causal attention computed row by row in one order written out in
 the source (its scores, softmax and value sums in float32), so a row's result is a function of the row, its position
 and the keys it sees, whatever else the call holds, on any CPU. Where this library is loaded, the Python attention
-(``adaflash_hf.prepared.attention``) calls it too, so every forward of the process attends the same way.
+(``adaflash_hf.prepared.attention``) calls it too, so every forward of the process attends the same way; preparing
+a target loads it (``adaflash_hf.prepared.forward``).
 
 The result is bitwise the Python layer's (``tests/test_native_layer.py`` compares them for prefills, decode steps
 and verifies across key blocks, and for packed forwards of prefills, decode steps and verifies together), so every
@@ -98,6 +99,7 @@ def _load() -> bool:
     _PACKED_LAYER = torch.ops.adaflash_native.packed_layer.default
     ROW_ATTENTION = torch.ops.adaflash_native.row_attention.default
     PACKED_ROW_ATTENTION = torch.ops.adaflash_native.packed_row_attention.default
+    invariant_attention.ROW_OPS.update(row=ROW_ATTENTION, packed=PACKED_ROW_ATTENTION)
     return True
 
 

@@ -61,13 +61,6 @@ __attribute__((always_inline)) inline float exp_nonpositive(float x) {
   return zero ? 0.0f : p * scale;
 }
 
-__attribute__((always_inline)) inline float lane_sum(const float* lanes) {  // the fixed tree over 16 lanes
-  float a[8];
-  for (int i = 0; i < 8; ++i) a[i] = lanes[i] + lanes[i + 8];
-  for (int i = 0; i < 4; ++i) a[i] = a[i] + a[i + 4];
-  return (a[0] + a[2]) + (a[1] + a[3]);
-}
-
 // A run of rows of one sequence and one key head: `queries` (pointers into the query, each row's `dim` contiguous)
 // that see the first `seen[r]` of the keys at base + index(j) * stride (index: every key in turn where empty), their
 // results written to `outs`.
@@ -99,7 +92,7 @@ __attribute__((always_inline)) inline Lanes load(const c10::BFloat16* from) {
 typedef float Eight __attribute__((vector_size(32)));
 typedef float Four __attribute__((vector_size(16)));
 
-// lane_sum's tree on a vector: lanes i + (i + 8), then i + (i + 4), then (0 + 2) + (1 + 3)
+// The fixed tree over 16 lanes: lanes i + (i + 8), then i + (i + 4), then (0 + 2) + (1 + 3)
 __attribute__((always_inline)) inline float lane_sum(Lanes lanes) {
   const Eight eight = __builtin_shufflevector(lanes, lanes, 0, 1, 2, 3, 4, 5, 6, 7) +
                       __builtin_shufflevector(lanes, lanes, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -109,19 +102,17 @@ __attribute__((always_inline)) inline float lane_sum(Lanes lanes) {
 }
 
 // A row's score for one key: its 16 lanes (d mod 16) summed over d in order, then the fixed tree
-template <int Chunks, typename S>
-__attribute__((always_inline)) inline float score(const Lanes* query, const S* key, int64_t chunks) {
+template <int Chunks>
+__attribute__((always_inline)) inline float score(const Lanes* query, const float* key, int64_t chunks) {
   Lanes lanes = query[0] * load(key);
   for (int64_t c = 1; c < (Chunks ? Chunks : chunks); ++c) lanes += query[c] * load(key + c * kLanes);
   return lane_sum(lanes);
 }
 
-// The rows of a run (the top of this file) over keys and values of type S: key j at keys + index(j) * key_stride
-// (index: every key in turn where null), widened as they are read (exactly). What a row computes does not depend on
-// the others. Chunks: the head dim / 16 where it is known here, else 0.
-template <typename S, int Chunks, typename T>
-void attend_rows(const Run<T>& run, const S* keys, const S* values, int64_t key_stride, int64_t value_stride,
-                 const int64_t* index, int64_t dim, float scale, float* scores) {
+// The rows of a run (the top of this file) over float32 keys and values [count, dim] in the order the rows see them.
+// What a row computes does not depend on the others. Chunks: the head dim / 16 where it is known here, else 0.
+template <int Chunks, typename T>
+void attend_rows(const Run<T>& run, const float* keys, const float* values, int64_t dim, float scale, float* scores) {
   constexpr int kMost = Chunks ? Chunks : 32;
   const int64_t chunks = Chunks ? Chunks : dim / kLanes;
   const float infinity = std::numeric_limits<float>::infinity();
@@ -134,8 +125,7 @@ void attend_rows(const Run<T>& run, const S* keys, const S* values, int64_t key_
     }
     Lanes query[kMost];
     for (int64_t c = 0; c < chunks; ++c) query[c] = load(run.queries[r] + c * kLanes);
-    for (int64_t j = 0; j < seen; ++j)
-      scores[j] = score<Chunks>(query, keys + (index ? index[j] : j) * key_stride, chunks) * scale;
+    for (int64_t j = 0; j < seen; ++j) scores[j] = score<Chunks>(query, keys + j * dim, chunks) * scale;
     for (int64_t j = seen; j < tail; ++j) scores[j] = -infinity;
     // the maximum in 16 lanes (exact in any order), then the softmax's numerators and their sum in 16 lanes
     float top[kLanes];
@@ -145,18 +135,16 @@ void attend_rows(const Run<T>& run, const S* keys, const S* values, int64_t key_
     float maximum = top[0];
     for (int64_t l = 1; l < kLanes; ++l) maximum = top[l] > maximum ? top[l] : maximum;
     for (int64_t j = 0; j < tail; ++j) scores[j] = exp_nonpositive(scores[j] - maximum);
-    float lanes[kLanes] = {};
-    for (int64_t j = 0; j < tail; j += kLanes)
-      for (int64_t l = 0; l < kLanes; ++l) lanes[l] += scores[j + l];
-    const float total = lane_sum(lanes);
+    Lanes sums = {};
+    for (int64_t j = 0; j < tail; j += kLanes) sums += load(scores + j);
+    const float total = lane_sum(sums);
     // the value sums: even keys and odd keys apart, each in ascending order, then added
     Lanes even[kMost], odd[kMost];
     for (int64_t c = 0; c < (Chunks ? Chunks : chunks); ++c) even[c] = odd[c] = Lanes{};
     int64_t j = 0;
     for (; j + 2 <= seen; j += 2) {
       const float pe = scores[j], po = scores[j + 1];
-      const S* ve = values + (index ? index[j] : j) * value_stride;
-      const S* vo = values + (index ? index[j + 1] : j + 1) * value_stride;
+      const float *ve = values + j * dim, *vo = ve + dim;
       for (int64_t c = 0; c < (Chunks ? Chunks : chunks); ++c) {
         even[c] += pe * load(ve + c * kLanes);
         odd[c] += po * load(vo + c * kLanes);
@@ -164,7 +152,7 @@ void attend_rows(const Run<T>& run, const S* keys, const S* values, int64_t key_
     }
     if (j < seen) {
       const float pe = scores[j];
-      const S* ve = values + (index ? index[j] : j) * value_stride;
+      const float* ve = values + j * dim;
       for (int64_t c = 0; c < (Chunks ? Chunks : chunks); ++c) even[c] += pe * load(ve + c * kLanes);
     }
     for (int64_t c = 0; c < (Chunks ? Chunks : chunks); ++c) {
@@ -191,7 +179,7 @@ void attend_run(const Run<T>& run, int64_t dim, float scale, std::vector<float>&
     for (int64_t d = 0; d < dim; ++d) keys[j * dim + d] = widen(key[d]);
     for (int64_t d = 0; d < dim; ++d) values[j * dim + d] = widen(value[d]);
   }
-  attend_rows<float, Chunks>(run, keys, values, dim, dim, nullptr, dim, scale, values + count * dim);
+  attend_rows<Chunks>(run, keys, values, dim, scale, values + count * dim);
 }
 
 // The runs on the intra-op threads, each taking the next of the longest first (what a run computes does not depend on
