@@ -170,6 +170,11 @@ class CostModel:
 
         return seconds
 
+    def has_step_fit(self) -> bool:
+        """Whether ``step_curve`` answers from its fit over engine steps (16 steps of three verify sizes seen), not
+        from the per-size curve."""
+        return self._step_fit() is not None
+
     def _tiles(self, rows: int) -> int:
         return -(-rows // self.tile_rows) if self.tile_rows else 0
 

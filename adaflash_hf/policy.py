@@ -46,6 +46,8 @@ from adaflash_hf.prepared.linear import row_tile
 # The forward sizes an engine's first step times (those within its token budget), once each: its step fit takes over
 # after 16 steps. ``generate`` times 1..16 new tokens (``calibrate_target``'s defaults).
 ENGINE_CALIBRATION_SIZES = (1, 4, 16, 64)
+# An engine's drafts a step until its step fit exists, where its target does not run in tiles (GoodputPolicy)
+COLD_DRAFTS = 16
 
 
 @dataclass
@@ -352,6 +354,7 @@ class GoodputPolicy(DraftingPolicy):
         ):
             # A plain step measures the k = 0 baseline first.
             return Round(tuple(slots), step, (False,) * count, options, kinds)
+        curve = self._beside_prefill(curve, step, count)
         base = {"base_tokens": count, "base_committed": float(step.running), "target_seconds": curve}
         share = self.cost.marginal_drafter_seconds(count)
         self.batch_gate.reopen(step.running)
@@ -366,6 +369,22 @@ class GoodputPolicy(DraftingPolicy):
             for s, o in zip(slots, options)
         )
         return Round(tuple(slots), step, drafts, options, kinds, curve, base, share)
+
+    def _beside_prefill(self, curve, step, count: int):
+        """The curve a step with prompts to prefill is planned on: its drafts' own cost beside the prefill (the
+        step's curve above its ``count`` anchors) on top of a decode step of the same requests (the decode curve at
+        ``count``). The prefill is paid whatever is drafted; what the drafts' seconds must beat is what they would
+        commit in decode steps, not the prefill step's own low tokens a second: on a CPU a prefill's rows make the
+        forward compute-bound, where each verified row costs about what a prompt token does (a 16-request step
+        with a 136-token prefill: 213 ms with 15 verify rows, 411 ms with 120), while a decode step's extra rows
+        are nearly free. ``curve`` unchanged for a step without prefill, or before the decode curve is known."""
+        if not step.prefill_tokens:
+            return curve
+        decode = self.cost.step_curve(step.running)
+        if decode is None:
+            return curve
+        anchors, floor = curve(count), decode(count)
+        return lambda n: floor + max(0.0, curve(n) - anchors)
 
     def confidence_rows(self, room, confidences, head):
         """The first ``CONFIDENCE_ROWS`` rows; then all ``room`` rows where the chain of acceptances reaches past
@@ -395,9 +414,20 @@ class GoodputPolicy(DraftingPolicy):
                 state.shadows.add_block(slot.position, block.tokens, block.confidences, block.head)
             options[i], kinds[i] = [state.last_gains, *options[i]], ["diffusion", *kinds[i]]
         drafter_seconds = self.cost.drafter_seconds(drafting) if drafting else 0.0
-        budget = round_.step.draft_budget(len(slots))
+        budget = self._cold_budget(round_.step.draft_budget(len(slots)), round_.step)
         plan = plan_round(options, drafter_seconds=drafter_seconds, budget=budget, **round_.base)
         return self._choices(round_, blocks, plan, kinds, budget)
+
+    def _cold_budget(self, budget: int | None, step: Step) -> int | None:
+        """An engine's drafts before its step fit exists (``CostModel.has_step_fit``: its first steps in a process):
+        at most one tile of rows (16 where the target is not tiled). The per-size curve it plans on until then
+        extrapolates from few sizes and can be flat over many rows (a fresh engine at 16 requests planned 75 drafts a
+        step on a curve that priced 91 rows as 16, and its steps ran at 0.5x plain's tokens a second); a tile of
+        drafts still gives the fit the step sizes it needs."""
+        if self.kind != "engine" or self.cost.has_step_fit():
+            return budget
+        cap = self.cost.tile_rows or COLD_DRAFTS
+        return cap if budget is None else min(budget, cap)
 
     def _choices(self, round_: Round, blocks, plan, kinds, budget) -> list[Choice]:
         """The plan's choices; a sampled request's probe verifies one draft where the budget has room for it."""
@@ -438,7 +468,8 @@ class GoodputPolicy(DraftingPolicy):
         """The safety net under the per-request plan: everything it does not price (the drafter's fixed cost when few
         requests draft, the confidences, the bookkeeping) shows in the step's wall time. A drafted step is worth its
         committed tokens minus what plain decoding would have committed in the same seconds
-        (``CostModel.plain_step_seconds``); while that average stays negative the whole batch skips the drafter
+        (``CostModel.plain_step_seconds``; beside a prefill, the seconds beyond the plain step at a decode step's
+        tokens a second, as ``_beside_prefill`` plans); while that average stays negative the whole batch skips the drafter
         (``SkipGate``'s backoff, with probes). ``verified``: the step's verified drafts (a step that verified lookup
         continuations without the drafter is no plain step)."""
         if not drafted:
@@ -446,8 +477,13 @@ class GoodputPolicy(DraftingPolicy):
             self.cost.observe_plain_step(step.running, seconds, target_seconds, whole)
             return
         plain_seconds = self.cost.plain_step_seconds(step.running, step.prefill_tokens, verifies)
-        if plain_seconds is not None:
-            self.batch_gate.record(committed - verifies * seconds / plain_seconds, 0.0, step.running)
+        decode_seconds = (
+            self.cost.plain_step_seconds(step.running, 0, verifies) if step.prefill_tokens else plain_seconds
+        )
+        if plain_seconds is not None and decode_seconds is not None:
+            # the seconds beyond the plain step, at what decode steps commit in them (_beside_prefill)
+            lost = (seconds - plain_seconds) * verifies / decode_seconds
+            self.batch_gate.record(committed - verifies - lost, 0.0, step.running)
 
 
 def _lookup_alone_wins(slot: Slot, options: Sequence, base: Mapping, share: float) -> bool:

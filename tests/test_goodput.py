@@ -10,7 +10,7 @@ from adaflash_hf.acceptance import AcceptanceModel, LookupModel, ShadowLabels
 from adaflash_hf.cost_model import CostModel, calibrate_target, use_cost_model
 from adaflash_hf.drafting import DraftingSettings, SkipGate, draft_surplus, plan_lengths, plan_round
 from adaflash_hf.lookup import LookupProposal
-from adaflash_hf.policy import Step
+from adaflash_hf.policy import COLD_DRAFTS, GoodputPolicy, Step
 from adaflash_hf.serving import AdaFlashEngine, SamplingParams
 from tests.conftest import finished_requests
 
@@ -575,6 +575,63 @@ def test_the_batch_gate_judges_against_measured_plain_steps_once_it_has_them(fre
     for _ in range(3):
         judge(policy, True, 6, 4, seconds=0.4, target=0.1)
     assert policy.batch_gate.skip_left == 0 and policy.batch_gate.average_surplus > 0
+
+
+def _row_priced_engine_policy() -> GoodputPolicy:
+    """An engine's goodput policy whose step fit prices every row 1 ms beyond a 16-request decode step's 30 ms, verify
+    and prefill rows alike (a CPU forward made compute-bound by a prefill)."""
+    cost = CostModel()
+    for verify, prefill in [(16, 0), (32, 0), (48, 0), (16, 100), (16, 200), (16, 300)] * 3:
+        cost.observe_step(verify, prefill, 16, 0.030 + 0.001 * (verify + prefill - 16))
+    assert cost.has_step_fit()
+    settings = DraftingSettings(length_mode="goodput", calibrate=False)
+    return GoodputPolicy(settings, BLOCK, cost, AcceptanceModel(), kind="engine")
+
+
+def test_drafts_beside_a_prefill_must_beat_what_decode_steps_commit_in_their_seconds():
+    policy = _row_priced_engine_policy()
+    base = {"base_tokens": 16, "base_committed": 16.0, "drafter_seconds": 0.0}
+    prefill_curve = policy.cost.step_curve(16, 136)
+    # Half-likely drafts: 0.5 tokens a ms. Against the prefill step's own 16 tokens in 166 ms they look worth taking.
+    even = [[[0.5, 0.25, 0.125]]] * 16
+    assert sum(plan_round(even, target_seconds=prefill_curve, **base).lengths) > 0
+    # The prefill is paid either way; the drafts' seconds beside it could decode 16 tokens per 30 ms instead.
+    curve = policy._beside_prefill(prefill_curve, Step(16, prefill_tokens=136), 16)
+    assert curve(16) == pytest.approx(0.030) and curve(20) == pytest.approx(0.034)
+    assert sum(plan_round(even, target_seconds=curve, **base).lengths) == 0
+    likely = [[[0.95, 0.9, 0.85]]] * 16  # drafts that beat decode steps are still taken beside a prefill
+    assert sum(plan_round(likely, target_seconds=curve, **base).lengths) > 0
+    decode_curve = policy.cost.step_curve(16)  # a step without prefill is planned on its own curve
+    assert policy._beside_prefill(decode_curve, Step(16), 16) is decode_curve
+
+
+def test_a_drafted_prefill_step_is_judged_by_what_decode_steps_commit_in_its_extra_seconds():
+    policy = _row_priced_engine_policy()
+    prefill_step = Step(16, prefill_tokens=136)
+    # plain: this step in 166 ms; drafted: 8 more tokens in 20 ms more, which decode steps fill with 10.7 tokens
+    policy.judge_step(True, 24, 16, prefill_step, seconds=0.186, target_seconds=0.186, verified=8)
+    gate = (
+        policy.batch_gate
+    )  # its average starts at max(surplus, 0) and moves by `smoothing` toward the surplus
+    assert gate.average_surplus == pytest.approx(gate.smoothing * (8 - 0.020 * 16 / 0.030))  # -2.7 tokens
+    # (judged by the prefill step's own rate, 16 tokens per 166 ms, the same step would gain 6.1 tokens)
+    # in a decode step it is what plain decoding commits in the step's seconds: 24 tokens in 40 ms against 21.3
+    policy.batch_gate = SkipGate(max_skip=4)
+    policy.judge_step(True, 24, 16, Step(16), seconds=0.040, target_seconds=0.040, verified=8)
+    assert policy.batch_gate.average_surplus == pytest.approx(24 - 16 * 0.040 / 0.030)
+
+
+def test_an_engine_drafts_at_most_a_tile_a_step_until_its_step_fit_exists():
+    settings = DraftingSettings(length_mode="goodput", calibrate=False)
+    cold = GoodputPolicy(settings, BLOCK, CostModel(), AcceptanceModel(), kind="engine")
+    assert not cold.cost.has_step_fit()
+    assert cold._cold_budget(None, Step(16)) == COLD_DRAFTS
+    assert cold._cold_budget(5, Step(16)) == 5
+    cold.cost.tile_rows = 4
+    assert cold._cold_budget(None, Step(16)) == 4
+    assert _row_priced_engine_policy()._cold_budget(None, Step(16)) is None  # the fit answers: no cap
+    generate = GoodputPolicy(settings, BLOCK, CostModel(fit_steps=False), AcceptanceModel(), kind="generate")
+    assert generate._cold_budget(None, Step(1)) is None  # generate plans on measured per-size medians
 
 
 def test_a_running_count_without_plain_steps_is_judged_by_the_nearest_measured_count(
