@@ -13,11 +13,11 @@ The target is the offline SmolLM2-135M-Instruct, saved in transformers format an
 llama.cpp's own ``convert_hf_to_gguf.py`` (the shipped Q4_1 file is a different quantisation, and some llama.cpp
 builds crash on it, so each llama.cpp run is a child process and a crash is recorded, not fatal). On held-out prompts
 (chat-templated token ids, the same for every engine), greedy, one request at a time, ``--threads`` threads, it
-times: llama.cpp on the bf16 GGUF and on the shipped Q4_1 one; transformers eager fp32 and bf16; the target as
-``prepare_target`` prepares it for bf16, for ``int4`` (its own 4-bit codes) and for ``auto``; and AdaFlash's default
-(``generate`` with the shipped drafter on the auto-prepared target, every output checked equal to that target's plain
-greedy output). Tokens/s per engine (new tokens over wall seconds, prompt included) and each one's ratio to
-llama.cpp's bf16 plain decoding. Writes ``<out>/results.json`` with the host (CPU model and bf16 units).
+times (each transformers engine after one untimed generate of 8 tokens): llama.cpp on the bf16 GGUF and on the
+shipped Q4_1 one; transformers eager fp32 and bf16; the target as ``prepare_target`` prepares it for bf16, for
+``int4`` (its own 4-bit codes) and for ``auto``; and AdaFlash's default (``generate`` with the shipped drafter on the
+auto-prepared target, every output checked equal to that target's plain greedy output). Tokens/s per engine (new
+tokens over wall seconds, prompt included) and each one's ratio to llama.cpp's bf16 plain decoding. Writes ``<out>/results.json`` with the host (CPU model and bf16 units).
 """
 
 from __future__ import annotations
@@ -96,9 +96,15 @@ def llamacpp_in_child(gguf: Path, prompts_file: Path, args) -> float | str:
     return float(result.stdout.strip().splitlines()[-1])
 
 
+WARMUP_TOKENS = 8
+
+
 def time_transformers(target, prompts: list[list[int]], new_tokens: int, **generate) -> tuple[float, list]:
     import torch
 
+    # untimed first: a process's first generate with an engine builds its kernels and calibrates (llama.cpp's model
+    # is loaded before its clock starts, too)
+    target.generate(torch.tensor([prompts[0]]), max_new_tokens=WARMUP_TOKENS, do_sample=False, **generate)
     texts, seconds, produced = [], 0.0, 0
     for prompt in prompts:
         ids = torch.tensor([prompt])
