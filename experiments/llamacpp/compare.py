@@ -17,7 +17,8 @@ times (each transformers engine after one untimed generate of 8 tokens): llama.c
 shipped Q4_1 one; transformers eager fp32 and bf16; the target as ``prepare_target`` prepares it for bf16, for
 ``int4`` (its own 4-bit codes) and for ``auto``; and AdaFlash's default (``generate`` with the shipped drafter on the
 auto-prepared target, every output checked equal to that target's plain greedy output). Tokens/s per engine (new
-tokens over wall seconds, prompt included) and each one's ratio to llama.cpp's bf16 plain decoding. Writes ``<out>/results.json`` with the host (CPU model and bf16 units).
+tokens over wall seconds, prompt included) and each one's ratio to llama.cpp's bf16 plain decoding. Writes
+``<out>/results.json`` with the host (CPU model and bf16 units).
 """
 
 from __future__ import annotations
