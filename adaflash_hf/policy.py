@@ -423,8 +423,9 @@ class GoodputPolicy(DraftingPolicy):
         at most one tile of rows (16 where the target is not tiled). The per-size curve it plans on until then
         extrapolates from few sizes and can be flat over many rows (a fresh engine at 16 requests planned 75 drafts a
         step on a curve that priced 91 rows as 16, and its steps ran at 0.5x plain's tokens a second); a tile of
-        drafts still gives the fit the step sizes it needs."""
-        if self.kind != "engine" or self.cost.has_step_fit():
+        drafts still gives the fit the step sizes it needs. A profile (``CostModel.profile``, which learns nothing) is
+        the user's word on the costs: no cap."""
+        if self.kind != "engine" or self.cost.frozen or self.cost.has_step_fit():
             return budget
         cap = self.cost.tile_rows or COLD_DRAFTS
         return cap if budget is None else min(budget, cap)
