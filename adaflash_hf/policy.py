@@ -414,11 +414,11 @@ class GoodputPolicy(DraftingPolicy):
                 state.shadows.add_block(slot.position, block.tokens, block.confidences, block.head)
             options[i], kinds[i] = [state.last_gains, *options[i]], ["diffusion", *kinds[i]]
         drafter_seconds = self.cost.drafter_seconds(drafting) if drafting else 0.0
-        budget = self._cold_budget(round_.step.draft_budget(len(slots)), round_.step)
+        budget = self._cold_budget(round_.step.draft_budget(len(slots)))
         plan = plan_round(options, drafter_seconds=drafter_seconds, budget=budget, **round_.base)
         return self._choices(round_, blocks, plan, kinds, budget)
 
-    def _cold_budget(self, budget: int | None, step: Step) -> int | None:
+    def _cold_budget(self, budget: int | None) -> int | None:
         """An engine's drafts before its step fit exists (``CostModel.has_step_fit``: its first steps in a process):
         at most one tile of rows (16 where the target is not tiled). The per-size curve it plans on until then
         extrapolates from few sizes and can be flat over many rows (a fresh engine at 16 requests planned 75 drafts a
@@ -470,8 +470,8 @@ class GoodputPolicy(DraftingPolicy):
         requests draft, the confidences, the bookkeeping) shows in the step's wall time. A drafted step is worth its
         committed tokens minus what plain decoding would have committed in the same seconds
         (``CostModel.plain_step_seconds``; beside a prefill, the seconds beyond the plain step at a decode step's
-        tokens a second, as ``_beside_prefill`` plans); while that average stays negative the whole batch skips the drafter
-        (``SkipGate``'s backoff, with probes). ``verified``: the step's verified drafts (a step that verified lookup
+        tokens a second, as ``_beside_prefill`` plans); while that average stays negative the whole batch skips the
+        drafter (``SkipGate``'s backoff, with probes). ``verified``: the step's verified drafts (a step that verified lookup
         continuations without the drafter is no plain step)."""
         if not drafted:
             whole = not step.prefill_tokens and not verified

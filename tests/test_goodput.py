@@ -625,17 +625,17 @@ def test_an_engine_drafts_at_most_a_tile_a_step_until_its_step_fit_exists():
     settings = DraftingSettings(length_mode="goodput", calibrate=False)
     cold = GoodputPolicy(settings, BLOCK, CostModel(), AcceptanceModel(), kind="engine")
     assert not cold.cost.has_step_fit()
-    assert cold._cold_budget(None, Step(16)) == COLD_DRAFTS
-    assert cold._cold_budget(5, Step(16)) == 5
+    assert cold._cold_budget(None) == COLD_DRAFTS
+    assert cold._cold_budget(5) == 5
     cold.cost.tile_rows = 4
-    assert cold._cold_budget(None, Step(16)) == 4
-    assert _row_priced_engine_policy()._cold_budget(None, Step(16)) is None  # the fit answers: no cap
+    assert cold._cold_budget(None) == 4
+    assert _row_priced_engine_policy()._cold_budget(None) is None  # the fit answers: no cap
     profiled = GoodputPolicy(
         settings, BLOCK, CostModel.profile({1: 0.1, 16: 0.2}), AcceptanceModel(), kind="engine"
     )
-    assert profiled._cold_budget(None, Step(16)) is None  # a profile is the user's word on the costs
+    assert profiled._cold_budget(None) is None  # a profile is the user's word on the costs
     generate = GoodputPolicy(settings, BLOCK, CostModel(fit_steps=False), AcceptanceModel(), kind="generate")
-    assert generate._cold_budget(None, Step(1)) is None  # generate plans on measured per-size medians
+    assert generate._cold_budget(None) is None  # generate plans on measured per-size medians
 
 
 def test_a_running_count_without_plain_steps_is_judged_by_the_nearest_measured_count(
