@@ -98,6 +98,12 @@ class SlotPacking:
         return max(self.lengths)
 
     @cached_property
+    def row_requests(self) -> list[int]:
+        """(slot, start, offset, length) of each request in turn, flat: what the compiled row attention takes (every
+        layer of a forward attends with the same packing)."""
+        return [n for entry in zip(self.slots, self.starts, self.offsets, self.lengths) for n in entry]
+
+    @cached_property
     def groups(self) -> list[AttentionGroup]:
         """The torch path's SDPA calls: all short requests together, then one per long request."""
         short = [i for i, n in enumerate(self.lengths) if n <= self.group_width]

@@ -11,7 +11,7 @@ from transformers import GenerationConfig
 
 from adaflash_hf import prepare_target
 from adaflash_hf.cost_model import CostModel, use_cost_model
-from adaflash_hf.prepared.cpu import bf16_units, cpu_model
+from adaflash_hf.prepared.cpu import bf16_units, cpu_digest, cpu_model
 from adaflash_hf.prepared.linear import InvariantLinear
 from adaflash_hf.prepared.prepare import is_prepared
 from adaflash_hf.serving import AdaFlashEngine, AdmissionConfig, SamplingParams
@@ -53,6 +53,18 @@ def test_bf16_units_are_read_from_the_cpu_flags():
     assert bf16_units(CPUINFO.format("avx512f avx512_vnni")) == ()
     assert bf16_units("") == ()
     assert cpu_model(CPUINFO.format("")) == "AMD EPYC 9R14"
+
+
+def test_code_built_for_this_cpu_is_kept_under_its_model_and_flags():
+    amx = cpu_digest(CPUINFO.format("avx512f avx512_bf16 amx_bf16"))
+    assert amx == cpu_digest(
+        CPUINFO.format("amx_bf16 avx512f avx512_bf16")
+    )  # the flags' order does not matter
+    assert amx != cpu_digest(CPUINFO.format("avx512f avx512_bf16"))
+    assert amx != cpu_digest(
+        CPUINFO.format("avx512f avx512_bf16 amx_bf16").replace("AMD EPYC 9R14", "Intel Xeon")
+    )
+    assert len(amx) == 8 and int(amx, 16) >= 0
 
 
 def test_auto_from_the_flags_alone_casts_to_bf16_where_the_cpu_has_a_bf16_unit(target_factory):

@@ -164,7 +164,7 @@ def slot_invariant_attention(
     scale = dim**-0.5 if scale is None else scale
     kernel = _row_kernel(query, dim)
     if kernel is not None and key_pool.dtype == query.dtype:
-        return kernel["packed"](query, key_pool, value_pool, packed_requests(packing), scale)
+        return kernel["packed"](query, key_pool, value_pool, packing.row_requests, scale)
     out = torch.empty_like(query)
     by_span: dict[int, list[tuple[int, int, int, int]]] = {}
     for slot, start, offset, length in zip(packing.slots, packing.starts, packing.offsets, packing.lengths):
@@ -183,24 +183,6 @@ def slot_invariant_attention(
     for span, requests in by_span.items():
         stacked_block_attention(out, query, key_pool, value_pool, requests, span, scale)
     return out
-
-
-def packed_requests(packing: SlotPacking) -> list[int]:
-    """(slot, start, offset, length) of each request of ``packing`` in turn, flat: what the row kernel takes. Every
-    layer of a forward asks for the same packing's: the last one is kept."""
-    if _LAST_REQUESTS[0] is not packing:
-        _LAST_REQUESTS[:] = [
-            packing,
-            [
-                n
-                for entry in zip(packing.slots, packing.starts, packing.offsets, packing.lengths)
-                for n in entry
-            ],
-        ]
-    return _LAST_REQUESTS[1]
-
-
-_LAST_REQUESTS: list = [None, []]  # the packing packed_requests last saw, and its requests
 
 
 def stacked_rows(start: int, length: int, group: int, kv_heads: int, dim: int, dtype, device) -> int:

@@ -8,6 +8,7 @@ converts to fp32 as it goes and is slower than fp32 itself, so ``adaflash_hf.pre
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 BF16_UNITS = ("amx_bf16", "avx512_bf16")
@@ -40,6 +41,18 @@ def cpu_model(cpuinfo: str | None = None) -> str:
         if name.strip() == "model name":
             return value.strip()
     return "unknown"
+
+
+def cpu_digest(cpuinfo: str | None = None) -> str:
+    """Eight hex digits of the CPU's model name and flags: what code compiled for this CPU's instructions is kept
+    under, so that a home folder shared by machines of other CPUs never loads it there."""
+    flags = ""
+    for line in _cpuinfo(cpuinfo).splitlines():
+        name, _, value = line.partition(":")
+        if name.strip() in ("flags", "Features"):
+            flags = " ".join(sorted(value.split()))
+            break
+    return hashlib.sha256(f"{cpu_model(cpuinfo)}|{flags}".encode()).hexdigest()[:8]
 
 
 def cpu_record() -> dict:

@@ -23,9 +23,9 @@ and verifies across key blocks, and for packed forwards of prefills, decode step
 guarantee of the prepared forward holds unchanged.
 
 It is built from source on first use on a machine (torch's C++ extension loader with ninja and the system's C++
-compiler, for this CPU, about 20 s, kept in torch's extensions folder for later processes) and loaded as
-``torch.ops``. Where it cannot be built (no compiler), or with ``ADAFLASH_NATIVE=0``, the Python layer runs and the
-attention runs SDPA in tiles (``adaflash_hf.prepared.attention``), with one warning.
+compiler, for this CPU, about 20 s, kept in torch's extensions folder under the CPU's model and flags for later
+processes) and loaded as ``torch.ops``. Where it cannot be built (no compiler), or with ``ADAFLASH_NATIVE=0``, the
+Python layer runs and the attention runs SDPA in tiles (``adaflash_hf.prepared.attention``), with one warning.
 
 A layer call runs here only where the Python layer would run exactly these ops: a CPU tensor, a SiLU MLP, and either
 one sequence (batch of one) with transformers' dynamic cache layer, the invariant attention and no attention mask or
@@ -48,7 +48,8 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import logging
 
 from adaflash_hf.prepared import attention as invariant_attention
-from adaflash_hf.prepared.attention import ATTENTION_NAME, packed_requests
+from adaflash_hf.prepared.attention import ATTENTION_NAME
+from adaflash_hf.prepared.cpu import cpu_digest
 from adaflash_hf.prepared.four_bit import four_bit_linear
 from adaflash_hf.prepared.linear import _packed_linear, group_route, linear_route
 
@@ -115,7 +116,7 @@ def _build() -> None:
     if ninja.BIN_DIR not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
     cpp_extension.load(
-        name="adaflash_native",
+        name=f"adaflash_native_{cpu_digest()}",  # built with -march=native: kept per CPU
         sources=[str(source) for source in SOURCES],
         # this CPU's vector units; no fast-math: the row attention's order of operations is its source's (without
         # trapping math, its selects vectorise)
@@ -200,7 +201,7 @@ def _packed_forward(plan: _Plan, hidden_states, position_embeddings, ragged):
         store.values[plan.index],
         ragged.packing.token_slots,
         ragged.packing.token_positions,
-        packed_requests(ragged.packing),
+        ragged.packing.row_requests,
         *plan.layer_numbers(),
     )
 
