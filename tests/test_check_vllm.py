@@ -35,9 +35,28 @@ class _Output:
         self.outputs = [type("Completion", (), {"token_ids": ids})()]
 
 
+class _Engine:  # the step API: one request finishes a step, so requests finish apart
+    def __init__(self, spec):
+        self.spec, self.running = spec, []
+
+    def add_request(self, request_id, prompt, params):
+        self.running.append((request_id, params.options["max_tokens"]))
+        with open(os.environ["FAKE_VLLM_LOG"] + ".adds", "a") as handle:
+            handle.write(json.dumps({"spec": self.spec, "in_flight": len(self.running)}) + "\\n")
+
+    def has_unfinished_requests(self):
+        return bool(self.running)
+
+    def step(self):
+        request_id, n = self.running.pop(0)
+        out = {"request_id": request_id, "finished": True, "outputs": _Output(list(range(n))).outputs}
+        return [type("Out", (), out)]
+
+
 class LLM:
     def __init__(self, **options):
         self.options = options
+        self.llm_engine = _Engine("speculative_config" in options)
         with open(os.environ["FAKE_VLLM_LOG"], "a") as handle:
             handle.write(json.dumps(options) + "\\n")
         if os.environ.get("FAKE_VLLM_FAIL"):
@@ -157,12 +176,37 @@ def test_paired_waves_alternate_the_engines_and_give_each_wave_its_ratio_to_plai
     ratios = sorted(r["vs_vllm_plain"] for r in dflash)
     assert summary["waves"] == 3 and summary["vs_vllm_plain"] == ratios[1]
     assert summary["vs_vllm_plain_quartiles"][0] <= ratios[1] <= summary["vs_vllm_plain_quartiles"][1]
+    # all waves together: every wave's tokens over every wave's seconds, against plain's
+    assert all(r["tokens"] == 2 * 4 and r["seconds"] > 0 for r in dflash + plain)
+    together = sum(r["seconds"] for r in plain) / sum(r["seconds"] for r in dflash)
+    assert summary["vs_vllm_plain_all_waves"] == pytest.approx(together)
+    assert report["equals_plain"] == {"vllm_dflash_float32@2": True}
+
+
+def test_continuous_waves_keep_c_in_flight_and_replace_each_finished_request(tmp_path):
+    result, _ = run_script(
+        tmp_path, "--dtype", "float32", "--paired", "2", "--continuous", "3", "--concurrency", "2", *STOCK
+    )
+    assert result.returncode == 0, result.stderr
+    adds = [json.loads(line) for line in (tmp_path / "engines.jsonl.adds").read_text().splitlines()]
+    # per engine and wave 3 x 2 prompts, never more than 2 in flight, a new one as soon as one finishes
+    assert len(adds) == 2 * 2 * 6 and max(a["in_flight"] for a in adds) == 2
+    assert sum(a["in_flight"] == 2 for a in adds) == 2 * 2 * 5
+    report = json.loads((tmp_path / "check" / "vllm.json").read_text())
+    assert report["continuous"] == 3 and report["waves"] == 2
+    rows = [r for r in report["rows"] if "wave" in r]
+    assert len(rows) == 4 and all(r["tokens"] == 6 * 4 for r in rows)
     assert report["equals_plain"] == {"vllm_dflash_float32@2": True}
 
 
 @pytest.mark.parametrize(
     ("args", "message"),
     [
+        (["--continuous", "2"], "--continuous: expected --paired WAVES beside it, got none"),
+        (
+            ["--paired", "2", "--continuous", "0", "--methods", "vllm_plain"],
+            "--continuous: expected an int >= 1, got 0",
+        ),
         (["--paired", "0"], "--paired: expected an int >= 1, got 0"),
         (
             ["--paired", "2", "--methods", "vllm_dflash"],

@@ -498,6 +498,17 @@ def test_requests_in_one_step_verify_different_draft_lengths(vllm_runs):
 
 @pytest.mark.integration
 @needs_vllm
+def test_drafts_come_from_the_drafters_own_vocabulary(vllm_runs):
+    vocabulary = json.loads((vllm_runs["work"] / "drafter" / "config.json").read_text())["draft_token_ids"]
+    assert 0 < len(vocabulary) < 49152  # the shipped drafter's reduced vocabulary, in the export's config
+    for stats in (vllm_runs["plugin"]["stats_after_corrupt"], vllm_runs["goodput"]["stats_batch"]):
+        # the degraded version's drafts (fusion layer zeroed) included: argmax over the whole vocabulary would
+        # propose ids the drafter never learned to keep out
+        assert stats["drafted"] > 0 and stats["drafts_outside_vocabulary"] == 0, stats
+
+
+@pytest.mark.integration
+@needs_vllm
 def test_a_reload_mid_traffic_changes_the_drafter_version_and_loses_no_request(vllm_runs):
     run, plain = vllm_runs["plugin"], vllm_runs["plain"]
     assert run["reload"] == plain["batch"]  # every request finished, each text unchanged

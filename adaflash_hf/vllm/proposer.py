@@ -72,6 +72,8 @@ class Session:
             )
         self.cost, self.acceptance_model, self.gate = StepCost(), AcceptanceModel(), DrafterGate()
         self.book, self.stats = RoundBook(), StepStats()
+        vocabulary = getattr(model.config, "draft_token_ids", None)
+        self.vocabulary = frozenset(vocabulary) if vocabulary is not None else None
         self.pending: tuple | None = None  # this step's â, rule lengths and confidences, from sample_greedy
         self.reloader = None
         if settings.weights_dir:
@@ -111,7 +113,8 @@ class Session:
     def sample_greedy(self, model, hidden: torch.Tensor) -> torch.Tensor:
         """Greedy drafts with the vocabulary projection only where they will be verified: â first (from the block's
         states, before any logits), the rule's k̂ from it, then logits for each request's first k̂ rows (fixed: all;
-        goodput: up to 2·k̂ + 2, whose confidences it plans with). The other rows get token 0 and are cut off."""
+        goodput: up to 2·k̂ + 2, whose confidences it plans with), over the drafter's own vocabulary where it has one
+        (``AdaFlashDFlashForCausalLM.draft_logits``). The other rows get token 0 and are cut off."""
         width = self.max_len
         batch_size = hidden.shape[0] // width
         acceptance = model.acceptance(batch_size, width + 1)
@@ -127,9 +130,9 @@ class Session:
         confidences = None
         if rows:
             index = torch.tensor(rows, device=hidden.device)
-            logits = model.compute_logits(hidden[index])
+            logits, vocabulary = model.draft_logits(hidden[index])
             chosen = logits.argmax(dim=-1)
-            ids[index] = chosen
+            ids[index] = chosen if vocabulary is None else vocabulary[chosen]
             if self.settings.policy == "goodput":
                 flat = logits.float().softmax(-1).gather(-1, chosen[:, None]).squeeze(-1).tolist()
                 starts = [0]
@@ -168,7 +171,11 @@ class Session:
         self.gate.drafted(lengths)
         self._book(runner, request_ids, proposals)
         self.stats.observe_step(lengths)
-        return [row[:k] for row, k in zip(drafts.tolist(), lengths)]
+        out = [row[:k] for row, k in zip(drafts.tolist(), lengths)]
+        # (drafts sampled by vLLM for a sampling request come from the whole vocabulary and count here too)
+        if self.vocabulary is not None:
+            self.stats.outside_vocabulary += sum(t not in self.vocabulary for row in out for t in row)
+        return out
 
     def skip_drafter(self, batch_size: int) -> bool:
         """goodput: whether this step leaves the drafter out (``DrafterGate``)."""

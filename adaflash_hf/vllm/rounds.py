@@ -518,6 +518,7 @@ class StepStats:
     drafter_seconds: float = 0.0
     skipped_steps: int = 0
     skip_seconds: float = 0.0
+    outside_vocabulary: int = 0  # drafts proposed outside the drafter's own vocabulary
 
     def observe_step(self, lengths: Sequence[int]) -> None:
         self.steps += 1
@@ -546,6 +547,7 @@ class StepStats:
             "example_lengths": self.example_lengths,
             "drafter_ms_per_step": 1000 * self.drafter_seconds / self.steps if self.steps else 0.0,
             "steps_without_drafter": self.skipped_steps,
+            "drafts_outside_vocabulary": self.outside_vocabulary,
             "ms_per_step_without_drafter": 1000 * self.skip_seconds / self.skipped_steps
             if self.skipped_steps
             else 0.0,

@@ -215,6 +215,7 @@ def run(
     repeats: int = 1,
     waves: int | None = None,
     prefix_caching: bool = True,
+    continuous: int | None = None,
 ) -> int:
     """Every engine in a fresh process of its own (vLLM's CPU build does not always tear one down cleanly enough
     for the next), ``repeats`` times; or, with ``waves``, every engine of a dtype at once in one fresh process
@@ -229,7 +230,7 @@ def run(
     common = {"out": out, "concurrency": concurrency, "max_tokens": max_tokens}
     common |= {"speculative_tokens": speculative_tokens, "extra": extra}
     if waves is not None:
-        results |= {"paired": True, "waves": waves}
+        results |= {"paired": True, "waves": waves, "continuous": continuous}
         for dtype in dtypes:
             results["rows"] += _in_fresh_process(
                 "run_paired",
@@ -239,6 +240,7 @@ def run(
                 dtype=dtype,
                 methods=list(methods),
                 waves=waves,
+                continuous=continuous,
             )
     # every other repeat in the reverse order: drift of the host falls on both sides
     for repeat in range(repeats if waves is None else 0):
@@ -280,6 +282,30 @@ def _wave(prompts: list[list[int]], concurrency: int, index: int) -> list[list[i
     return [prompts[(index * concurrency + j) % len(prompts)] for j in range(concurrency)]
 
 
+def _continuous(llm, prompts: list[list[int]], params, concurrency: int, label: str) -> list[list[int]]:
+    """Every prompt through ``llm``'s engine with ``concurrency`` in flight: a finished request's place is taken by
+    the next prompt at once, as by ``concurrency`` clients that each send their next request when the last one is
+    answered. The texts, in the prompts' order."""
+    from vllm import TokensPrompt
+
+    engine, done, sent = llm.llm_engine, {}, 0
+
+    def send() -> None:
+        nonlocal sent
+        engine.add_request(f"{label}-{sent}", TokensPrompt(prompt_token_ids=prompts[sent]), params)
+        sent += 1
+
+    while sent < min(concurrency, len(prompts)):
+        send()
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                done[int(output.request_id.rsplit("-", 1)[1])] = list(output.outputs[0].token_ids)
+                if sent < len(prompts):
+                    send()
+    return [done[i] for i in range(len(prompts))]
+
+
 def _quartiles(values: list[float]) -> list[float]:
     if len(values) < 2:
         return [values[0], values[0]] if values else []
@@ -287,9 +313,15 @@ def _quartiles(values: list[float]) -> list[float]:
     return [q[0], q[2]]
 
 
+def _rate(rows: list[dict]) -> float:
+    return sum(r["tokens"] for r in rows) / sum(r["seconds"] for r in rows)
+
+
 def summarize_paired(rows: list[dict]) -> list[dict]:
     """Per engine and concurrency: the median tokens/s over the waves and the median (and quartiles) of each wave's
-    ratio to vLLM plain decoding of the same wave, same dtype."""
+    ratio to vLLM plain decoding of the same wave, same dtype; and the ratio of all waves together (every wave's
+    tokens over every wave's seconds, as a server serving them one after another would see it: at one request a
+    wave is one prompt, and the median of per-prompt ratios says how a typical prompt fares, not the traffic)."""
     groups: dict[tuple[str, int], list[dict]] = {}
     for row in rows:
         if "tokens_per_s" in row:
@@ -308,6 +340,9 @@ def summarize_paired(rows: list[dict]) -> list[dict]:
                 "vs_vllm_plain": statistics.median(ratios),
                 "vs_vllm_plain_quartiles": _quartiles(ratios),
             }
+        plain = groups.get((f"vllm_plain_{engine.rsplit('_', 1)[1]}", c), [])
+        if ratios and len(plain) == len(group) and all("seconds" in r for r in group + plain):
+            entry["vs_vllm_plain_all_waves"] = _rate(group) / _rate(plain)
         summary.append(entry)
     return summary
 
@@ -321,12 +356,15 @@ def run_paired(
     methods: tuple[str, ...],
     waves: int,
     extra: dict,
+    continuous: int | None = None,
 ) -> list[dict]:
     """Every engine of ``methods`` started at once in this process, then at each
     level ``waves`` waves of ``concurrency`` prompts, every wave run by each engine in turn, the order reversed
     every other wave. A wave's tokens/s is divided by vLLM plain's on the same wave, run seconds apart: on a shared
     host whose speed drifts by 10-25% within an hour, engines run one after another minutes apart compare the hour,
-    not the engine."""
+    not the engine. With ``continuous`` a wave is instead ``continuous x concurrency`` prompts served with
+    ``concurrency`` in flight (``_continuous``): requests that finish apart are replaced as a server's clients
+    replace them, where a wave of ``llm.generate`` waits for its slowest request."""
     from vllm import LLM, SamplingParams, TokensPrompt
 
     prompts = json.loads((out / "prompts.json").read_text())
@@ -360,18 +398,23 @@ def run_paired(
     for c in concurrency:
         before = {name: _plugin_stats(llm, name) for name, llm in engines.items()}
         for index in range(waves):
-            batch = [TokensPrompt(prompt_token_ids=p) for p in _wave(prompts, c, index)]
+            wave = _wave(prompts, c * (continuous or 1), index)
+            batch = [TokensPrompt(prompt_token_ids=p) for p in wave]
             measured = {}
             for name in order if index % 2 == 0 else order[::-1]:
                 started = time.perf_counter()
-                outputs = engines[name].generate(batch, params, use_tqdm=False)
+                if continuous:
+                    tokens = _continuous(engines[name], wave, params, c, f"c{c}w{index}")
+                else:
+                    outputs = engines[name].generate(batch, params, use_tqdm=False)
+                    tokens = [list(o.outputs[0].token_ids) for o in outputs]
                 seconds = time.perf_counter() - started
-                tokens = [list(o.outputs[0].token_ids) for o in outputs]
-                measured[name] = (sum(map(len, tokens)) / seconds, tokens)
-            plain_rate, plain_tokens = measured["vllm_plain"]
+                measured[name] = (sum(map(len, tokens)) / seconds, tokens, seconds)
+            plain_rate, plain_tokens, _ = measured["vllm_plain"]
             for name in order:
-                rate, tokens = measured[name]
+                rate, tokens, seconds = measured[name]
                 row = {"engine": f"{name}_{dtype}", "concurrency": c, "wave": index, "tokens_per_s": rate}
+                row |= {"tokens": sum(map(len, tokens)), "seconds": seconds}
                 if name != "vllm_plain":
                     row["vs_vllm_plain"] = rate / plain_rate
                     row["equal_to_plain"] = sum(a == b for a, b in zip(tokens, plain_tokens)) / len(tokens)
@@ -436,6 +479,13 @@ def main(argv: list[str] | None = None) -> int:
         help="run every engine this many times, the order reversed every other time; the summary has the medians",
     )
     second.add_argument(
+        "--continuous",
+        type=int,
+        metavar="ROUNDS",
+        help="with --paired: each wave serves ROUNDS x c prompts keeping c in flight (a finished request replaced at "
+        "once, as by c clients), instead of c prompts in one llm.generate that waits for the slowest",
+    )
+    second.add_argument(
         "--paired",
         type=int,
         metavar="WAVES",
@@ -459,6 +509,11 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(
                 f"--paired: expected no --repeats (each wave is a repeat), got --repeats {args.repeats}"
             )
+    if args.command == "run" and args.continuous is not None:
+        if args.paired is None:
+            parser.error("--continuous: expected --paired WAVES beside it, got none")
+        if args.continuous < 1:
+            parser.error(f"--continuous: expected an int >= 1, got {args.continuous}")
     if args.command == "prepare":
         prepare(args.out, args.drafter, args.prompts, args.max_prompt_tokens)
         return 0
@@ -474,6 +529,7 @@ def main(argv: list[str] | None = None) -> int:
         args.repeats,
         args.paired,
         not args.no_prefix_caching,
+        args.continuous,
     )
 
 
