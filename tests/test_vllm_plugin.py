@@ -169,6 +169,27 @@ def test_the_gate_measures_plain_steps_again_where_drafting_pays_and_changes_its
     for _ in range(60):  # many more rounds, all 0: the error shrinks and the verdict is plain
         young.observe_round(0, 1)
     assert not young.draft(1)
+    # a steady class whose rounds accept 0 most times and 7 now and then (a mean of 0.35, a spread of ~1.5): its
+    # loss (0.15 plain steps) lies within the error of the ~40 rounds its average holds, so that error must not
+    # stay its doubt: it drafts on the first rounds' doubt and stops once a few hundred rounds agree
+    steady = DrafterGate(budget=0.01, gain_smoothing=0.05)
+    arm = steady.arm(4)
+    arm.plain_steps.extend([0.0354, 0.0354]), arm.draft_steps.extend([0.0534, 0.0534])
+    arm.counts[:2], arm.share = [2, 2], 1.0
+
+    def periods(count):
+        for _ in range(count):
+            for accepted in [0] * 11 + [7] + [0] * 8:
+                steady.observe_round(accepted, 4)
+
+    periods(2)
+    assert (
+        steady.loss(4) == pytest.approx(0.151, abs=0.002)
+        and [steady.draft(4) for _ in range(3)] == [True] * 3
+    )
+    periods(18)
+    assert steady.loss(4) == pytest.approx(0.147, abs=0.002)
+    assert [steady.draft(4) for _ in range(14)] == [False] * 14  # then one every loss / budget = 15 steps
     # a few slow steps among the recent ones leave the verdict as it was (a median, not a mean)
     arm = gate.arm(16)
     arm.plain_steps.extend([0.5, 0.5])

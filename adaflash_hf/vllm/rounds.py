@@ -201,13 +201,16 @@ class _Arm:
             return None
         return self.share * self.accepted
 
-    def gain_error(self, smoothing: float) -> float:
-        """The standard error of ``gain``: the rounds' spread over the square root of the rounds the average holds
-        (all of them at first, about ``2 / smoothing`` once it is exponential)."""
+    def gain_error(self) -> float:
+        """The doubt ``gain`` is given: the rounds' spread over the square root of every round the class has
+        reported. The average itself holds the last ~``2 / smoothing`` rounds, but each of the windows before
+        said the same about a steady class; a doubt fixed at that window's error would let a class whose loss is
+        within one round's spread of 0 draft for ever (at 4 requests a round accepts 0 most times and 10 now and
+        then: a spread of ~2, an error of ~0.15 plain steps that never shrank)."""
         if self.share is None or self.accepted is None or self.accepted_squared is None or not self.counts[2]:
             return 0.0
         spread = max(self.accepted_squared - self.accepted**2, 0.0) ** 0.5
-        return self.share * spread / min(self.counts[2], 2.0 / smoothing - 1.0) ** 0.5
+        return self.share * spread / self.counts[2] ** 0.5
 
     def timed(self) -> bool:
         return self.counts[0] >= MIN_STEPS and self.counts[1] >= MIN_STEPS
@@ -250,7 +253,8 @@ class DrafterGate:
 
     A class that lacks measurements (``MIN_STEPS`` steps of each kind, ``MIN_ROUNDS`` rounds) takes steps of the
     missing kind, plain first, the gain of the nearest class standing in until its own is in; a class drafts while
-    its loss less one standard error of its gain is at most 0 (the gain of a few rounds is uncertain); a class above
+    its loss less one standard error of its gain is at most 0 (the gain of a few rounds is uncertain; the error
+    shrinks with every round reported, ``_Arm.gain_error``); a class above
     one where drafting measurably lost drafts only every ``2 * explore_every`` steps until its own steps are timed,
     and one below a class where it measurably paid drafts without trying plain first. Either way it tries
     the other kind again once the steps taken since it last did reach ``|loss| / budget`` (the exploration then
@@ -336,7 +340,7 @@ class DrafterGate:
         """``loss`` less one standard error of the class's gain: a class judged on a few rounds (at one request,
         a round accepts 0 one time and 15 the next) keeps drafting until its rounds say otherwise."""
         arm = self.arms.get(bucket)
-        return loss if arm is None else loss - arm.gain_error(self.gain_smoothing)
+        return loss if arm is None else loss - arm.gain_error()
 
     def _inferred(self, bucket: int) -> bool | None:
         """Drafting measurably lost in a smaller class (False) or paid in a larger one (True); None if neither."""
