@@ -20,7 +20,9 @@ waves of each ``--concurrency`` (64 tokens each by default); and writes ``<out>/
 concurrency the tokens/s, the share of texts equal to plain's, and for the plugin the mean draft length, τ and the
 steps the drafter sat out. ``--paired N`` starts the engines of a dtype side by side in one process instead and
 runs every level as N waves, each wave by every engine in turn: the ratio to plain is taken per wave, seconds apart
-(on a shared host whose speed drifts, engines run minutes apart compare the hour as much as the engine). An engine vLLM cannot start is recorded with its error; when none starts, ``run`` says so
+(on a shared host whose speed drifts, engines run minutes apart compare the hour as much as the engine);
+``--continuous R`` makes each wave R x c prompts served with c in flight, a finished request replaced at once (as c
+clients of a server replace theirs), where a wave of ``llm.generate`` ends on its slowest request. An engine vLLM cannot start is recorded with its error; when none starts, ``run`` says so
 and exits with status 1. ``--gpu-memory-utilization`` is passed to vLLM (on a GPU build that finds less free memory
 than its default 0.9 asks for, e.g. a 24 GB card). The same prompts and levels in ``adaflash bench serve
 --concurrency 1 4 16 --requests-per-level 16 --max-new-tokens 64`` (its held-out prompts are these) give ours beside
