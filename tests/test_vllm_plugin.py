@@ -517,6 +517,26 @@ def test_requests_in_one_step_verify_different_draft_lengths(vllm_runs):
     assert any(c["plain_ms_per_request"] for c in classes) and any(c["draft_ms_per_request"] for c in classes)
 
 
+@needs_vllm
+def test_the_draft_projection_covers_only_the_drafters_vocabulary(tmp_path):
+    result = subprocess.run(
+        [str(VLLM_PYTHON), str(REPO / "tests" / "vllm_driver.py"), "draft-logits", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    out = json.loads((tmp_path / "draft_logits.json").read_text())
+    assert out["full_argmax"][0] == 1  # the whole vocabulary's best row is one the drafter never proposes
+    assert out["ids"] == list(range(0, 12, 2)) and all(d in out["ids"] for d in out["drafts"])
+    assert out["drafts"] == [out["ids"][max(range(6), key=row.__getitem__)] for row in out["expected"]]
+    # the rows of its ids, with vLLM's logit scale
+    assert torch.tensor(out["logits"]).allclose(torch.tensor(out["expected"]), rtol=1e-5, atol=1e-5)
+    assert (
+        out["whole_shape"] == [2, 12] and out["whole_ids"] is None
+    )  # no draft vocabulary: vLLM's own logits
+
+
 @pytest.mark.integration
 @needs_vllm
 def test_drafts_come_from_the_drafters_own_vocabulary(vllm_runs):

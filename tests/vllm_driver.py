@@ -1,7 +1,7 @@
 """Runs in vLLM's own environment (``.venv-vllm``) for tests/test_vllm_plugin.py: one vLLM engine per call, greedy,
 fp32, on the exported target and drafter the test prepared, writing what it saw to ``<work>/<phase>.json``.
 
-    python tests/vllm_driver.py plain|plugin|goodput|cached WORK
+    python tests/vllm_driver.py plain|plugin|goodput|cached|draft-logits WORK
 
 ``plain``: vLLM without drafting, every prompt in one batch (16 in flight) and the first ``ONE_AT_A_TIME`` alone.
 ``plugin``/``goodput``: the same through the AdaFlash plugin (the policy from ADAFLASH_VLLM_POLICY, set by the test),
@@ -9,6 +9,7 @@ with its statistics; ``plugin`` also reloads mid-traffic (a published version wi
 zeroed, so acceptance must fall), serves a batch on it, and then is offered a corrupt version (refused).
 ``cached``: the plugin (adaptive) with vLLM's prefix caching on, as ``adaflash serve --engine vllm`` runs it: long
 prompts sent alone, then again, their prefixes now from the cache (the drafter's context K/V included).
+``draft-logits``: the plugin's projection over the drafter's own vocabulary on a stand-in model (no engine).
 """
 
 from __future__ import annotations
@@ -100,7 +101,44 @@ def _mid_traffic_reload(llm, prompts, params, work: Path) -> tuple[list[list[int
     return [done[f"r{i}"] for i in range(len(prompts))], version_mid
 
 
+def _draft_logits(work: Path) -> None:
+    """``AdaFlashDFlashForCausalLM.draft_logits`` on a stand-in model: a 12-row lm_head whose best row for the hidden
+    state (row 1) is outside the draft vocabulary [0, 2, 4, ...], a logit scale of 2 and no soft cap; and on one
+    without a draft vocabulary (vLLM's own logits)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from adaflash_hf.vllm.model import AdaFlashDFlashForCausalLM
+
+    torch.manual_seed(0)
+    weight = torch.randn(12, 8)
+    hidden = torch.stack([10 * weight[1], weight[4]])
+    ids = list(range(0, 12, 2))
+    model = SimpleNamespace(
+        config=SimpleNamespace(draft_token_ids=ids),
+        lm_head=SimpleNamespace(weight=weight),
+        logits_processor=SimpleNamespace(scale=2.0, soft_cap=None),
+        compute_logits=lambda h: 2.0 * h @ weight.T,
+    )
+    logits, vocabulary = AdaFlashDFlashForCausalLM.draft_logits(model, hidden)
+    full = SimpleNamespace(**{**vars(model), "config": SimpleNamespace(draft_token_ids=None)})
+    whole, none = AdaFlashDFlashForCausalLM.draft_logits(full, hidden)
+    result = {
+        "full_argmax": (2.0 * hidden @ weight.T).argmax(-1).tolist(),
+        "drafts": vocabulary[logits.argmax(-1)].tolist(),
+        "expected": (2.0 * hidden @ weight[ids].T).tolist(),
+        "logits": logits.tolist(),
+        "ids": vocabulary.tolist(),
+        "whole_shape": list(whole.shape),
+        "whole_ids": none,
+    }
+    (work / "draft_logits.json").write_text(json.dumps(result))
+
+
 def main(phase: str, work: Path) -> None:
+    if phase == "draft-logits":
+        return _draft_logits(work)
     from vllm import LLM, SamplingParams
 
     prompts = json.loads((work / "prompts.json").read_text())
