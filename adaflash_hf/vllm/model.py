@@ -73,7 +73,7 @@ class AdaFlashDFlashForCausalLM(DFlashQwen3ForCausalLM):
             return self.compute_logits(hidden), None
         weight = self.lm_head.weight
         cached = getattr(self, "_draft_head", None)
-        if cached is None or cached[0] is not weight or cached[1].device != weight.device:
+        if cached is None or cached[0] is not weight:
             index = torch.tensor(ids, dtype=torch.long, device=weight.device)
             cached = self._draft_head = (weight, index, weight.index_select(0, index).contiguous())
         logits = torch.nn.functional.linear(hidden.to(weight.dtype), cached[2])

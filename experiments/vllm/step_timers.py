@@ -52,10 +52,6 @@ def _timed(table, counts, owner, name, key_of):
     setattr(owner, name, timed)
 
 
-def _class(batch: int) -> int:
-    return 1 << (max(1, batch).bit_length() - 1)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("runs/vllm_check"))
@@ -73,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     from vllm.v1.worker import gpu_model_runner
 
     from adaflash_hf.vllm import proposer, rounds
+    from adaflash_hf.vllm.rounds import batch_bucket
 
     if args.gate_off:
         rounds.DrafterGate.draft = lambda self, batch: False
@@ -169,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
                 if drafts
                 else "plain"
             )
-            kinds[(kind, _class(requests))].append((took, tokens, drafts))
+            kinds[(kind, batch_bucket(requests))].append((took, tokens, drafts))
         for (kind, bucket), rows in sorted(kinds.items()):
             mean = 1000 * sum(r[0] for r in rows) / len(rows)
             tokens = sum(r[1] for r in rows) / len(rows)
