@@ -1,7 +1,7 @@
 """Runs in vLLM's own environment (``.venv-vllm``) for tests/test_vllm_plugin.py: one vLLM engine per call, greedy,
 fp32, on the exported target and drafter the test prepared, writing what it saw to ``<work>/<phase>.json``.
 
-    python tests/vllm_driver.py plain|plugin|goodput|cached|draft-logits WORK
+    python tests/vllm_driver.py plain|plugin|goodput|cached|context|context-eager|draft-logits WORK
 
 ``plain``: vLLM without drafting, every prompt in one batch (16 in flight) and the first ``ONE_AT_A_TIME`` alone.
 ``plugin``/``goodput``: the same through the AdaFlash plugin (the policy from ADAFLASH_VLLM_POLICY, set by the test),
@@ -9,6 +9,10 @@ with its statistics; ``plugin`` also reloads mid-traffic (a published version wi
 zeroed, so acceptance must fall), serves a batch on it, and then is offered a corrupt version (refused).
 ``cached``: the plugin (adaptive) with vLLM's prefix caching on, as ``adaflash serve --engine vllm`` runs it: long
 prompts sent alone, then again, their prefixes now from the cache (the drafter's context K/V included).
+``context``/``context-eager``: the adaptive rule, the drafter left out of all but every ``DRAFT_EVERY``-th step, in
+this process (no engine process), every prompt in one batch: the drafter's context from the steps it sits out kept in
+the stash (``context``) or written at once (``context-eager``); every drafting step's drafts before truncation, and
+the stash's cache slots checked against those vLLM's own DFlash input kernel computes on every drafting step.
 ``draft-logits``: the plugin's projection over the drafter's own vocabulary on a stand-in model (no engine).
 """
 
@@ -22,7 +26,8 @@ from adaflash_hf.vllm.launch import speculative_config
 
 ONE_AT_A_TIME = 4
 MAX_TOKENS = 40
-LONG_PROMPTS, LONG_TOKENS = 2, 300  # prompts past two of the CPU build's 128-token KV blocks
+LONG_PROMPTS, LONG_TOKENS = 2, 300
+DRAFT_EVERY = 3  # prompts past two of the CPU build's 128-token KV blocks
 
 
 def _long_prompts(prompts: list[list[int]]) -> list[list[int]]:
@@ -136,9 +141,66 @@ def _draft_logits(work: Path) -> None:
     (work / "draft_logits.json").write_text(json.dumps(result))
 
 
+def _context_patches(eager: bool) -> dict:
+    """The ``context`` phases' instruments: the drafter in every ``DRAFT_EVERY``-th step only, a record of each
+    drafting step's drafts, and the stash's slot formula checked against vLLM's at every drafting step."""
+    from vllm.v1.spec_decode.dflash import DFlashProposer
+
+    from adaflash_hf.vllm import context, proposer
+
+    seen = {"drafts": [], "slot_checks": 0, "slot_mismatches": 0, "stash_writes": 0, "stashed_tokens": 0}
+    calls = [0]
+
+    def sit_out_most_steps(self, batch_size):
+        calls[0] += 1
+        return calls[0] % DRAFT_EVERY != 0
+
+    proposer.Session.skip_drafter = sit_out_most_steps
+    if eager:
+        proposer.ContextStash = lambda: context.ContextStash(limit_tokens=0)
+    first_pass = DFlashProposer.set_inputs_first_pass
+
+    def first_pass_checking_slots(self, *args, **kwargs):
+        out = first_pass(self, *args, **kwargs)
+        cad, positions = kwargs["cad"], kwargs["target_positions"]
+        count = int(cad.query_start_loc_cpu[cad.batch_size()])
+        slots = context.context_slots(positions[:count], cad.query_start_loc_cpu[: cad.batch_size() + 1],
+                                      cad.block_table_tensor, self.block_size)  # fmt: skip
+        seen["slot_checks"] += 1
+        seen["slot_mismatches"] += int((slots != self._context_slot_mapping_buffer[:count]).sum())
+        return out
+
+    DFlashProposer.set_inputs_first_pass = first_pass_checking_slots
+    after = proposer.Session.after_drafting
+
+    def after_drafting_noting_drafts(self, drafts, *args, **kwargs):
+        seen["drafts"].append(drafts.tolist())
+        return after(self, drafts, *args, **kwargs)
+
+    proposer.Session.after_drafting = after_drafting_noting_drafts
+    take = context.ContextStash.take
+
+    def take_counting(self):
+        seen["stash_writes"] += bool(self.tokens)
+        seen["stashed_tokens"] += self.tokens
+        return take(self)
+
+    context.ContextStash.take = take_counting
+    return seen
+
+
 def main(phase: str, work: Path) -> None:
     if phase == "draft-logits":
         return _draft_logits(work)
+    seen = None
+    if phase.startswith("context"):
+        import os
+
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the patches must reach the engine
+        os.environ["ADAFLASH_VLLM_POLICY"] = (
+            "adaptive"  # lengths from the length head alone, not from timings
+        )
+        seen = _context_patches(eager=phase == "context-eager")
     from vllm import LLM, SamplingParams
 
     prompts = json.loads((work / "prompts.json").read_text())
@@ -157,6 +219,9 @@ def main(phase: str, work: Path) -> None:
         (work / f"{phase}.json").write_text(json.dumps(_resent(llm, _long_prompts(prompts), params)))
         return
     result = {"batch": _outputs(llm, prompts, params)}
+    if seen is not None:
+        (work / f"{phase}.json").write_text(json.dumps(result | seen | {"stats": _stats(llm)}))
+        return
     if phase != "plain":
         result["stats_batch"] = _stats(llm)
     result["alone"] = [_outputs(llm, [p], params)[0] for p in prompts[:ONE_AT_A_TIME]]

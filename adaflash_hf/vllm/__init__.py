@@ -12,7 +12,7 @@ environment (``rounds.Settings``; ``ADAFLASH_VLLM_POLICY`` = adaptive | goodput 
 in bf16 under torch.compile. ``adaflash serve --engine vllm`` (``launch``) starts vLLM's OpenAI server
 with all of it and, with ``--learn``, trains beside it.
 
-Nothing here but ``launch`` and ``rounds`` may be imported without vLLM.
+Nothing here but ``launch``, ``rounds`` and ``context`` may be imported without vLLM.
 """
 
 from __future__ import annotations

@@ -12,6 +12,10 @@ the block's final states (``AdaFlashDFlashForCausalLM.acceptance``), and returns
   acceptance model from every verified round (goodput's chains);
 - under goodput, leaves the drafter out of a step where drafting measurably loses at that batch size
   (``rounds.DrafterGate``: whole steps timed with and without the drafter, per batch-size class);
+- keeps such a step as cheap as vLLM's plain one: the step's target states go into a ``context.ContextStash``, not
+  through the drafter's context projection, and the next drafting step writes them all at once; the runner's draft
+  setup is not run for a step the drafter sits out, and a step that verifies no draft anywhere is sampled by vLLM's
+  plain sampler, not its rejection sampler (``AdaFlashProposer._hook_runner``);
 - books each request's rounds (``rounds.RoundBook``) and, with ``ADAFLASH_VLLM_RECORDS``, appends every finished
   request's trajectory to ``trajectories-<pid>.jsonl`` there and keeps ``stats-<pid>.json`` current.
 
@@ -34,6 +38,7 @@ from adaflash_hf.acceptance import AcceptanceModel
 from adaflash_hf.atomic import atomic_write_json
 from adaflash_hf.modeling.length_head_adaflash import draft_lengths
 from adaflash_hf.online.weights import HotReloader
+from adaflash_hf.vllm.context import ContextStash, context_slots
 from adaflash_hf.vllm.rounds import (
     DrafterGate,
     Proposal,
@@ -109,6 +114,14 @@ class Session:
                 logger.info("AdaFlash: drafter weights version %d loaded", self.version)
         if self.last_end is not None and self.previous_ids and set(request_ids) <= self.previous_ids:
             self.cost.observe(tokens, now - self.last_end)
+
+    def begin_step(self, tokens: int, request_ids: list[str], batch_size: int) -> bool:
+        """Once a step, before any drafting: ``before_drafting``, the gate's clock, and whether the drafter sits
+        this step out."""
+        self.before_drafting(tokens, request_ids)
+        self.pending = None
+        self.gate.start(time.perf_counter(), batch_size, request_ids[:batch_size], tokens)
+        return self.skip_drafter(batch_size)
 
     def sample_greedy(self, model, hidden: torch.Tensor) -> torch.Tensor:
         """Greedy drafts with the vocabulary projection only where they will be verified: â first (from the block's
@@ -231,6 +244,19 @@ class Session:
             atomic_write_json(self.records / f"stats-{pid}.json", self.report())
 
 
+def _has_recurrent_layers(kv_cache_config) -> bool:
+    """Whether any of the target's cache groups holds recurrent (Mamba-like) state."""
+    from vllm.v1.kv_cache_interface import MambaSpec, UniformTypeKVCacheSpecs
+
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        if isinstance(spec, UniformTypeKVCacheSpecs):
+            spec = spec.first_spec
+        if isinstance(spec, MambaSpec):
+            return True
+    return False
+
+
 class AdaFlashProposer(DFlashProposer):
     """See the module docstring."""
 
@@ -238,6 +264,8 @@ class AdaFlashProposer(DFlashProposer):
         super().__init__(vllm_config, device, runner)
         self.adaflash_runner = runner
         self.adaflash: Session | None = None
+        self.context_stash = ContextStash()
+        self._step_begun = False  # the runner's hook began this step (``_hook_runner``)
 
     def load_model(self, target_model) -> None:
         super().load_model(target_model)
@@ -252,8 +280,80 @@ class AdaFlashProposer(DFlashProposer):
                 f"head reads the whole block), got {self.num_speculative_tokens}"
             )
         self.adaflash = Session(model, Settings.from_env(), max_len=block - 1)
+        self._hook_runner()
         logger.info("AdaFlash: %s draft lengths (gamma %s, min_len %s)", self.adaflash.settings.policy,
                     self.adaflash.gamma, self.adaflash.min_len)  # fmt: skip
+
+    def _hook_runner(self) -> None:
+        """Two changes to this worker's runner (this instance only; stock DFlash runners are left alone):
+
+        - ``propose_draft_token_ids``: the session's step begins here, and a step the drafter sits out keeps its
+          target states in the stash and returns empty drafts, without the runner's draft setup (the next tokens,
+          the padded inputs: 0.4 ms a step at 4 requests on a 2-core CPU);
+        - ``_prepare_inputs``: a step where no request verifies a draft is sampled as a plain step (vLLM's sampler,
+          not its rejection sampler with nothing to reject: 0.5 ms a step there), as without speculative decoding.
+          Left alone for targets with recurrent layers, whose kernels read a zero-draft decode at the speculative
+          offset.
+        """
+        runner = self.adaflash_runner
+        if (
+            runner is None
+            or not hasattr(runner, "propose_draft_token_ids")
+            or not hasattr(runner, "_prepare_inputs")
+        ):
+            return
+        proposer, propose_draft_token_ids, prepare_inputs = (
+            self,
+            runner.propose_draft_token_ids,
+            runner._prepare_inputs,
+        )
+        recurrent: list[bool] = []
+
+        def prepare_inputs_sampling_plain_steps_plainly(*args, **kwargs):
+            logits_indices, metadata, most = prepare_inputs(*args, **kwargs)
+            if metadata is None or any(metadata.num_draft_tokens):
+                return logits_indices, metadata, most
+            if not recurrent:
+                recurrent.append(_has_recurrent_layers(runner.kv_cache_config))
+            return (logits_indices, metadata, most) if recurrent[0] else (logits_indices, None, most)
+
+        def propose_or_keep_context(
+            scheduler_output,
+            sampled_token_ids,
+            sampling_metadata,
+            hidden_states,
+            sample_hidden_states,
+            aux_hidden_states,
+            spec_decode_metadata,
+            common_attn_metadata,
+            slot_mappings,
+        ):
+            arguments = (scheduler_output, sampled_token_ids, sampling_metadata, hidden_states, sample_hidden_states,
+                         aux_hidden_states, spec_decode_metadata, common_attn_metadata, slot_mappings)  # fmt: skip
+            session = proposer.adaflash
+            if (
+                session is None
+                or aux_hidden_states is None
+                or scheduler_output.num_spec_tokens_to_schedule == 0
+            ):
+                return propose_draft_token_ids(*arguments)
+            batch_size = common_attn_metadata.batch_size()
+            tokens = int(scheduler_output.total_num_scheduled_tokens)
+            if not session.begin_step(tokens, list(runner.input_batch.req_ids), batch_size):
+                proposer._step_begun = True
+                try:
+                    return propose_draft_token_ids(*arguments)
+                finally:
+                    proposer._step_begun = False
+            started = time.perf_counter()
+            states = torch.cat([h[:tokens] for h in aux_hidden_states], dim=-1)
+            proposer._stash_context(states, runner._get_positions(tokens), common_attn_metadata)
+            out = session.plain_step(runner, batch_size)
+            session.stats.skip_seconds += time.perf_counter() - started
+            return out
+
+        runner._prepare_inputs = prepare_inputs_sampling_plain_steps_plainly
+        runner.propose_draft_token_ids = propose_or_keep_context
 
     def _sample_draft_tokens(self, hidden_states: torch.Tensor, sampling_metadata):
         session = self.adaflash
@@ -265,43 +365,42 @@ class AdaFlashProposer(DFlashProposer):
     def propose(self, num_speculative_tokens, **kwargs):
         session = self.adaflash
         if session is None or num_speculative_tokens == 0:
+            self._write_stashed_context()
             return super().propose(num_speculative_tokens, **kwargs)
         runner = self.adaflash_runner
-        request_ids = list(runner.input_batch.req_ids)
-        tokens = int(
-            kwargs["target_token_ids"].shape[0]
-        )  # the target step's, prefill chunks and drafts included
-        session.before_drafting(tokens, request_ids)
-        session.pending = None
         batch_size = kwargs["common_attn_metadata"].batch_size()
-        session.gate.start(time.perf_counter(), batch_size, request_ids[:batch_size], tokens)
-        if session.skip_drafter(batch_size):
-            started = time.perf_counter()
-            self._keep_context(num_speculative_tokens, kwargs)
-            out = session.plain_step(runner, batch_size)
-            session.stats.skip_seconds += time.perf_counter() - started
-            return out
+        if not self._step_begun:  # called without the runner's hook
+            tokens = int(
+                kwargs["target_token_ids"].shape[0]
+            )  # the target step's, prefill chunks and drafts included
+            if session.begin_step(tokens, list(runner.input_batch.req_ids), batch_size):
+                started = time.perf_counter()
+                self._stash_context(
+                    kwargs["target_hidden_states"], kwargs["target_positions"], kwargs["common_attn_metadata"]
+                )
+                out = session.plain_step(runner, batch_size)
+                session.stats.skip_seconds += time.perf_counter() - started
+                return out
         started = time.perf_counter()
+        self._write_stashed_context()
         drafts = super().propose(num_speculative_tokens, **kwargs)
         return session.after_drafting(drafts, runner, time.perf_counter() - started)
 
-    def _keep_context(self, num_speculative_tokens: int, kwargs: dict) -> None:
-        """What a drafting step does before the drafter's forward: the step's target states fused and projected
-        into the drafter's context K/V cache, so that a later drafting step sees the whole context."""
-        self.num_speculative_tokens = num_speculative_tokens
-        hidden = self.model.combine_hidden_states(kwargs["target_hidden_states"])
-        self.set_inputs_first_pass(
-            target_token_ids=kwargs["target_token_ids"],
-            next_token_ids=kwargs["next_token_ids"],
-            target_positions=kwargs["target_positions"],
-            target_hidden_states=hidden,
-            token_indices_to_sample=kwargs.get("token_indices_to_sample"),
-            cad=kwargs["common_attn_metadata"],
-            num_rejected_tokens_gpu=kwargs.get("num_rejected_tokens_gpu"),
-        )
-        count = self._dflash_num_context
-        self.model.precompute_and_store_context_kv(
-            self._dflash_hidden_states,
-            self._context_positions_buffer[:count],
-            self._context_slot_mapping_buffer[:count],
-        )
+    def _stash_context(self, states: torch.Tensor, positions: torch.Tensor, cad) -> None:
+        """A step the drafter sits out: its target states (unfused), positions and the drafter's cache slots for
+        them, kept for the next drafting step (``context.ContextStash``); written now if the stash is full."""
+        count = int(cad.query_start_loc_cpu[cad.batch_size()])
+        positions = positions[:count].clone()  # the runner's buffer is written again next step
+        slots = context_slots(positions, cad.query_start_loc_cpu[: cad.batch_size() + 1].to(positions.device),
+                              cad.block_table_tensor, self.block_size)  # fmt: skip
+        self.context_stash.add(states[:count], positions, slots)
+        if self.context_stash.full:
+            self._write_stashed_context()
+
+    def _write_stashed_context(self) -> None:
+        """The stashed steps' states fused and projected into the drafter's context K/V cache, in one call."""
+        taken = self.context_stash.take()
+        if taken is None:
+            return
+        states, positions, slots = taken
+        self.model.precompute_and_store_context_kv(self.model.combine_hidden_states(states), positions, slots)

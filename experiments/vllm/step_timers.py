@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
 
     for name in RUNNER_METHODS:
         _timed(seconds, calls, gpu_model_runner.GPUModelRunner, name, engine_of)
-    for name in ("propose", "_keep_context"):
+    for name in ("propose", "_stash_context", "_write_stashed_context"):
         _timed(seconds, calls, proposer.AdaFlashProposer, name, lambda _, n: ("plugin", "proposer." + n))
 
     steps: dict[str, list] = collections.defaultdict(
