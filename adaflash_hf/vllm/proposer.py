@@ -346,6 +346,9 @@ class AdaFlashProposer(DFlashProposer):
                 finally:
                     proposer._step_begun = False
             started = time.perf_counter()
+            runner._draft_probs = runner._draft_prob_req_ids = (
+                None  # as the runner's own proposal step begins
+            )
             states = torch.cat([h[:tokens] for h in aux_hidden_states], dim=-1)
             proposer._stash_context(states, runner._get_positions(tokens), common_attn_metadata)
             out = session.plain_step(runner, batch_size)
