@@ -511,6 +511,8 @@ def test_the_context_of_steps_without_the_drafter_reaches_its_cache_as_if_writte
     assert kept["batch"] == plain["batch"] and eager["batch"] == plain["batch"]
     # the stash's cache slots are those vLLM's DFlash input kernel computes, at every drafting step
     assert kept["slot_checks"] > 10 and kept["slot_mismatches"] == 0
+    # and, at every step the drafter sat out, the target's own slots for the step's tokens (one block table here)
+    assert kept["stash_checks"] == kept["stats"]["steps_without_drafter"] and kept["stash_mismatches"] == 0
     assert kept["stats"]["steps_without_drafter"] > kept["slot_checks"]  # two steps in three sat out
     # deferred: several steps' states written at once; eager: every step's written in its own step
     assert kept["stashed_tokens"] > 0 and kept["stash_writes"] < kept["stats"]["steps_without_drafter"]

@@ -12,7 +12,8 @@ prompts sent alone, then again, their prefixes now from the cache (the drafter's
 ``context``/``context-eager``: the adaptive rule, the drafter left out of all but every ``DRAFT_EVERY``-th step, in
 this process (no engine process), every prompt in one batch: the drafter's context from the steps it sits out kept in
 the stash (``context``) or written at once (``context-eager``); every drafting step's drafts before truncation, and
-the stash's cache slots checked against those vLLM's own DFlash input kernel computes on every drafting step.
+the stash's cache slots checked against those vLLM's own DFlash input kernel computes on every drafting step, and
+against the target's own slot mapping on every step the drafter sits out.
 ``draft-logits``: the plugin's projection over the drafter's own vocabulary on a stand-in model (no engine).
 """
 
@@ -143,12 +144,14 @@ def _draft_logits(work: Path) -> None:
 
 def _context_patches(eager: bool) -> dict:
     """The ``context`` phases' instruments: the drafter in every ``DRAFT_EVERY``-th step only, a record of each
-    drafting step's drafts, and the stash's slot formula checked against vLLM's at every drafting step."""
+    drafting step's drafts, and the stash's slot formula checked against vLLM's DFlash kernel at every drafting step
+    and against the target's slot mapping at every step the drafter sits out."""
     from vllm.v1.spec_decode.dflash import DFlashProposer
 
     from adaflash_hf.vllm import context, proposer
 
     seen = {"drafts": [], "slot_checks": 0, "slot_mismatches": 0, "stash_writes": 0, "stashed_tokens": 0}
+    seen |= {"stash_checks": 0, "stash_mismatches": 0}
     calls = [0]
 
     def sit_out_most_steps(self, batch_size):
@@ -171,6 +174,19 @@ def _context_patches(eager: bool) -> dict:
         return out
 
     DFlashProposer.set_inputs_first_pass = first_pass_checking_slots
+    stash = proposer.AdaFlashProposer._stash_context
+
+    def stash_checking_slots(self, states, positions, cad):
+        count = int(cad.query_start_loc_cpu[cad.batch_size()])
+        slots = context.context_slots(positions[:count], cad.query_start_loc_cpu[: cad.batch_size() + 1],
+                                      cad.block_table_tensor, self.block_size)  # fmt: skip
+        seen["stash_checks"] += (
+            1  # the target's own slots for the step's tokens: the same blocks, the same size here
+        )
+        seen["stash_mismatches"] += int((slots != cad.slot_mapping[:count]).sum())
+        return stash(self, states, positions, cad)
+
+    proposer.AdaFlashProposer._stash_context = stash_checking_slots
     after = proposer.Session.after_drafting
 
     def after_drafting_noting_drafts(self, drafts, *args, **kwargs):
