@@ -244,6 +244,18 @@ class Session:
             atomic_write_json(self.records / f"stats-{pid}.json", self.report())
 
 
+def _same_slots(formula: torch.Tensor, step_slots: torch.Tensor) -> bool:
+    """Whether the slot mapping vLLM's runner gives the drafter's cache group for a step's tokens is the DFlash
+    formula's (``context.context_slots``): true where the drafter's layers share the block table and block size that
+    metadata was built for, as in vLLM 0.32, and then the stash takes it as it is (one copy, where the formula is a
+    dozen small ops: 0.2 ms a step inside vLLM's CPU worker, whose small ops cost 20-40 µs each). Checked once, on
+    the first step the drafter sits out; where they differ, the formula stays."""
+    same = step_slots.shape == formula.shape and bool(torch.equal(step_slots.long(), formula.long()))
+    if not same:
+        logger.info("AdaFlash: the step's slot mapping is not the drafter's; its context slots are computed")
+    return same
+
+
 def _has_recurrent_layers(kv_cache_config) -> bool:
     """Whether any of the target's cache groups holds recurrent (Mamba-like) state."""
     from vllm.v1.kv_cache_interface import MambaSpec, UniformTypeKVCacheSpecs
@@ -266,6 +278,8 @@ class AdaFlashProposer(DFlashProposer):
         self.adaflash: Session | None = None
         self.context_stash = ContextStash()
         self._step_begun = False  # the runner's hook began this step (``_hook_runner``)
+        # whether the step's own slot mapping is the drafter's (``_same_slots``); None until the first stash
+        self._slots_are_the_steps: bool | None = None
 
     def load_model(self, target_model) -> None:
         super().load_model(target_model)
@@ -393,9 +407,14 @@ class AdaFlashProposer(DFlashProposer):
         """A step the drafter sits out: its target states (unfused), positions and the drafter's cache slots for
         them, kept for the next drafting step (``context.ContextStash``); written now if the stash is full."""
         count = int(cad.query_start_loc_cpu[cad.batch_size()])
-        positions = positions[:count].clone()  # the runner's buffer is written again next step
-        slots = context_slots(positions, cad.query_start_loc_cpu[: cad.batch_size() + 1].to(positions.device),
-                              cad.block_table_tensor, self.block_size)  # fmt: skip
+        positions = positions[:count].clone()  # the runner's buffers are written again next step
+        if self._slots_are_the_steps:
+            slots = cad.slot_mapping[:count].clone()
+        else:
+            slots = context_slots(positions, cad.query_start_loc_cpu[: cad.batch_size() + 1].to(positions.device),
+                                  cad.block_table_tensor, self.block_size)  # fmt: skip
+            if self._slots_are_the_steps is None:
+                self._slots_are_the_steps = _same_slots(slots, cad.slot_mapping[:count])
         self.context_stash.add(states[:count], positions, slots)
         if self.context_stash.full:
             self._write_stashed_context()
