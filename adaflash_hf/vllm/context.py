@@ -17,9 +17,8 @@ from __future__ import annotations
 
 import torch
 
-STASH_TOKENS = (
-    4096  # written at once when the stash holds this many tokens (about 28 MB of fp32 states at 3 x 576)
-)
+# written at once when the stash holds this many tokens (about 28 MB of fp32 states at 3 x 576)
+STASH_TOKENS = 4096
 
 
 def context_slots(
@@ -98,6 +97,3 @@ class ContextStash:
         if keep is not None:
             states, positions, slots = states[keep], positions[keep], slots[keep]
         return states, positions, slots
-
-    def clear(self) -> None:
-        self._parts, self.tokens = [], 0

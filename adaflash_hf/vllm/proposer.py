@@ -359,15 +359,10 @@ class AdaFlashProposer(DFlashProposer):
                     return propose_draft_token_ids(*arguments)
                 finally:
                     proposer._step_begun = False
-            started = time.perf_counter()
-            runner._draft_probs = runner._draft_prob_req_ids = (
-                None  # as the runner's own proposal step begins
-            )
+            # as the runner's own proposal step begins
+            runner._draft_probs = runner._draft_prob_req_ids = None
             states = torch.cat([h[:tokens] for h in aux_hidden_states], dim=-1)
-            proposer._stash_context(states, runner._get_positions(tokens), common_attn_metadata)
-            out = session.plain_step(runner, batch_size)
-            session.stats.skip_seconds += time.perf_counter() - started
-            return out
+            return proposer._sit_out(states, runner._get_positions(tokens), common_attn_metadata)
 
         runner._prepare_inputs = prepare_inputs_sampling_plain_steps_plainly
         runner.propose_draft_token_ids = propose_or_keep_context
@@ -387,21 +382,24 @@ class AdaFlashProposer(DFlashProposer):
         runner = self.adaflash_runner
         batch_size = kwargs["common_attn_metadata"].batch_size()
         if not self._step_begun:  # called without the runner's hook
-            tokens = int(
-                kwargs["target_token_ids"].shape[0]
-            )  # the target step's, prefill chunks and drafts included
+            # the target step's tokens, prefill chunks and drafts included
+            tokens = int(kwargs["target_token_ids"].shape[0])
             if session.begin_step(tokens, list(runner.input_batch.req_ids), batch_size):
-                started = time.perf_counter()
-                self._stash_context(
+                return self._sit_out(
                     kwargs["target_hidden_states"], kwargs["target_positions"], kwargs["common_attn_metadata"]
                 )
-                out = session.plain_step(runner, batch_size)
-                session.stats.skip_seconds += time.perf_counter() - started
-                return out
         started = time.perf_counter()
         self._write_stashed_context()
         drafts = super().propose(num_speculative_tokens, **kwargs)
         return session.after_drafting(drafts, runner, time.perf_counter() - started)
+
+    def _sit_out(self, states: torch.Tensor, positions: torch.Tensor, cad) -> list[list[int]]:
+        """A step without the drafter: its context stashed, its rounds booked, no drafts."""
+        started = time.perf_counter()
+        self._stash_context(states, positions, cad)
+        out = self.adaflash.plain_step(self.adaflash_runner, cad.batch_size())
+        self.adaflash.stats.skip_seconds += time.perf_counter() - started
+        return out
 
     def _stash_context(self, states: torch.Tensor, positions: torch.Tensor, cad) -> None:
         """A step the drafter sits out: its target states (unfused), positions and the drafter's cache slots for
