@@ -27,8 +27,8 @@ from adaflash_hf.vllm.launch import speculative_config
 
 ONE_AT_A_TIME = 4
 MAX_TOKENS = 40
-LONG_PROMPTS, LONG_TOKENS = 2, 300
-DRAFT_EVERY = 3  # prompts past two of the CPU build's 128-token KV blocks
+LONG_PROMPTS, LONG_TOKENS = 2, 300  # prompts past two of the CPU build's 128-token KV blocks
+DRAFT_EVERY = 3
 
 
 def _long_prompts(prompts: list[list[int]]) -> list[list[int]]:
@@ -150,8 +150,8 @@ def _context_patches(eager: bool) -> dict:
 
     from adaflash_hf.vllm import context, proposer
 
-    seen = {"drafts": [], "slot_checks": 0, "slot_mismatches": 0, "stash_writes": 0, "stashed_tokens": 0}
-    seen |= {"stash_checks": 0, "stash_mismatches": 0}
+    seen = {"drafts": [], "slot_checks": 0, "slot_mismatches": 0, "stash_checks": 0, "stash_mismatches": 0}
+    seen |= {"stash_writes": 0, "stashed_tokens": 0}
     calls = [0]
 
     def sit_out_most_steps(self, batch_size):
@@ -165,10 +165,9 @@ def _context_patches(eager: bool) -> dict:
 
     def first_pass_checking_slots(self, *args, **kwargs):
         out = first_pass(self, *args, **kwargs)
-        cad, positions = kwargs["cad"], kwargs["target_positions"]
+        cad = kwargs["cad"]
         count = int(cad.query_start_loc_cpu[cad.batch_size()])
-        slots = context.context_slots(positions[:count], cad.query_start_loc_cpu[: cad.batch_size() + 1],
-                                      cad.block_table_tensor, self.block_size)  # fmt: skip
+        slots = self.formula_slots(kwargs["target_positions"][:count], cad)
         seen["slot_checks"] += 1
         seen["slot_mismatches"] += int((slots != self._context_slot_mapping_buffer[:count]).sum())
         return out
@@ -178,11 +177,9 @@ def _context_patches(eager: bool) -> dict:
 
     def stash_checking_slots(self, states, positions, cad):
         count = int(cad.query_start_loc_cpu[cad.batch_size()])
-        slots = context.context_slots(positions[:count], cad.query_start_loc_cpu[: cad.batch_size() + 1],
-                                      cad.block_table_tensor, self.block_size)  # fmt: skip
-        seen["stash_checks"] += (
-            1  # the target's own slots for the step's tokens: the same blocks, the same size here
-        )
+        slots = self.formula_slots(positions[:count], cad)
+        # the target's own slots for the step's tokens: the same blocks, the same size here
+        seen["stash_checks"] += 1
         seen["stash_mismatches"] += int((slots != cad.slot_mapping[:count]).sum())
         return stash(self, states, positions, cad)
 
@@ -213,9 +210,8 @@ def main(phase: str, work: Path) -> None:
         import os
 
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the patches must reach the engine
-        os.environ["ADAFLASH_VLLM_POLICY"] = (
-            "adaptive"  # lengths from the length head alone, not from timings
-        )
+        # lengths from the length head alone, not from timings
+        os.environ["ADAFLASH_VLLM_POLICY"] = "adaptive"
         seen = _context_patches(eager=phase == "context-eager")
     from vllm import LLM, SamplingParams
 

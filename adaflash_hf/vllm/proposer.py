@@ -409,13 +409,18 @@ class AdaFlashProposer(DFlashProposer):
         if self._slots_are_the_steps:
             slots = cad.slot_mapping[:count].clone()
         else:
-            slots = context_slots(positions, cad.query_start_loc_cpu[: cad.batch_size() + 1].to(positions.device),
-                                  cad.block_table_tensor, self.block_size)  # fmt: skip
+            slots = self.formula_slots(positions, cad)
             if self._slots_are_the_steps is None:
                 self._slots_are_the_steps = _same_slots(slots, cad.slot_mapping[:count])
         self.context_stash.add(states[:count], positions, slots)
         if self.context_stash.full:
             self._write_stashed_context()
+
+    def formula_slots(self, positions: torch.Tensor, cad) -> torch.Tensor:
+        """The drafter's cache slots of a step's first ``len(positions)`` tokens by the DFlash formula
+        (``context.context_slots``) over the step's metadata ``cad``."""
+        starts = cad.query_start_loc_cpu[: cad.batch_size() + 1].to(positions.device)
+        return context_slots(positions, starts, cad.block_table_tensor, self.block_size)
 
     def _write_stashed_context(self) -> None:
         """The stashed steps' states fused and projected into the drafter's context K/V cache, in one call."""
