@@ -69,49 +69,68 @@ def _match_bucket(match_length: int) -> int:
     return min(max(1, match_length), 6)
 
 
+# Positions a lookup model keeps a rate for; later tokens of a continuation share the last one
+LOOKUP_POSITIONS = 16
+
+
 @dataclass
 class LookupModel:
-    """How far a lookup continuation gets accepted: P(its first token is accepted) and P(the next one is, once the
-    previous one was), per length of the n-gram match behind it (1..5, 6+), from labelled proposals.
+    """How far a lookup continuation gets accepted: P(its token j is accepted, once tokens 1..j-1 were), for each
+    position j (1..``LOOKUP_POSITIONS``) and length of the n-gram match behind it (1..5, 6+), from labelled proposals.
 
-    Two rates, not one: lookups are bursty (a continuation of repeated text is either wrong at once or right for a
-    long way), which a single per-token rate undervalues at length. A request's model starts from its ``parent``'s
-    estimate (the engine's, or the target's in ``generate``: shared across requests), worth ``strength``
-    observations; the parent starts from the match's own evidence, support · n / (n + 1)."""
+    A rate per position, not one for the first token and one for the rest: lookups are bursty (a continuation of
+    repeated text is either wrong at once or right for a long way), so the chance of the next token rises with the
+    tokens already accepted, and one rate pooled over the later positions (where the trials of the long runs outnumber
+    those of the runs that stop early) overvalues every continuation: half of them stopping at their second token
+    and half right for all twelve deliver 6.5 accepted tokens, which a pooled rate of 11/12 values at 7.8. A request's model
+    starts from its ``parent``'s estimate (the engine's, or the target's in ``generate``: shared across requests),
+    worth ``strength`` observations; the parent starts from the match's own evidence, support · n / (n + 1), at
+    its first two positions, and each later position from its estimate at the position before."""
 
     parent: LookupModel | None = None
     strength: float = 4.0
-    # bucket -> [first accepted, first trials, next accepted, next trials]
-    counts: dict[int, list[float]] = field(default_factory=dict)
+    # bucket -> [accepted, trials] per position 1..LOOKUP_POSITIONS
+    counts: dict[int, list[list[float]]] = field(default_factory=dict)
 
-    def rates(self, proposal: LookupProposal) -> tuple[float, float]:
+    def rates(self, proposal: LookupProposal, length: int | None = None) -> list[float]:
+        """P(token j accepted | tokens 1..j-1 accepted) for j = 1..min(length, LOOKUP_POSITIONS) (``length``:
+        default, the proposal's tokens, at least one)."""
+        positions = min(LOOKUP_POSITIONS, max(1, len(proposal.tokens) if length is None else length))
         if self.parent is not None:
-            prior_first, prior_next = self.parent.rates(proposal)
+            priors = self.parent.rates(proposal, positions)
         else:
-            prior_first = prior_next = proposal.support * proposal.match_length / (proposal.match_length + 1)
-        first_ok, first_n, next_ok, next_n = self.counts.get(
-            _match_bucket(proposal.match_length), (0, 0, 0, 0)
-        )
-        return (
-            (first_ok + self.strength * prior_first) / (first_n + self.strength),
-            (next_ok + self.strength * prior_next) / (next_n + self.strength),
-        )
+            priors = [proposal.support * proposal.match_length / (proposal.match_length + 1)] * min(
+                2, positions
+            )
+        counts = self.counts.get(_match_bucket(proposal.match_length))
+        out = []
+        for j in range(positions):
+            prior = priors[j] if j < len(priors) else out[-1]
+            accepted, trials = counts[j] if counts is not None else (0.0, 0.0)
+            out.append((accepted + self.strength * prior) / (trials + self.strength))
+        return out
 
     def gains(self, proposal: LookupProposal | None) -> list[float]:
-        """P(lookup tokens 1..j all accepted) = first · next^(j-1)."""
+        """P(lookup tokens 1..j all accepted), j = 1..len(tokens)."""
         if proposal is None or not proposal.tokens:
             return []
-        first, following = self.rates(proposal)
-        return [first * following ** (j - 1) for j in range(1, len(proposal.tokens) + 1)]
+        rates = self.rates(proposal)
+        out, reach = [], 1.0
+        for j in range(len(proposal.tokens)):
+            reach *= rates[min(j, len(rates) - 1)]
+            out.append(reach)
+        return out
 
     def observe(self, match_length: int, length: int, accepted: int) -> None:
-        """One labelled continuation of ``length`` tokens, ``accepted`` of them accepted (here and in the parent)."""
-        counts = self.counts.setdefault(_match_bucket(match_length), [0.0, 0.0, 0.0, 0.0])
-        counts[0] += accepted > 0
-        counts[1] += 1
-        if accepted > 0:
-            counts[2] += accepted - 1
-            counts[3] += accepted - 1 + (accepted < length)
+        """One labelled continuation of ``length`` tokens, ``accepted`` of them accepted (here and in the parent):
+        a trial at every position up to the first rejected one, a success at each accepted one."""
+        counts = self.counts.setdefault(
+            _match_bucket(match_length), [[0.0, 0.0] for _ in range(LOOKUP_POSITIONS)]
+        )
+        for j in range(1, min(length, accepted + 1) + 1):
+            entry = counts[min(j, LOOKUP_POSITIONS) - 1]
+            entry[0] += j <= accepted
+            entry[1] += 1
         if self.parent is not None:
             self.parent.observe(match_length, length, accepted)
 

@@ -15,8 +15,8 @@ Length modes:
   ``t_target`` and ``t_drafter`` come from a ``CostModel`` measured on this machine, device and dtype
   (``adaflash_hf.cost_model``: a one-second calibration at first use, then the rounds' own timings); E_i from
   ``AcceptanceModel`` (the length head's â and the drafter's confidence in each of its proposals, calibrated online
-  against realised acceptance) or, for a lookup continuation, from ``LookupModel`` (first-token and continuation
-  rates by match length), both in ``adaflash_hf.acceptance``. Under greedy decoding every proposal, verified or not,
+  against realised acceptance) or, for a lookup continuation, from ``LookupModel`` (a rate per continuation
+  position, by match length), both in ``adaflash_hf.acceptance``. Under greedy decoding every proposal, verified or not,
   is labelled by the committed text (``ShadowLabels``). k = 0 is plain decoding; a request whose drafting did not pay skips
   the drafter forward for a while (``SkipGate``: its context stays buffered) and probes again, at most every
   ``max_skip`` rounds, so a request whose text becomes predictable gets drafts again.

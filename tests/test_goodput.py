@@ -290,7 +290,7 @@ def test_greedy_text_labels_every_proposal_verified_or_not():
     assert len(shadows.pending) == 2 and acceptance.updates == 0
     shadows.resolve([0, 0, 0, 7, 8])  # the lookup's 1 was wrong: 1 accepted of 2
     assert len(shadows.pending) == 1
-    assert lookups.counts[2] == [1, 1, 0, 1]  # first token accepted; the next one, once tried, was not
+    assert lookups.counts[2][:3] == [[1, 1], [0, 1], [0, 0]]  # token 1 accepted; token 2, once tried, was not
     shadows.resolve([0, 0, 0, 7, 8, 2])  # the block's 9 was wrong: drafts 1, 2 accepted, 3 rejected
     assert acceptance.updates == 3 and not shadows.pending
     assert acceptance.probability(0.5, 0.5, 1) > 0.5 > acceptance.probability(0.5, 0.5, 3)
@@ -304,10 +304,26 @@ def test_lookup_continuations_are_valued_as_bursts_by_match_length():
         model.observe(6, 12, 12)
         model.observe(6, 12, 0)
         model.observe(1, 12, 0)
-    first, following = model.rates(long_match)
-    assert first == pytest.approx(0.5, abs=0.02) and following > 0.98
+    rates = model.rates(long_match)
+    assert rates[0] == pytest.approx(0.5, abs=0.02) and min(rates[1:]) > 0.98
     assert sum(model.gains(long_match)) > 5  # a single per-token rate (12/13) would also say ~5.5 but only
     assert model.gains(short_match)[0] < 0.05  # one-token matches here never hold
+
+
+def test_lookup_continuations_that_stop_early_or_run_long_are_valued_at_what_they_deliver():
+    # Half the continuations are wrong at their second token, half right for all twelve: 6.5 accepted tokens
+    # expected from a fresh one. One rate pooled over tokens 2..12 (11 accepted of 12 tried) would expect
+    # 1 + 11/12 + (11/12)^2 + ... + (11/12)^11 = 7.8; a rate per position says what the continuations deliver.
+    model = LookupModel(strength=1.0)
+    proposal = LookupProposal(tokens=list(range(12)), match_length=4, support=1.0)
+    for _ in range(200):
+        model.observe(4, 12, 1)
+        model.observe(4, 12, 12)
+    assert sum(model.gains(proposal)) == pytest.approx(6.5, abs=0.1)
+    rates = model.rates(proposal)
+    assert (
+        rates[1] == pytest.approx(0.5, abs=0.01) and min(rates[2:]) > 0.99
+    )  # past the second token, all held
 
 
 def test_a_requests_lookup_model_starts_from_its_parent_and_teaches_it():
@@ -316,10 +332,11 @@ def test_a_requests_lookup_model_starts_from_its_parent_and_teaches_it():
     for _ in range(40):
         shared.observe(3, 3, 3)
     request = LookupModel(parent=shared)
-    assert request.rates(proposal)[0] == pytest.approx(shared.rates(proposal)[0])  # no data of its own yet
+    assert request.rates(proposal) == pytest.approx(shared.rates(proposal))  # no data of its own yet
     request.observe(3, 3, 0)
-    assert shared.counts[3][1] == 41 and request.counts[3][1] == 1
+    assert shared.counts[3][0][1] == 41 and request.counts[3][0][1] == 1
     assert request.rates(proposal)[0] < shared.rates(proposal)[0]
+    assert request.rates(proposal)[1:] == pytest.approx(shared.rates(proposal)[1:])  # token 2 was never tried
 
 
 def test_the_acceptance_model_learns_the_heads_signal():

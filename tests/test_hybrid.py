@@ -160,10 +160,11 @@ def test_a_sampled_requests_lookup_model_neither_reads_nor_teaches_the_shared_on
 
 def test_truncation_keeps_the_tokens_likely_to_be_reached_and_accepted():
     proposal = LookupProposal(tokens=list(range(15)), match_length=3, support=1.0)
-    model = LookupModel(strength=1.0)  # a prior of support * n / (n + 1) = 0.75 for both rates
+    model = LookupModel(strength=1.0)  # a prior of support * n / (n + 1) = 0.75 at tokens 1 and 2
     model.observe(3, 4, 1)  # first accepted (2 / 2 with the prior), the next one rejected (0.75 / 2)
-    first, following = model.rates(proposal)
-    assert (first, following) == (pytest.approx(0.875), pytest.approx(0.375))
+    rates = model.rates(proposal)
+    assert rates[:2] == [pytest.approx(0.875), pytest.approx(0.375)]
+    assert rates[2:] == pytest.approx([0.375] * 13)  # untried tokens: the rate of the token before
     cut = truncate_lookup(proposal, model, 0.3)
     assert cut.tokens == [0, 1]  # 0.875 * 0.375 = 0.33 >= 0.3 > 0.875 * 0.375^2 = 0.12
     assert (cut.match_length, cut.support) == (3, 1.0)
