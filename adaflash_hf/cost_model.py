@@ -28,6 +28,10 @@ from adaflash_hf.atomic import atomic_write_json
 from adaflash_hf.prepared.choice import forward_code_digest
 from adaflash_hf.prepared.cpu import bf16_units, cpu_model
 
+# Engine steps between two fits of the step fit once it exists: a fit over the last 256 steps moves little in a few,
+# and refitting at every step cost an engine 0.3-0.6 ms a step (two least-squares solves over the window).
+REFIT_STEPS = 4
+
 
 def _token_bucket(tokens: int) -> int:
     """Exact up to 16 tokens, then a grid of ratio sqrt(2): forward cost is smooth there, and few sizes recur."""
@@ -179,8 +183,9 @@ class CostModel:
         return -(-rows // self.tile_rows) if self.tile_rows else 0
 
     def _step_fit(self) -> list[float] | None:
-        if self._fit[0] == self._seen:
-            return self._fit[1]
+        fitted_at, coefficients = self._fit
+        if fitted_at == self._seen or (coefficients is not None and self._seen - fitted_at < REFIT_STEPS):
+            return coefficients
         rows = list(self.steps)
         coefficients = None
         if len(rows) >= 16 and len({r[0] for r in rows}) >= 3:

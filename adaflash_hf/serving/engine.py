@@ -406,7 +406,7 @@ class AdaFlashEngine:
         if self.lookup_history is not None and request.finish_reason != "abort" and request.output:
             self.lookup_history.add(request.output)
         request.status = FINISHED
-        request.pending_context = None
+        request.pending_context = []
         if request.slot is not None:
             self.free_slots.append(request.slot)
             request.slot = None
@@ -590,18 +590,17 @@ class AdaFlashEngine:
         ``last_acceptance`` (â; 0 for a non-finite block)."""
         drafter = self.drafter
         device = next(drafter.parameters()).device
-        contexts = [r.pending_context for r in decoding]
+        lengths = [sum(chunk.shape[0] for chunk in r.pending_context) for r in decoding]
         batch = DrafterBatch.build(
-            [r.slot for r in decoding],
-            [r.drafter_len for r in decoding],
-            [c.shape[0] for c in contexts],
-            self.block_size,
-            device,
+            [r.slot for r in decoding], [r.drafter_len for r in decoding], lengths, self.block_size, device
         )
-        width = max(c.shape[0] for c in contexts)
-        context = contexts[0].new_zeros(len(decoding), width, contexts[0].shape[-1])
-        for row, features in enumerate(contexts):
-            context[row, : features.shape[0]] = features
+        first = decoding[0].pending_context[0]
+        context = first.new_zeros(len(decoding), max(lengths), first.shape[-1])
+        for row, request in enumerate(decoding):
+            offset = 0
+            for chunk in request.pending_context:
+                context[row, offset : offset + chunk.shape[0]] = chunk
+                offset += chunk.shape[0]
         anchors = torch.tensor([r.anchor for r in decoding], device=device)
         noise = drafter.block_embeds(self.target.get_input_embeddings().weight, anchors).to(device)
         out = drafter(
@@ -615,11 +614,11 @@ class AdaFlashEngine:
         finite = (
             torch.isfinite(states).flatten(1).all(1) & torch.isfinite(out.acceptance_prob.float())
         ).tolist()
-        for request, features, acceptance, ok in zip(
-            decoding, contexts, out.acceptance_prob.float().tolist(), finite
+        for request, length, acceptance, ok in zip(
+            decoding, lengths, out.acceptance_prob.float().tolist(), finite
         ):
-            request.drafter_len += features.shape[0]
-            request.pending_context = None
+            request.drafter_len += length
+            request.pending_context = []
             request.draft.last_acceptance = acceptance if ok else 0.0
         return states, finite
 
@@ -717,9 +716,7 @@ class AdaFlashEngine:
             request.target_len += cached
             if hidden is not None:
                 # Appended: a request that skipped the drafter this step still owes it the older positions.
-                new = hidden[offset : offset + cached]
-                pending = request.pending_context
-                request.pending_context = new if pending is None else torch.cat([pending, new])
+                request.pending_context.append(hidden[offset : offset + cached])
             if request.lookup_index is not None:
                 request.lookup_index.extend(kept)
             source = sources[i - prefills] if i >= prefills else None

@@ -4,7 +4,7 @@ the per-step output deltas that are streamed back.
 A request's committed sequence is ``prompt + output``. Invariants once prefilled: the target KV holds every
 committed token but the newest (the anchor, fed with its drafts in the next verify), so ``target_len`` is the
 anchor's position; the drafter KV holds ``drafter_len`` positions and ``pending_context`` the target features of
-the positions it lacks, so ``drafter_len + len(pending_context) == target_len``.
+the positions it lacks, in the chunks the steps gave them, so ``drafter_len + Σ len(chunk) == target_len``.
 """
 
 from __future__ import annotations
@@ -85,7 +85,9 @@ class Request:
     slot: int | None = None
     target_len: int = 0
     drafter_len: int = 0
-    pending_context: torch.Tensor | None = None
+    pending_context: list[torch.Tensor] = field(
+        default_factory=list
+    )  # one chunk a step, joined when drafting
     drafted: int = 0  # verified drafts over the request's life, and how many of them were accepted
     accepted: int = 0
     verify_rounds: int = 0
