@@ -69,6 +69,9 @@ class DraftingSettings:
     under sampling (the engine always proposes the argmax). ``lookup_history_tokens`` is the engine's shared lookup
     history of finished outputs (hybrid only). ``calibrate`` runs the cost model's one-second calibration at first use
     (goodput only); ``max_skip`` caps the rounds a request skips the drafter before it probes again (goodput only).
+    ``max_slowdown`` (goodput in an engine) is how much later than plain decoding would have ended it a request may
+    end because of the batch's drafts, as a share (0.03: 3%; None: no bound): a request whose own drafts seldom land
+    pays for every step the others' drafts make dearer, and a batch then ends on it.
     """
 
     length_mode: str = "auto"
@@ -80,6 +83,7 @@ class DraftingSettings:
     lookup_history_tokens: int | None = None
     calibrate: bool = True
     max_skip: int = 16
+    max_slowdown: float | None = 0.03
     # Where the values came from, for error messages ("generation_config.adaflash_" for generate's knobs).
     field_prefix: str = field(default="", repr=False, compare=False, metadata={"knob": False})
 
@@ -109,6 +113,9 @@ class DraftingSettings:
             raise _bad(f"{prefix}calibrate", "True or False", self.calibrate)
         if not (_is_int(self.max_skip) and self.max_skip >= 1):
             raise _bad(f"{prefix}max_skip", "an int >= 1", self.max_skip)
+        slowdown = self.max_slowdown
+        if slowdown is not None and not (_is_number(slowdown) and 0 <= slowdown <= 1):
+            raise _bad(f"{prefix}max_slowdown", "None or a number in [0, 1]", slowdown)
 
     def length_mode_for(self, sampling: bool) -> str:
         """The length mode a request decodes with: ``"auto"`` resolved by whether it samples."""
@@ -161,6 +168,7 @@ def plan_lengths(
     drafter_seconds: float,
     target_seconds: Callable[[int], float],
     budget: int | None = None,
+    slack: Sequence[float] | None = None,
 ) -> tuple[list[int], float, float]:
     """Draft lengths k_i maximising (base_committed + Σ_i Σ_{j<k_i} gains[i][j]) / (drafter_seconds +
     target_seconds(base_tokens + Σ_i k_i)) under Σ_i k_i <= budget; returns (lengths, goodput, expected accepted).
@@ -188,15 +196,37 @@ def plan_lengths(
         0.0,
     )
     expected = 0.0
-    for total, (g, _, _) in enumerate(order, start=1):
+    room = _SlackRoom(slack, target_seconds(base_tokens), len(cleaned)) if slack is not None else None
+    for total, (g, _, i) in enumerate(order, start=1):
         expected += g
-        value = (base_committed + expected) / (drafter_seconds + target_seconds(base_tokens + total))
+        seconds = target_seconds(base_tokens + total)
+        value = (base_committed + expected) / (drafter_seconds + seconds)
+        if room is not None:
+            room.add(i, g)
+            if drafter_seconds + seconds - target_seconds(base_tokens) > room.least:
+                continue
         if value > best_value:
             best_total, best_value, best_expected = total, value, expected
     lengths = [0] * len(cleaned)
     for _, _, i in order[:best_total]:
         lengths[i] += 1
     return lengths, best_value, best_expected
+
+
+class _SlackRoom:
+    """The most seconds a step may cost beyond a plain one without any request losing more than its slack: request
+    i's slack plus a plain step's seconds for each draft of its own it expects accepted (each saves it a step)."""
+
+    def __init__(self, slack: Sequence[float], plain_seconds: float, count: int):
+        self.allowance = [float(s) for s in slack] + [math.inf] * (count - len(slack))
+        self.plain_seconds = plain_seconds
+        self.least = min(self.allowance, default=math.inf)
+
+    def add(self, request: int, gain: float) -> None:
+        was_least = self.allowance[request] == self.least
+        self.allowance[request] += self.plain_seconds * gain
+        if was_least:
+            self.least = min(self.allowance)
 
 
 def plan_round(
@@ -207,6 +237,7 @@ def plan_round(
     drafter_seconds: float,
     target_seconds: Callable[[int], float],
     budget: int | None = None,
+    slack: Sequence[float] | None = None,
 ) -> Plan:
     """``plan_lengths`` where each request may have several exclusive options (its drafter block, its lookup
     continuation): each starts on the option with the most expected accepted tokens, then one pass of coordinate
@@ -222,6 +253,7 @@ def plan_round(
             drafter_seconds=drafter_seconds,
             target_seconds=target_seconds,
             budget=budget,
+            slack=slack,
         )
 
     best = score(choice)

@@ -62,6 +62,9 @@ class DraftState:
     block: tuple[list[float], float] | None = (
         None  # (confidences, â) of the block this round verifies (goodput)
     )
+    # goodput in an engine: seconds this request may still lose to the batch's drafts and stay within the settings'
+    # max_slowdown of plain decoding (None: before its first decode step, or no bound)
+    slack: float | None = None
 
     def observe_committed(self, sequence: Sequence[int]) -> None:
         """The committed text so far (prompt + output): settles the shadow labels it decides."""
@@ -216,6 +219,9 @@ class DraftingPolicy:
     def observe_drafter(self, requests: int, seconds: float) -> None:
         """A drafter forward's seconds."""
 
+    def settle(self, round_: Round, committed: Sequence[int], step: Step, seconds: float) -> None:
+        """After a step: each verifying request's committed tokens (``GoodputPolicy`` keeps its slack)."""
+
     def judge_step(
         self,
         drafted: bool,
@@ -360,7 +366,7 @@ class GoodputPolicy(DraftingPolicy):
         self.batch_gate.reopen(step.running)
         for slot in slots:
             slot.state.gate.reopen(step.running)
-        batch_open = self.batch_gate.should_draft()
+        batch_open = self.batch_gate.should_draft() and self._drafter_fits_slack(slots, None, curve(count))
         drafts = tuple(
             batch_open
             and s.room > 0
@@ -368,7 +374,23 @@ class GoodputPolicy(DraftingPolicy):
             and not _lookup_alone_wins(s, o, base, share)
             for s, o in zip(slots, options)
         )
+        if any(drafts) and not self._drafter_fits_slack(slots, drafts, curve(count)):
+            drafts = (False,) * count
         return Round(tuple(slots), step, drafts, options, kinds, curve, base, share)
+
+    def _drafter_fits_slack(self, slots, drafts, plain: float) -> bool:
+        """Whether the drafter's forward leaves every request within its slack: its seconds against each request's
+        slack plus what its last block's drafts would save it (``plain``: a plain step's forward). ``drafts``: who
+        runs it; None: the least forward, of one request, each request counted as running it (no set of drafters
+        fits where that does not)."""
+        need = self.cost.drafter_seconds(1 if drafts is None else sum(drafts))
+        for slot, runs in zip(slots, drafts or [True] * len(slots)):
+            if slot.state.slack is None:
+                continue
+            saved = plain * sum((slot.state.last_gains or [])[: slot.room]) if runs else 0.0
+            if slot.state.slack + saved < need:
+                return False
+        return True
 
     def _beside_prefill(self, curve, step, count: int):
         """The curve a step with prompts to prefill is planned on: its drafts' own cost beside the prefill (the
@@ -415,7 +437,8 @@ class GoodputPolicy(DraftingPolicy):
             options[i], kinds[i] = [state.last_gains, *options[i]], ["diffusion", *kinds[i]]
         drafter_seconds = self.cost.drafter_seconds(drafting) if drafting else 0.0
         budget = self._cold_budget(round_.step.draft_budget(len(slots)))
-        plan = plan_round(options, drafter_seconds=drafter_seconds, budget=budget, **round_.base)
+        slack = [math.inf if s.state.slack is None else s.state.slack for s in slots]
+        plan = plan_round(options, drafter_seconds=drafter_seconds, budget=budget, slack=slack, **round_.base)
         return self._choices(round_, blocks, plan, kinds, budget)
 
     def _cold_budget(self, budget: int | None) -> int | None:
@@ -464,6 +487,26 @@ class GoodputPolicy(DraftingPolicy):
 
     def observe_drafter(self, requests, seconds):
         self.cost.observe_drafter(requests, seconds)
+
+    def settle(self, round_, committed, step, seconds):
+        """Each request's slack after an engine's decode step: what a plain step would have taken for its committed
+        tokens, ``max_slowdown`` of it more, less the step's seconds. A request starts with one plain step of slack
+        (room for the drafter's first forwards), and a request whose drafts pay gains slack, while one whose drafts
+        seldom land loses what the batch's drafts cost its steps; the plan (``plan_round``'s ``slack``) and the
+        drafter's forward (``_drafter_fits_slack``) keep every request's slack from going below 0, so no request
+        ends much later than plain decoding would have ended it (a batch of requests that came together ends on its
+        last one). Steps with prefill are not counted (their prompt costs what a plain step beside it would)."""
+        tolerance = self.settings.max_slowdown
+        if tolerance is None or self.kind != "engine" or step.prefill_tokens or round_.curve is None:
+            return
+        plain = self.cost.plain_step_seconds(step.running)
+        if plain is None:
+            return
+        for slot, tokens in zip(round_.slots, committed):
+            state = slot.state
+            if state.slack is None:
+                state.slack = plain
+            state.slack += (1 + tolerance) * tokens * plain - seconds
 
     def judge_step(self, drafted, committed, verifies, step, seconds, target_seconds=0.0, verified=0):
         """The safety net under the per-request plan: everything it does not price (the drafter's fixed cost when few

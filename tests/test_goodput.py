@@ -10,7 +10,7 @@ from adaflash_hf.acceptance import AcceptanceModel, LookupModel, ShadowLabels
 from adaflash_hf.cost_model import CostModel, calibrate_target, use_cost_model
 from adaflash_hf.drafting import DraftingSettings, SkipGate, draft_surplus, plan_lengths, plan_round
 from adaflash_hf.lookup import LookupProposal
-from adaflash_hf.policy import COLD_DRAFTS, GoodputPolicy, Step
+from adaflash_hf.policy import COLD_DRAFTS, GoodputPolicy, Round, Slot, Step
 from adaflash_hf.serving import AdaFlashEngine, SamplingParams
 from tests.conftest import finished_requests
 
@@ -636,6 +636,84 @@ def test_a_drafted_prefill_step_is_judged_by_what_decode_steps_commit_in_its_ext
     policy.batch_gate = SkipGate(max_skip=4)
     policy.judge_step(True, 24, 16, Step(16), seconds=0.040, target_seconds=0.040, verified=8)
     assert policy.batch_gate.average_surplus == pytest.approx(24 - 16 * 0.040 / 0.030)
+
+
+def test_a_request_out_of_slack_caps_what_the_batchs_drafts_may_add_to_its_step():
+    # 16 requests on a step that costs 1 ms a verify row beyond 30 ms; 15 have drafts worth taking, one has none.
+    curve = _row_priced_engine_policy().cost.step_curve(16)
+    likely = [[[0.95, 0.9, 0.85]]] * 15 + [[]]
+    base = {"base_tokens": 16, "base_committed": 16.0, "drafter_seconds": 0.0, "target_seconds": curve}
+    free = plan_round(likely, **base)
+    assert sum(free.lengths) == 45
+    assert plan_round(likely, slack=[float("inf")] * 16, **base).lengths == free.lengths
+    # the last request may lose 2.5 ms more: 2 rows, not 45 (its own tokens are no more than a plain step's)
+    capped = plan_round(likely, slack=[float("inf")] * 15 + [0.0025], **base)
+    assert sum(capped.lengths) == 2 and capped.lengths[-1] == 0
+    assert sum(plan_round(likely, slack=[1.0] * 15 + [-0.001], **base).lengths) == 0
+    # a request's own accepted drafts each save it a plain step: its drafts widen its room
+    own = plan_round([[[0.95, 0.9, 0.85]]] * 16, slack=[0.0] * 16, **base)
+    assert sum(own.lengths) == 48
+
+
+def _engine_slots(policy: GoodputPolicy, count: int) -> list[Slot]:
+    return [Slot(policy.new_state(LookupModel(), greedy=True), BLOCK - 1, None, 10) for _ in range(count)]
+
+
+def test_a_requests_slack_gains_the_tolerance_on_plain_steps_and_pays_what_the_batchs_drafts_cost_it():
+    policy = _row_priced_engine_policy()
+    slots = _engine_slots(policy, 2)
+    round_ = Round(tuple(slots), Step(16), (True, True), curve=policy.cost.step_curve(16))
+    plain = policy.cost.plain_step_seconds(16)
+    assert plain == pytest.approx(0.030)
+    tolerance = policy.settings.max_slowdown
+    assert tolerance == 0.03  # the default
+    policy.settle(
+        round_, [1, 1], Step(16), seconds=plain
+    )  # a plain step: one plain step of slack to start, plus δ
+    assert [s.state.slack for s in slots] == pytest.approx([plain * (1 + tolerance)] * 2)
+    # a drafted step of 45 ms: the first request got its one token (15 ms lost), the second 3 (a plain step's 90)
+    policy.settle(round_, [1, 3], Step(16), seconds=0.045)
+    lost = plain * (1 + tolerance) - 0.045
+    gained = 3 * plain * (1 + tolerance) - 0.045
+    assert slots[0].state.slack == pytest.approx(plain * (1 + tolerance) + lost)
+    assert slots[1].state.slack == pytest.approx(plain * (1 + tolerance) + gained)
+    before = [s.state.slack for s in slots]
+    policy.settle(
+        round_, [1, 1], Step(16, prefill_tokens=100), seconds=0.3
+    )  # steps with prefill do not count
+    assert [s.state.slack for s in slots] == before
+
+
+def test_without_a_slowdown_bound_no_request_keeps_slack():
+    cost = _row_priced_engine_policy().cost
+    settings = DraftingSettings(length_mode="goodput", calibrate=False, max_slowdown=None)
+    policy = GoodputPolicy(settings, BLOCK, cost, AcceptanceModel(), kind="engine")
+    slots = _engine_slots(policy, 2)
+    policy.settle(
+        Round(tuple(slots), Step(16), (True, True), curve=cost.step_curve(16)), [1, 1], Step(16), 0.5
+    )
+    assert [s.state.slack for s in slots] == [None, None]
+    for bad in (-0.1, 1.5, "3%", True):
+        with pytest.raises(ValueError, match=r"^max_slowdown: expected None or a number in \[0, 1\], got"):
+            DraftingSettings(max_slowdown=bad)
+    with pytest.raises(
+        ValueError, match=r"^generation_config\.adaflash_max_slowdown: expected None or a number"
+    ):
+        DraftingSettings.from_generation_config(GenerationConfig(adaflash_max_slowdown=2))
+
+
+def test_the_drafter_sits_out_a_step_its_forward_would_take_a_request_past_its_slack():
+    policy = _row_priced_engine_policy()
+    policy.cost.observe_drafter(16, 0.010)
+    slots = _engine_slots(policy, 16)
+    assert all(policy.start(slots, Step(16)).drafts)  # no slack known yet: every request drafts
+    for slot in slots:
+        slot.state.slack = 0.020
+    assert all(policy.start(slots, Step(16)).drafts)
+    slots[3].state.slack = 0.005  # 5 ms left to lose, a 10 ms drafter forward
+    assert not any(policy.start(slots, Step(16)).drafts)
+    slots[3].state.last_gains = [0.9, 0.8]  # unless its own last block would save it what the forward costs
+    assert all(policy.start(slots, Step(16)).drafts)
 
 
 def test_an_engine_drafts_at_most_a_tile_a_step_until_its_step_fit_exists():

@@ -14,7 +14,9 @@ every k_i is 0; ``length_mode="fixed"`` is DFlash; every mode shares every other
 
 Knobs come as one ``DraftingSettings`` (``drafting=``) or its fields as keyword arguments. ``length_mode="auto"``
 (the default) is resolved per step by ``length_mode_for``: goodput where every decoding request is greedy, the
-adaptive rule while any samples (a seeded sampling request's output then depends on its seed alone).
+adaptive rule while any samples (a seeded sampling request's output then depends on its seed alone). Under
+goodput a step's drafts are planned so that no request ends more than ``max_slowdown`` (3%) later than plain steps, as
+this engine measures them, would have ended it (``GoodputPolicy.settle``: each request's slack bounds them).
 ``draft_source="hybrid"`` (what the default ``"auto"`` is with a drafter): each request also keeps a ``LookupIndex`` of its committed tokens and verifies either its
 block or its lookup continuation; a request that skips the drafter keeps its new context in ``pending_context``
 until its next block. ``lookup_history_tokens=N`` also indexes the outputs of finished requests (at most N tokens,
@@ -466,6 +468,8 @@ class AdaFlashEngine:
             policy.judge_step(
                 any(drafted.ran), committed, len(decoding), shape, seconds, target_seconds, sum(lengths)
             )
+            kept = [len(output.new_tokens) for output in outputs[len(admitted) :]]
+            policy.settle(drafted.round, kept, shape, seconds)
         self.running = [r for r in self.running if r.status == RUNNING]
         self.admission.update(len(decoding) + len(admitted), sum(lengths) + len(lengths), len(lengths))
         timings = (started, drafter_seconds, target_seconds)
