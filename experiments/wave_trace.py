@@ -4,9 +4,12 @@
     .venv/bin/python experiments/wave_trace.py --rounds 3 --out experiments/results/<host>/wave_trace/trace.json
     .venv/bin/python experiments/wave_trace.py --rounds 3 --plain-from 12 --out ...   # the drafter and lookups
                                                                                      # kept out at >= 12 running
+    .venv/bin/python experiments/wave_trace.py --rounds 3 --requests 48 --concurrency 16 --max-slowdown none ...
 
 The prepared target as `adaflash bench serve --prepared --dtype auto` runs it, the shipped drafter, the first
-`--requests` held-out prompts, 64 new tokens, a fresh engine per wave. Per wave it prints the steps grouped by
+`--requests` held-out prompts, `--concurrency` of them in flight (default: all; fewer: finished requests replaced by
+waiting ones), 64 new tokens, a fresh engine per wave; the default's `max_slowdown` is `--max-slowdown` (0.03;
+`none`: no bound). Per wave it prints the steps grouped by
 phase (prefill or decode; 12-16, 4-11, 1-3 requests running): seconds, committed tokens and tokens a second, drafts,
 accepted drafts and the plan's expected accepted drafts (lookup and drafter blocks apart), and per decode step the
 time before the target's forward (drafting and planning), the forward, and after it (commit). A figure, not a test:
@@ -20,6 +23,7 @@ import time
 import adaflash_hf.policy as policy
 from adaflash_hf.bench import serve as bench_serve
 from adaflash_hf.bench.targets import load_run_target
+from adaflash_hf.drafting import DraftingSettings
 from adaflash_hf.serving.admission import AdmissionConfig
 from adaflash_hf.serving.cache import packed_forward_timer
 from adaflash_hf.serving.engine import AdaFlashEngine
@@ -76,17 +80,18 @@ def plain_from(running: int) -> None:
     policy.GoodputPolicy.start = gated
 
 
-def wave(target, drafter, prompts, mode: str, concurrency: int, max_new_tokens: int, plans: list) -> dict:
+def wave(
+    target, drafter, prompts, mode: str, concurrency: int, max_new_tokens: int, plans: list, max_slowdown=0.03
+) -> dict:
     admission = AdmissionConfig(
         max_running=concurrency, token_budget=concurrency * 16 + max(len(p) for p in prompts)
     )
     source, length_mode = bench_serve.ENGINE_SETTINGS[mode]
+    drafting = None
+    if mode != "plain":
+        drafting = DraftingSettings(draft_source=source, length_mode=length_mode, max_slowdown=max_slowdown)
     engine = AdaFlashEngine(
-        target,
-        drafter if mode != "plain" else None,
-        admission=admission,
-        draft_source=source,
-        length_mode=length_mode,
+        target, drafter if mode != "plain" else None, admission=admission, drafting=drafting
     )
     ids = [engine.add_request(p, SamplingParams(max_new_tokens=max_new_tokens)) for p in prompts]
     steps, finished = [], {}
@@ -159,12 +164,20 @@ def summary(result: dict) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3, help="waves of each mode after one untimed pair (3)")
-    parser.add_argument("--requests", type=int, default=16, help="requests in the wave, all in flight (16)")
+    parser.add_argument("--requests", type=int, default=16, help="requests in the wave (16)")
+    parser.add_argument("--concurrency", type=int, default=None, help="requests in flight (default: all)")
+    parser.add_argument(
+        "--max-slowdown",
+        type=lambda v: None if v == "none" else float(v),
+        default=0.03,
+        help="the default's max_slowdown (0.03; none: no bound)",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--plain-from", type=int, default=None, help="no drafts while this many requests run")
     parser.add_argument("--out", required=True, help="where the per-step trace goes (JSON)")
     args = parser.parse_args()
-    argv = ["--prepared", "--dtype", "auto", "--concurrency", str(args.requests)]
+    concurrency = args.concurrency or args.requests
+    argv = ["--prepared", "--dtype", "auto", "--concurrency", str(concurrency)]
     run_parser = bench_serve.make_parser()
     run_args = bench_serve.parse_run_args(run_parser, argv, bench_serve.QUICK, bench_serve.FULL, "modes")
     bench_serve.start_run(run_args.threads)
@@ -179,7 +192,9 @@ def main() -> None:
     results = []
     for round_ in range(-1, args.rounds):
         for mode in ("plain", "hybrid_goodput"):
-            result = wave(target, drafter, prompts, mode, args.requests, args.max_new_tokens, plans)
+            result = wave(
+                target, drafter, prompts, mode, concurrency, args.max_new_tokens, plans, args.max_slowdown
+            )
             if mode == "plain":
                 reference = result["outputs"]
             elif result["outputs"] != reference:
@@ -188,7 +203,12 @@ def main() -> None:
                 results.append(result)
                 print("\n".join(summary(result)), flush=True)
     with open(args.out, "w") as f:
-        json.dump({"settings": settings, "plain_from": args.plain_from, "waves": results}, f)
+        options = {
+            "plain_from": args.plain_from,
+            "concurrency": concurrency,
+            "max_slowdown": args.max_slowdown,
+        }
+        json.dump({"settings": settings, **options, "waves": results}, f)
 
 
 if __name__ == "__main__":

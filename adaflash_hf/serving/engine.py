@@ -12,7 +12,7 @@ over Σ(k_i + 1) verify tokens plus the prompts of newly admitted requests (``ca
 (``verify_accept``) for greedy and sampling requests together; per-request commit and rollback. Without a drafter
 every k_i is 0; ``length_mode="fixed"`` is DFlash; every mode shares every other line.
 
-Knobs come as one ``DraftingSettings`` (``drafting=``) or its fields as keyword arguments. ``length_mode="auto"``
+Knobs come as one ``DraftingSettings`` (``drafting=``), six of them also as keyword arguments. ``length_mode="auto"``
 (the default) is resolved per step by ``length_mode_for``: goodput where every decoding request is greedy, the
 adaptive rule while any samples (a seeded sampling request's output then depends on its seed alone). Under
 goodput a step's drafts are planned so that no request ends more than ``max_slowdown`` (3%) later than plain steps, as
