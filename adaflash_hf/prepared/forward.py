@@ -89,7 +89,14 @@ def _padded_rotary_forward(self, x, position_ids):
 
 
 def _is_rotary(module: torch.nn.Module) -> bool:
-    return isinstance(getattr(module, "inv_freq", None), torch.Tensor)
+    # Read where a module keeps it (a buffer, or a plain attribute): getattr on a module that lacks it raises and
+    # catches an AttributeError inside torch, the most of a walk's time over a target's modules
+    value = module._buffers.get("inv_freq")
+    if value is None:
+        value = module.__dict__.get("inv_freq")
+    if value is None:
+        value = module._parameters.get("inv_freq")
+    return isinstance(value, torch.Tensor)
 
 
 def rotary_modules(target) -> list[torch.nn.Module]:
@@ -113,12 +120,16 @@ def install_invariant_forward(target) -> None:
 
 def runs_invariant_forward(target) -> bool:
     """Whether ``target`` still runs the invariant forward (attention, every linear, every rotary embedding): one walk
-    over its modules (the engine asks at every forward)."""
+    over its modules (the engine asks at every forward; 0.2 ms over the 397 modules of a 30-layer target, where
+    ``modules()`` took 0.7)."""
     if target.config._attn_implementation != ATTENTION_NAME:
         return False
-    for module in target.modules():
+    stack = [target]
+    while stack:
+        module = stack.pop()
         if type(module) is torch.nn.Linear:
             return False
         if _is_rotary(module) and "forward" not in vars(module):
             return False
+        stack.extend(child for child in module._modules.values() if child is not None)
     return True
