@@ -15,8 +15,8 @@ every k_i is 0; ``length_mode="fixed"`` is DFlash; every mode shares every other
 Knobs come as one ``DraftingSettings`` (``drafting=``), six of them also as keyword arguments. ``length_mode="auto"``
 (the default) is resolved per step by ``length_mode_for``: goodput where every decoding request is greedy, the
 adaptive rule while any samples (a seeded sampling request's output then depends on its seed alone). Under
-goodput a step's drafts are planned so that no request ends more than ``max_slowdown`` (3%) later than plain steps, as
-this engine measures them, would have ended it (``GoodputPolicy.settle``: each request's slack bounds them).
+goodput a step's drafts are planned so that no request ends more than ``max_slowdown`` (3%) and one plain step later
+than plain steps, as this engine measures them, would have ended it (``GoodputPolicy.settle``: each request's slack).
 ``draft_source="hybrid"`` (what the default ``"auto"`` is with a drafter): each request also keeps a ``LookupIndex`` of its committed tokens and verifies either its
 block or its lookup continuation; a request that skips the drafter keeps its new context in ``pending_context``
 until its next block. ``lookup_history_tokens=N`` also indexes the outputs of finished requests (at most N tokens,
