@@ -230,3 +230,27 @@ def test_round_records_carry_the_length_head_estimate_that_chose_each_draft_leng
         remaining = 40 - (record.context_length + 1 - len(prompt))  # the anchor is the last committed token
         assert record.draft_length == min(k_hat, remaining - 1)
     assert len({r.predicted_acceptance for r in records}) > 1  # each round's own â, not one value kept
+
+
+def test_a_request_that_skips_the_drafter_keeps_its_pending_context_whole_in_few_chunks(setup, monkeypatch):
+    # Each chunk is a view of its step's feature tensor; every PENDING_CHUNKS chunks they are joined into one copy,
+    # so a request that seldom drafts holds few steps' tensors, and the drafter still gets every position it lacks.
+    target, drafter = setup
+    monkeypatch.setattr(engine_module, "PENDING_CHUNKS", 2)
+    prompts = random_prompts(6, seed=11)
+    params = SamplingParams(max_new_tokens=24)
+    expected = AdaFlashEngine(target).generate(prompts, params)
+    engine = AdaFlashEngine(target, drafter, length_mode="goodput", admission=AdmissionConfig(max_running=6))
+    for prompt in prompts:
+        engine.add_request(prompt, params)
+    outputs, joined = {}, 0
+    while engine.has_unfinished():
+        for output in engine.step():
+            outputs.setdefault(output.request_id, []).extend(output.new_tokens)
+        for request in engine.running:
+            pending = request.pending_context
+            assert len(pending) < 2
+            assert request.drafter_len + sum(chunk.shape[0] for chunk in pending) == request.target_len
+            joined += bool(pending) and pending[0]._base is None  # a copy: chunks were joined
+    assert joined > 0
+    assert [outputs[r] for r in sorted(outputs, key=lambda r: int(r.split("-")[-1]))] == expected

@@ -98,6 +98,9 @@ logger = logging.get_logger(__name__)
 MODES = ("plain", "dflash", "adaflash")
 # The StepStats kept in ``engine.stats``: about 3.4 MB of them, so a server's memory stays flat however long it runs.
 STEP_WINDOW = 4096
+# Chunks of a request's pending drafter context joined into one: each chunk is a view that keeps its step's whole
+# feature tensor alive, so a request that seldom drafts holds at most this many steps' tensors
+PENDING_CHUNKS = 16
 
 
 def _check_engine_target(target):
@@ -720,7 +723,10 @@ class AdaFlashEngine:
             request.target_len += cached
             if hidden is not None:
                 # Appended: a request that skipped the drafter this step still owes it the older positions.
-                request.pending_context.append(hidden[offset : offset + cached])
+                pending = request.pending_context
+                pending.append(hidden[offset : offset + cached])
+                if len(pending) >= PENDING_CHUNKS:
+                    request.pending_context = [torch.cat(pending)]
             if request.lookup_index is not None:
                 request.lookup_index.extend(kept)
             source = sources[i - prefills] if i >= prefills else None

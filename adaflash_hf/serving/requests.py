@@ -85,9 +85,8 @@ class Request:
     slot: int | None = None
     target_len: int = 0
     drafter_len: int = 0
-    pending_context: list[torch.Tensor] = field(
-        default_factory=list
-    )  # one chunk a step, joined when drafting
+    # one chunk a step, joined when the request drafts (or every PENDING_CHUNKS chunks, adaflash_hf.serving.engine)
+    pending_context: list[torch.Tensor] = field(default_factory=list)
     drafted: int = 0  # verified drafts over the request's life, and how many of them were accepted
     accepted: int = 0
     verify_rounds: int = 0
