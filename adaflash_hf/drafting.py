@@ -203,7 +203,7 @@ def plan_lengths(
         value = (base_committed + expected) / (drafter_seconds + seconds)
         if room is not None:
             room.add(i, g)
-            if drafter_seconds + seconds - target_seconds(base_tokens) > room.least:
+            if drafter_seconds + seconds - room.plain_seconds > room.least:
                 continue
         if value > best_value:
             best_total, best_value, best_expected = total, value, expected

@@ -366,7 +366,8 @@ class GoodputPolicy(DraftingPolicy):
         self.batch_gate.reopen(step.running)
         for slot in slots:
             slot.state.gate.reopen(step.running)
-        batch_open = self.batch_gate.should_draft() and self._drafter_fits_slack(slots, None, curve(count))
+        plain = curve(count)
+        batch_open = self.batch_gate.should_draft() and self._drafter_fits_slack(slots, None, plain)
         drafts = tuple(
             batch_open
             and s.room > 0
@@ -374,7 +375,7 @@ class GoodputPolicy(DraftingPolicy):
             and not _lookup_alone_wins(s, o, base, share)
             for s, o in zip(slots, options)
         )
-        if any(drafts) and not self._drafter_fits_slack(slots, drafts, curve(count)):
+        if any(drafts) and not self._drafter_fits_slack(slots, drafts, plain):
             drafts = (False,) * count
         return Round(tuple(slots), step, drafts, options, kinds, curve, base, share)
 
