@@ -124,9 +124,10 @@ class LookupModel:
     def observe(self, match_length: int, length: int, accepted: int) -> None:
         """One labelled continuation of ``length`` tokens, ``accepted`` of them accepted (here and in the parent):
         a trial at every position up to the first rejected one, a success at each accepted one."""
-        counts = self.counts.setdefault(
-            _match_bucket(match_length), [[0.0, 0.0] for _ in range(LOOKUP_POSITIONS)]
-        )
+        bucket = _match_bucket(match_length)
+        counts = self.counts.get(bucket)
+        if counts is None:
+            counts = self.counts[bucket] = [[0.0, 0.0] for _ in range(LOOKUP_POSITIONS)]
         for j in range(1, min(length, accepted + 1) + 1):
             entry = counts[min(j, LOOKUP_POSITIONS) - 1]
             entry[0] += j <= accepted
@@ -167,11 +168,12 @@ class ShadowLabels:
         if proposal is not None and proposal.tokens:
             self.pending.append((start, list(proposal.tokens), None, proposal.match_length))
 
-    def resolve(self, sequence: Sequence[int]) -> None:
-        """Settle every pending proposal whose outcome ``sequence`` (the committed tokens) now decides."""
+    def resolve(self, sequence: Sequence[int], offset: int = 0) -> None:
+        """Settle every pending proposal whose outcome ``sequence`` (the committed tokens from position ``offset``
+        on; every pending proposal starts there or later) now decides."""
         still = []
         for start, tokens, confidences, head in self.pending:
-            seen = sequence[start : start + len(tokens)]
+            seen = sequence[start - offset : start - offset + len(tokens)]
             accepted = next((j for j, (a, b) in enumerate(zip(tokens, seen)) if a != b), len(seen))
             if accepted == len(seen) < len(tokens):
                 still.append((start, tokens, confidences, head))  # all seen so far agree: wait for more

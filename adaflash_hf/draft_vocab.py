@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from adaflash_hf.kernels._utils import row_argmax
 from adaflash_hf.prepared.linear import fast_linear, kept_for_weight
 
 
@@ -115,7 +116,7 @@ def draft_tokens(
 ) -> torch.LongTensor:
     """Argmax proposals of drafter states, as target token ids (inside ``token_ids`` when given)."""
     logits, token_ids = draft_logits(block_hidden, lm_head, token_ids)
-    best = logits.argmax(-1)
+    best = row_argmax(logits)
     return best if token_ids is None else token_ids[best]
 
 

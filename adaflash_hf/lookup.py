@@ -65,12 +65,17 @@ class LookupIndex:
         if not self.sequences:
             self.sequences[next(self.ids)] = []
         sequence_id = next(reversed(self.sequences))
-        sequence = self.sequences[sequence_id]
+        sequence, ends, longest = self.sequences[sequence_id], self.ends, self.max_ngram
         for token in tokens:
             sequence.append(int(token))
             end = len(sequence)
-            for n in range(1, min(self.max_ngram, end) + 1):
-                self.ends.setdefault(tuple(sequence[end - n :]), deque()).append((sequence_id, end))
+            window, entry = tuple(sequence[-longest:]), (sequence_id, end)
+            for n in range(1, len(window) + 1):
+                occurrences = ends.get(key := window[-n:])
+                if occurrences is None:
+                    ends[key] = deque((entry,))
+                else:
+                    occurrences.append(entry)
             self.size += 1
 
     def _evict_oldest(self) -> None:

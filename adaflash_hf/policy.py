@@ -66,21 +66,28 @@ class DraftState:
     # max_slowdown of plain decoding (None: before its first decode step, or no bound)
     slack: float | None = None
 
-    def observe_committed(self, sequence: Sequence[int]) -> None:
-        """The committed text so far (prompt + output): settles the shadow labels it decides."""
-        if self.shadows is not None:
-            self.shadows.resolve(sequence)
+    def observe_committed(self, sequence: Sequence[int], offset: int = 0) -> None:
+        """The committed text so far from position ``offset`` on (default: prompt + output; an engine passes its
+        output and the prompt's length, every proposal being past the prompt): settles the shadow labels it
+        decides."""
+        if self.shadows is not None and self.shadows.pending:
+            self.shadows.resolve(sequence, offset)
 
 
 @dataclass(frozen=True)
 class Slot:
     """A request in this round: its state, the drafts it can still keep, its lookup continuation (hybrid, cut by
-    ``lookup_min_prob``), and where its first draft goes (its committed tokens)."""
+    ``lookup_min_prob``), and where its first draft goes (its committed tokens); ``gains``, where the caller already
+    has them, are ``state.lookups.gains(proposal)`` (read once a round)."""
 
     state: DraftState
     room: int
     proposal: LookupProposal | None
     position: int
+    gains: Sequence[float] | None = None
+
+    def lookup_gains(self) -> Sequence[float]:
+        return self.state.lookups.gains(self.proposal) if self.gains is None else self.gains
 
 
 @dataclass(frozen=True)
@@ -160,14 +167,22 @@ def expected_lookup_accepted(state: DraftState, proposal: LookupProposal, length
 def truncate_lookup(proposal: LookupProposal | None, lookups: LookupModel, min_prob: float):
     """The continuation cut to the tokens whose chance of being reached and accepted is at least ``min_prob`` (at
     least one token): a weak match does not make the target verify a long continuation it will reject."""
-    if proposal is None or not proposal.tokens or min_prob <= 0:
-        return proposal
-    keep = max(1, sum(g >= min_prob for g in lookups.gains(proposal)))
+    return truncate_lookup_gains(proposal, lookups, min_prob)[0]
+
+
+def truncate_lookup_gains(proposal: LookupProposal | None, lookups: LookupModel, min_prob: float):
+    """``truncate_lookup``'s continuation and its gains (``lookups.gains`` of it: the first gains of the uncut
+    one, a token's chance depending on its position and the match alone)."""
+    if proposal is None or not proposal.tokens:
+        return proposal, []
+    gains = lookups.gains(proposal)
+    if min_prob <= 0:
+        return proposal, gains
+    keep = max(1, sum(g >= min_prob for g in gains))
     if keep == len(proposal.tokens):
-        return proposal
-    return LookupProposal(
-        tokens=proposal.tokens[:keep], match_length=proposal.match_length, support=proposal.support
-    )
+        return proposal, gains
+    cut = LookupProposal(tokens=proposal.tokens[:keep], match_length=proposal.match_length, support=proposal.support)
+    return cut, gains[:keep]
 
 
 def lookup_beats_block(proposal: LookupProposal | None, lookups: LookupModel, head, block_size: int) -> bool:
@@ -345,7 +360,7 @@ class GoodputPolicy(DraftingPolicy):
         self._calibrate(step)
         if self.kind == "engine" and self.cost.tile_rows is None:
             self.cost.tile_rows = row_tile(self.target)
-        options = tuple((g,) if (g := s.state.lookups.gains(s.proposal)) else () for s in slots)
+        options = tuple((g,) if (g := s.lookup_gains()) else () for s in slots)
         kinds = tuple(("lookup",) if o else () for o in options)
         for slot in slots:
             if slot.state.shadows is not None:

@@ -70,3 +70,10 @@ def num_warps_for(block: int) -> int:
     if block >= 2048:
         return 8
     return 4
+
+
+def row_argmax(rows: torch.Tensor) -> torch.Tensor:
+    """``rows.argmax(-1)``, the same indices (the first of tied maxima; a NaN counts as the maximum) through
+    ``max(-1)``, whose CPU kernel runs several times faster than ``argmax``'s on vocabulary-wide rows (17 rows of
+    49,152: 0.2 against 0.6 ms on 2 threads)."""
+    return rows.max(-1).indices

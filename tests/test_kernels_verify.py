@@ -6,6 +6,7 @@ from collections import namedtuple
 import pytest
 import torch
 
+from adaflash_hf.kernels._utils import row_argmax
 from adaflash_hf.kernels.verify_accept import verify_accept
 from adaflash_hf.kernels.verify_attention import slot_verify_attention
 from adaflash_hf.kernels.verify_packing import SlotPacking
@@ -110,6 +111,24 @@ def test_all_greedy_batches_take_the_argmax_path_and_match_the_reference():
         )
         assert out_mixed.accepted.tolist()[1:] == expected[0][1:]
         assert out_mixed.next_tokens.tolist()[1:] == expected[1][1:]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_argmax_is_argmax_on_ties_nans_and_wide_rows(dtype):
+    # The greedy path's argmax runs through max(-1): the same index, the first of tied maxima, a NaN the maximum.
+    g = torch.Generator().manual_seed(5)
+    for vocab in (7, 1000, 70000):
+        rows = torch.randint(0, 4, (9, vocab), generator=g).to(dtype)  # many ties
+        rows[2, vocab // 2] = float("nan")
+        rows[3] = 1.0  # a row of one value
+        rows[4, 3:] = float("-inf")
+        assert torch.equal(row_argmax(rows), rows.argmax(-1))
+        assert torch.equal(row_argmax(rows), rows.float().argmax(-1))  # a widening cast keeps the order
+    # Greedy verification takes the first tied maximum: the draft of the lower index is accepted.
+    logits = torch.zeros(2, 10)
+    logits[0, [4, 6]] = 1.0
+    assert verify_accept(logits, torch.tensor([4]), torch.tensor([0, 2])).accepted.tolist() == [1]
+    assert verify_accept(logits, torch.tensor([6]), torch.tensor([0, 2])).accepted.tolist() == [0]
 
 
 def test_greedy_accepts_the_target_argmax_and_emits_the_bonus_token():

@@ -134,6 +134,25 @@ def test_a_prepared_target_cast_afterwards_is_no_longer_prepared(target_factory)
     assert is_prepared(target) is None
 
 
+def test_a_linear_swapped_in_afterwards_unprepares_the_target_at_the_next_check(target_factory):
+    # The check walks the modules only where a module was registered since its last walk, or every WALK_EVERY
+    # checks: a linear set as an attribute (as PEFT swaps one) is seen at once; one written straight into a
+    # module's children, which no registration hook sees, within WALK_EVERY checks.
+    from adaflash_hf.prepared import forward
+
+    target = prepare_target(target_factory("qwen3"), dtype="bf16", rows=4)
+    assert all(is_prepared(target) is not None for _ in range(3 * forward.WALK_EVERY))
+    mlp = target.model.layers[0].mlp
+    kept = mlp.down_proj
+    mlp.down_proj = torch.nn.Linear(kept.in_features, kept.out_features, bias=False).to(torch.bfloat16)
+    assert is_prepared(target) is None
+    mlp.down_proj = kept
+    assert is_prepared(target) is not None
+    mlp._modules["down_proj"] = torch.nn.Linear(kept.in_features, kept.out_features, bias=False).to(torch.bfloat16)
+    checks = [is_prepared(target) is None for _ in range(forward.WALK_EVERY + 1)]
+    assert checks[-1] and checks.index(True) <= forward.WALK_EVERY
+
+
 def test_the_check_refuses_a_forward_whose_rows_depend_on_the_row_count(target_factory):
     class RowCountLinear(torch.nn.Linear):  # a subclass the preparation leaves alone
         def forward(self, x):

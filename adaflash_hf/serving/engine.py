@@ -69,7 +69,7 @@ from adaflash_hf.policy import (
     Slot,
     Step,
     policy_for,
-    truncate_lookup,
+    truncate_lookup_gains,
 )
 from adaflash_hf.prepared.linear import fast_linears
 from adaflash_hf.serving.admission import AdmissionConfig, AdmissionController, with_kv_budget
@@ -524,9 +524,9 @@ class AdaFlashEngine:
         count = len(decoding)
         # The bonus token needs one slot of the request's budget, so at most remaining - 1 drafts.
         room = [min(self.block_size - 1, r.remaining - 1) for r in decoding]
-        proposals = self._lookup_proposals(decoding, room)
+        proposals, gains = self._lookup_proposals(decoding, room)
         slots = [
-            Slot(r.draft, room[i], proposals[i], len(r.prompt) + len(r.output))
+            Slot(r.draft, room[i], proposals[i], len(r.prompt) + len(r.output), gains[i])
             for i, r in enumerate(decoding)
         ]
         round_ = policy.start(slots, shape)
@@ -565,12 +565,12 @@ class AdaFlashEngine:
             tokens = [t + m for t, m in zip(tokens, more_tokens)]
         return confidences, tokens
 
-    def _lookup_proposals(self, decoding: list[Request], room: list[int]) -> list:
+    def _lookup_proposals(self, decoding: list[Request], room: list[int]) -> tuple[list, list]:
         """Each request's lookup continuation (hybrid; None elsewhere): the longer match of its own tokens and the
-        shared history, cut by ``lookup_min_prob``."""
-        proposals = [None] * len(decoding)
+        shared history, cut by ``lookup_min_prob``; and its gains (its lookup model's, read once a step)."""
+        proposals, gains = [None] * len(decoding), [[] for _ in decoding]
         if self.draft_source != "hybrid":
-            return proposals
+            return proposals, gains
         for i, r in enumerate(decoding):
             proposals[i] = r.lookup_index.propose(room[i], r.eos_ids)
             if self.lookup_history is not None:
@@ -580,8 +580,10 @@ class AdaFlashEngine:
                     proposals[i] is None or shared.match_length > proposals[i].match_length
                 ):
                     proposals[i] = shared
-            proposals[i] = truncate_lookup(proposals[i], r.draft.lookups, self.settings.lookup_min_prob)
-        return proposals
+            proposals[i], gains[i] = truncate_lookup_gains(
+                proposals[i], r.draft.lookups, self.settings.lookup_min_prob
+            )
+        return proposals, gains
 
     def _count_fallback(self, request: Request) -> None:
         request.drafter_fallbacks += 1
@@ -683,25 +685,32 @@ class AdaFlashEngine:
         logits = out.logits[0].float()
         row_counts = [1] * len(admitted) + [len(d) + 1 for d in drafts]
         cu = torch.tensor([0, *itertools.accumulate(row_counts)], device=device)
-        temperatures, accept_u, sample_u = [], [], []
-        for request, rows, start in zip(requests, row_counts, cu.tolist()):
-            params = request.params
-            if params.temperature > 0:
-                logits[start : start + rows] = filter_logits(logits[start : start + rows], params)
-                accept_u.append(torch.rand(rows - 1, generator=request.generator))
-                sample_u.append(torch.rand(1, generator=request.generator))
-            else:
-                accept_u.append(torch.zeros(rows - 1))
-                sample_u.append(torch.zeros(1))
-            # Filtered rows are already tempered: the acceptance rule then samples at temperature 1.
-            temperatures.append(1.0 if params.temperature > 0 else 0.0)
+        if any(r.params.temperature > 0 for r in requests):
+            temperatures, accept_u, sample_u = [], [], []
+            for request, rows, start in zip(requests, row_counts, cu.tolist()):
+                params = request.params
+                if params.temperature > 0:
+                    logits[start : start + rows] = filter_logits(logits[start : start + rows], params)
+                    accept_u.append(torch.rand(rows - 1, generator=request.generator))
+                    sample_u.append(torch.rand(1, generator=request.generator))
+                else:
+                    accept_u.append(torch.zeros(rows - 1))
+                    sample_u.append(torch.zeros(1))
+                # Filtered rows are already tempered: the acceptance rule then samples at temperature 1.
+                temperatures.append(1.0 if params.temperature > 0 else 0.0)
+            temperatures = torch.tensor(temperatures, device=device)
+            accept_u, sample_u = torch.cat(accept_u).to(device), torch.cat(sample_u).to(device)
+        else:  # every request greedy: no uniforms drawn (none is read)
+            temperatures = torch.zeros(len(requests), device=device)
+            accept_u = torch.zeros(sum(row_counts) - len(requests), device=device)
+            sample_u = torch.zeros(len(requests), device=device)
         result = verify_accept(
             logits,
             torch.tensor(list(itertools.chain.from_iterable(drafts)), dtype=torch.long, device=device),
             cu,
-            torch.tensor(temperatures, device=device),
-            accept_uniforms=torch.cat(accept_u).to(device),
-            sample_uniforms=torch.cat(sample_u).to(device),
+            temperatures,
+            accept_uniforms=accept_u,
+            sample_uniforms=sample_u,
         )
         return result.accepted.tolist(), result.next_tokens.tolist(), (features, lengths)
 
@@ -735,7 +744,7 @@ class AdaFlashEngine:
                 request.drafted += len(proposed)
                 request.accepted += n_accepted
                 request.verify_rounds += 1
-                request.draft.observe_committed(request.prompt + request.output)
+                request.draft.observe_committed(request.output, len(request.prompt))
             offset += lengths[i]
             if request.finish_reason is not None:
                 self._release(request)

@@ -36,6 +36,7 @@ from vllm.v1.spec_decode.dflash import DFlashProposer
 
 from adaflash_hf.acceptance import AcceptanceModel
 from adaflash_hf.atomic import atomic_write_json
+from adaflash_hf.kernels._utils import row_argmax
 from adaflash_hf.modeling.length_head_adaflash import draft_lengths
 from adaflash_hf.online.weights import HotReloader
 from adaflash_hf.vllm.context import ContextStash, context_slots
@@ -144,7 +145,7 @@ class Session:
         if rows:
             index = torch.tensor(rows, device=hidden.device)
             logits, vocabulary = model.draft_logits(hidden[index])
-            chosen = logits.argmax(dim=-1)
+            chosen = row_argmax(logits)
             ids[index] = chosen if vocabulary is None else vocabulary[chosen]
             if self.settings.policy == "goodput":
                 flat = logits.float().softmax(-1).gather(-1, chosen[:, None]).squeeze(-1).tolist()
