@@ -3,6 +3,7 @@ the missing flags otherwise; bad settings are errors before any forward; and on 
 AdaFlash equals plain greedy token for token, in generate (every length mode and draft source) and in the engine
 (batched == serial == plain)."""
 
+import copy
 import logging
 
 import pytest
@@ -151,6 +152,11 @@ def test_a_linear_swapped_in_afterwards_unprepares_the_target_at_the_next_check(
     mlp._modules["down_proj"] = torch.nn.Linear(kept.in_features, kept.out_features, bias=False).to(torch.bfloat16)
     checks = [is_prepared(target) is None for _ in range(forward.WALK_EVERY + 1)]
     assert checks[-1] and checks.index(True) <= forward.WALK_EVERY
+    mlp._modules["down_proj"] = kept
+    assert is_prepared(target) is not None
+    copied = copy.deepcopy(target)  # a copy's modules are new: its first check walks them
+    copied.model.layers[0].mlp._modules["down_proj"] = torch.nn.Linear(4, 4)
+    assert is_prepared(copied) is None and is_prepared(target) is not None
 
 
 def test_the_check_refuses_a_forward_whose_rows_depend_on_the_row_count(target_factory):

@@ -51,7 +51,8 @@ ROTARY_ROWS = 16
 # ``runs_invariant_forward`` walks a target's modules again after this many checks, even where no module registered a
 # child since its last walk (the registration hook below misses a direct write to a module's ``_modules``)
 WALK_EVERY = 64
-_WALKED = "_adaflash_walked"  # in a target's __dict__: (the structure count at its last clean walk, checks since)
+# in a target's __dict__: ((the target's id, the structure count) at its last clean walk, checks since)
+_WALKED = "_adaflash_walked"
 _STRUCTURE = [0]  # child modules registered into a watched module (torch's global registration hook)
 _STRUCTURE_HOOK: list = []
 _WATCHED: weakref.WeakSet = weakref.WeakSet()  # every module of each target at its last clean walk
@@ -144,17 +145,23 @@ def watch_structure() -> None:
 def runs_invariant_forward(target) -> bool:
     """Whether ``target`` still runs the invariant forward (attention, every linear, every rotary embedding). The
     engine asks at every forward, and a walk over a 30-layer target's 397 modules costs 0.2-0.7 ms, 1-3% of a decode
-    step: so the attention is read every time, and the modules are walked where a child module was registered
-    anywhere since the target's last clean walk (``watch_structure``), and at least every ``WALK_EVERY`` checks."""
+    step: so the attention is read every time, and the modules are walked where a child module was registered into
+    a walked target's module since this target's last clean walk (``watch_structure``), for a copy of the target
+    (whose modules no walk has seen), and at least every ``WALK_EVERY`` checks."""
     if target.config._attn_implementation != ATTENTION_NAME:
         return False
     walked = target.__dict__.get(_WALKED)
-    if _STRUCTURE_HOOK and walked is not None and walked[0] == _STRUCTURE[0] and walked[1] < WALK_EVERY:
+    if (
+        _STRUCTURE_HOOK
+        and walked is not None
+        and walked[0] == (id(target), _STRUCTURE[0])
+        and walked[1] < WALK_EVERY
+    ):
         target.__dict__[_WALKED] = (walked[0], walked[1] + 1)
         return True
     structure = _STRUCTURE[0]
     clean = _walk_invariant(target)
-    target.__dict__[_WALKED] = (structure, 1) if clean else None
+    target.__dict__[_WALKED] = ((id(target), structure), 1) if clean else None
     return clean
 
 
