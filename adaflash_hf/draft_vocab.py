@@ -19,7 +19,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from adaflash_hf.kernels._utils import row_argmax
 from adaflash_hf.prepared.linear import fast_linear, kept_for_weight
 
 
@@ -115,6 +114,8 @@ def draft_tokens(
     block_hidden: torch.Tensor, lm_head: nn.Module, token_ids: torch.LongTensor | None
 ) -> torch.LongTensor:
     """Argmax proposals of drafter states, as target token ids (inside ``token_ids`` when given)."""
+    from adaflash_hf.kernels._utils import row_argmax  # here: importing the package loads no kernel module
+
     logits, token_ids = draft_logits(block_hidden, lm_head, token_ids)
     best = row_argmax(logits)
     return best if token_ids is None else token_ids[best]

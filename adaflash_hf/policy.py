@@ -181,7 +181,9 @@ def truncate_lookup_gains(proposal: LookupProposal | None, lookups: LookupModel,
     keep = max(1, sum(g >= min_prob for g in gains))
     if keep == len(proposal.tokens):
         return proposal, gains
-    cut = LookupProposal(tokens=proposal.tokens[:keep], match_length=proposal.match_length, support=proposal.support)
+    cut = LookupProposal(
+        tokens=proposal.tokens[:keep], match_length=proposal.match_length, support=proposal.support
+    )
     return cut, gains[:keep]
 
 

@@ -21,7 +21,13 @@ from typing import NamedTuple
 
 import torch
 
-from adaflash_hf.kernels._utils import num_warps_for, row_argmax, select_impl, triton_available, vocab_block_size
+from adaflash_hf.kernels._utils import (
+    num_warps_for,
+    row_argmax,
+    select_impl,
+    triton_available,
+    vocab_block_size,
+)
 
 
 class AcceptResult(NamedTuple):
@@ -193,7 +199,11 @@ def _accept_greedy(logits, draft_tokens, cu):
     top, drafts, bounds = row_argmax(logits).tolist(), draft_tokens.tolist(), cu.tolist()
     accepted, next_tokens = [], []
     for request, (start, end) in enumerate(zip(bounds, bounds[1:])):
-        first, count, k = start - request, end - start - 1, 0  # the request's drafts: drafts[first : first + count]
+        first, count, k = (
+            start - request,
+            end - start - 1,
+            0,
+        )  # the request's drafts: drafts[first : first + count]
         while k < count and top[start + k] == drafts[first + k]:
             k += 1
         accepted.append(k)

@@ -149,7 +149,9 @@ def test_a_linear_swapped_in_afterwards_unprepares_the_target_at_the_next_check(
     assert is_prepared(target) is None
     mlp.down_proj = kept
     assert is_prepared(target) is not None
-    mlp._modules["down_proj"] = torch.nn.Linear(kept.in_features, kept.out_features, bias=False).to(torch.bfloat16)
+    mlp._modules["down_proj"] = torch.nn.Linear(kept.in_features, kept.out_features, bias=False).to(
+        torch.bfloat16
+    )
     checks = [is_prepared(target) is None for _ in range(forward.WALK_EVERY + 1)]
     assert checks[-1] and checks.index(True) <= forward.WALK_EVERY
     mlp._modules["down_proj"] = kept

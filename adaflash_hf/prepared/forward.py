@@ -139,7 +139,9 @@ def watch_structure() -> None:
     ``add_module``: how PEFT and hand-made patches swap a linear), so that ``runs_invariant_forward`` need not walk a
     target that nothing changed (idempotent)."""
     if not _STRUCTURE_HOOK:
-        _STRUCTURE_HOOK.append(torch.nn.modules.module.register_module_module_registration_hook(_count_registration))
+        _STRUCTURE_HOOK.append(
+            torch.nn.modules.module.register_module_module_registration_hook(_count_registration)
+        )
 
 
 def runs_invariant_forward(target) -> bool:
