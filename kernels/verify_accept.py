@@ -199,11 +199,8 @@ def _accept_greedy(logits, draft_tokens, cu):
     top, drafts, bounds = row_argmax(logits).tolist(), draft_tokens.tolist(), cu.tolist()
     accepted, next_tokens = [], []
     for request, (start, end) in enumerate(zip(bounds, bounds[1:])):
-        first, count, k = (
-            start - request,
-            end - start - 1,
-            0,
-        )  # the request's drafts: drafts[first : first + count]
+        first, count = start - request, end - start - 1  # the request's drafts: drafts[first : first + count]
+        k = 0
         while k < count and top[start + k] == drafts[first + k]:
             k += 1
         accepted.append(k)
