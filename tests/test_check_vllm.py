@@ -42,7 +42,8 @@ class _Engine:  # the step API: one request finishes a step, so requests finish 
     def add_request(self, request_id, prompt, params):
         self.running.append((request_id, params.options["max_tokens"]))
         with open(os.environ["FAKE_VLLM_LOG"] + ".adds", "a") as handle:
-            handle.write(json.dumps({"spec": self.spec, "in_flight": len(self.running)}) + "\\n")
+            record = {"spec": self.spec, "in_flight": len(self.running), "max_tokens": params.options["max_tokens"]}
+            handle.write(json.dumps(record) + "\\n")
 
     def has_unfinished_requests(self):
         return bool(self.running)
@@ -199,9 +200,34 @@ def test_continuous_waves_keep_c_in_flight_and_replace_each_finished_request(tmp
     assert report["equals_plain"] == {"vllm_dflash_float32@2": True}
 
 
+def test_a_spread_gives_each_prompt_its_own_length_the_same_for_every_engine(tmp_path):
+    result, _ = run_script(
+        tmp_path, "--dtype", "float32", "--paired", "2", "--continuous", "8", "--concurrency", "2",
+        "--max-tokens", "40", "--max-tokens-spread", "0.5", *STOCK,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    adds = [json.loads(line) for line in (tmp_path / "engines.jsonl.adds").read_text().splitlines()]
+    plain = [a["max_tokens"] for a in adds if not a["spec"]]
+    dflash = [a["max_tokens"] for a in adds if a["spec"]]
+    assert plain == dflash and len(plain) == 2 * 16  # two waves of 8 x 2 prompts, alike for both engines
+    assert all(20 <= n <= 60 for n in plain) and len(set(plain)) > 4
+    assert plain[:16] != plain[16:]  # each wave draws its own
+    report = json.loads((tmp_path / "check" / "vllm.json").read_text())
+    assert report["max_tokens_spread"] == 0.5
+    assert sum(r["tokens"] for r in report["rows"] if r.get("engine") == "vllm_plain_float32") == sum(plain)
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
+        (
+            ["--paired", "2", "--max-tokens-spread", "0.5", "--methods", "vllm_plain"],
+            "--max-tokens-spread: expected --continuous ROUNDS beside it, got none",
+        ),
+        (
+            ["--paired", "2", "--continuous", "2", "--max-tokens-spread", "1.5", "--methods", "vllm_plain"],
+            "--max-tokens-spread: expected a fraction in [0, 1), got 1.5",
+        ),
         (["--continuous", "2"], "--continuous: expected --paired WAVES beside it, got none"),
         (
             ["--paired", "2", "--continuous", "0", "--methods", "vllm_plain"],

@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -218,6 +219,7 @@ def run(
     waves: int | None = None,
     prefix_caching: bool = True,
     continuous: int | None = None,
+    spread: float = 0.0,
 ) -> int:
     """Every engine in a fresh process of its own (vLLM's CPU build does not always tear one down cleanly enough
     for the next), ``repeats`` times; or, with ``waves``, every engine of a dtype at once in one fresh process
@@ -232,7 +234,7 @@ def run(
     common = {"out": out, "concurrency": concurrency, "max_tokens": max_tokens}
     common |= {"speculative_tokens": speculative_tokens, "extra": extra}
     if waves is not None:
-        results |= {"paired": True, "waves": waves, "continuous": continuous}
+        results |= {"paired": True, "waves": waves, "continuous": continuous, "max_tokens_spread": spread}
         for dtype in dtypes:
             results["rows"] += _in_fresh_process(
                 "run_paired",
@@ -243,6 +245,7 @@ def run(
                 methods=list(methods),
                 waves=waves,
                 continuous=continuous,
+                spread=spread,
             )
     # every other repeat in the reverse order: drift of the host falls on both sides
     for repeat in range(repeats if waves is None else 0):
@@ -284,17 +287,28 @@ def _wave(prompts: list[list[int]], concurrency: int, index: int) -> list[list[i
     return [prompts[(index * concurrency + j) % len(prompts)] for j in range(concurrency)]
 
 
+def _lengths(count: int, max_tokens: int, spread: float, index: int) -> list[int]:
+    """Per prompt of wave ``index``, its ``max_tokens``: ``max_tokens`` for all with no ``spread``, else drawn
+    uniformly from ``max_tokens x [1 - spread, 1 + spread]``, the same for every engine (seeded by the wave)."""
+    if not spread:
+        return [max_tokens] * count
+    draw = random.Random(f"wave-{index}")
+    low, high = max(1, round(max_tokens * (1 - spread))), round(max_tokens * (1 + spread))
+    return [draw.randint(low, high) for _ in range(count)]
+
+
 def _continuous(llm, prompts: list[list[int]], params, concurrency: int, label: str) -> list[list[int]]:
     """Every prompt through ``llm``'s engine with ``concurrency`` in flight: a finished request's place is taken by
     the next prompt at once, as by ``concurrency`` clients that each send their next request when the last one is
-    answered. The texts, in the prompts' order."""
+    answered. ``params`` is one ``SamplingParams`` for all or one per prompt. The texts, in the prompts' order."""
     from vllm import TokensPrompt
 
     engine, done, sent = llm.llm_engine, {}, 0
 
     def send() -> None:
         nonlocal sent
-        engine.add_request(f"{label}-{sent}", TokensPrompt(prompt_token_ids=prompts[sent]), params)
+        own = params[sent] if isinstance(params, list) else params
+        engine.add_request(f"{label}-{sent}", TokensPrompt(prompt_token_ids=prompts[sent]), own)
         sent += 1
 
     while sent < min(concurrency, len(prompts)):
@@ -359,6 +373,7 @@ def run_paired(
     waves: int,
     extra: dict,
     continuous: int | None = None,
+    spread: float = 0.0,
 ) -> list[dict]:
     """Every engine of ``methods`` started at once in this process, then at each
     level ``waves`` waves of ``concurrency`` prompts, every wave run by each engine in turn, the order reversed
@@ -366,7 +381,10 @@ def run_paired(
     host whose speed drifts by 10-25% within an hour, engines run one after another minutes apart compare the hour,
     not the engine. With ``continuous`` a wave is instead ``continuous x concurrency`` prompts served with
     ``concurrency`` in flight (``_continuous``): requests that finish apart are replaced as a server's clients
-    replace them, where a wave of ``llm.generate`` waits for its slowest request."""
+    replace them, where a wave of ``llm.generate`` waits for its slowest request. With ``spread`` each prompt of a
+    continuous wave asks its own ``max_tokens`` (``_lengths``): requests of one length that start together also
+    finish together, and plain decoding then admits the next ones in one step, which traffic of mixed lengths and
+    arrivals does not give it."""
     from vllm import LLM, SamplingParams, TokensPrompt
 
     prompts = json.loads((out / "prompts.json").read_text())
@@ -406,7 +424,11 @@ def run_paired(
             for name in order if index % 2 == 0 else order[::-1]:
                 started = time.perf_counter()
                 if continuous:
-                    tokens = _continuous(engines[name], wave, params, c, f"c{c}w{index}")
+                    own = [
+                        SamplingParams(temperature=0.0, max_tokens=n)
+                        for n in _lengths(len(wave), max_tokens, spread, index)
+                    ]
+                    tokens = _continuous(engines[name], wave, own, c, f"c{c}w{index}")
                 else:
                     outputs = engines[name].generate(batch, params, use_tqdm=False)
                     tokens = [list(o.outputs[0].token_ids) for o in outputs]
@@ -488,6 +510,14 @@ def main(argv: list[str] | None = None) -> int:
         "once, as by c clients), instead of c prompts in one llm.generate that waits for the slowest",
     )
     second.add_argument(
+        "--max-tokens-spread",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="with --continuous: each prompt's max tokens drawn from --max-tokens x [1 - F, 1 + F] (the same for every "
+        "engine), so that requests finish apart in plain decoding too",
+    )
+    second.add_argument(
         "--paired",
         type=int,
         metavar="WAVES",
@@ -516,6 +546,11 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--continuous: expected --paired WAVES beside it, got none")
         if args.continuous < 1:
             parser.error(f"--continuous: expected an int >= 1, got {args.continuous}")
+    if args.command == "run" and args.max_tokens_spread:
+        if args.continuous is None:
+            parser.error("--max-tokens-spread: expected --continuous ROUNDS beside it, got none")
+        if not 0 <= args.max_tokens_spread < 1:
+            parser.error(f"--max-tokens-spread: expected a fraction in [0, 1), got {args.max_tokens_spread}")
     if args.command == "prepare":
         prepare(args.out, args.drafter, args.prompts, args.max_prompt_tokens)
         return 0
@@ -532,6 +567,7 @@ def main(argv: list[str] | None = None) -> int:
         args.paired,
         not args.no_prefix_caching,
         args.continuous,
+        args.max_tokens_spread,
     )
 
 

@@ -6,9 +6,11 @@ methods, the plugin's proposal and the gate's timed steps are wrapped with timer
 
 ``--out`` is a folder ``check_vllm.py prepare`` wrote. Prints each engine's seconds and their ratio, per runner
 method its total and mean milliseconds, every step by kind (a request joined / a prefill chunk / drafts verified /
-plain) and batch class with its mean wall time (from one ``execute_model`` to the next), and the gate's timed steps
-per class (what its medians are taken from). ``--gate-off`` keeps the drafter out of every step (the floor any gate
-reaches: the cost of a step with speculative decoding configured).
+plain) and batch class with its mean wall time (from one ``execute_model`` to the next) and how many of them the
+drafter ran after (its mean milliseconds there), and the gate's timed steps per class (what its medians are taken
+from). ``--gate-off`` keeps the drafter out of every step (the floor any gate reaches: the cost of a
+step with speculative decoding configured); ``--max-tokens-spread F`` gives each prompt its own length, drawn from
+64 x [1 - F, 1 + F] (``check_vllm._lengths``).
 """
 
 from __future__ import annotations
@@ -59,6 +61,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=4, help="rounds of 4 x c prompts, engines alternated")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--gate-off", action="store_true", help="the drafter out of every step")
+    parser.add_argument(
+        "--pattern",
+        help="the gate's decisions as a cycle of d (draft) and p (plain), e.g. dddp, instead of its own judgement",
+    )
+    parser.add_argument(
+        "--max-tokens-spread",
+        type=float,
+        default=0.0,
+        help="each prompt's max tokens from 64 x [1 - F, 1 + F]",
+    )
     args = parser.parse_args(argv)
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -73,6 +85,10 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.gate_off:
         rounds.DrafterGate.draft = lambda self, batch: False
+    if args.pattern:
+        cycle = [c == "d" for c in args.pattern.lower()]
+        turns = iter(range(10**9))
+        rounds.DrafterGate.draft = lambda self, batch: self._decide(cycle[next(turns) % len(cycle)])
     seconds, calls = collections.defaultdict(float), collections.defaultdict(int)
 
     def engine_of(runner, name):
@@ -91,12 +107,14 @@ def main(argv: list[str] | None = None) -> int:
     def execute_noting_the_step(self, scheduler_output, *args, **kwargs):
         record = steps[engine_of(self, "")[0]]
         now = time.perf_counter()
+        proposing = seconds[("plugin", "proposer.propose")]
         if record and record[-1] is not None:
             record[-1][0] = now - record[-1][0]
+            record[-1][5] = proposing - record[-1][5]  # the drafter's seconds after this step's forward
         drafts = sum(len(v) for v in scheduler_output.scheduled_spec_decode_tokens.values())
         requests = len(scheduler_output.num_scheduled_tokens)
         new = len(scheduler_output.scheduled_new_reqs)
-        record.append([now, scheduler_output.total_num_scheduled_tokens, requests, new, drafts])
+        record.append([now, scheduler_output.total_num_scheduled_tokens, requests, new, drafts, proposing])
         return execute(self, scheduler_output, *args, **kwargs)
 
     gpu_model_runner.GPUModelRunner.execute_model = execute_noting_the_step
@@ -106,12 +124,15 @@ def main(argv: list[str] | None = None) -> int:
 
     def start_noting_the_timed_step(self, now, batch, request_ids, tokens=None):
         last = self._last
+        prior = getattr(self, "_noted_prior", False)  # whether the proposal before ``last`` drafted
         before = {b: tuple(a.counts[:2]) for b, a in self.arms.items()}
         start(self, now, batch, request_ids, tokens)
+        self._noted_prior = last is not None and last.drafted
         for bucket, arm in self.arms.items():
             plain, drafted = before.get(bucket, (0, 0))
             if arm.counts[0] > plain:
-                gate_steps.append(("plain", bucket, arm.plain_steps[-1] * last.batch))
+                kind = "plain after a drafting step" if prior else "plain after a plain step"
+                gate_steps.append((kind, bucket, arm.plain_steps[-1] * last.batch))
             if arm.counts[1] > drafted:
                 gate_steps.append(("draft", bucket, arm.draft_steps[-1] * last.batch))
 
@@ -140,9 +161,13 @@ def main(argv: list[str] | None = None) -> int:
     wall = collections.defaultdict(float)
     for index in range(args.rounds):
         batch = check_vllm._wave(prompts, 4 * c, index)
+        own = [
+            SamplingParams(temperature=0.0, max_tokens=n)
+            for n in check_vllm._lengths(len(batch), 64, args.max_tokens_spread, index)
+        ]
         for name in list(engines) if index % 2 == 0 else list(engines)[::-1]:
             started = time.perf_counter()
-            check_vllm._continuous(engines[name], batch, params, c, f"r{index}")
+            check_vllm._continuous(engines[name], batch, own, c, f"r{index}")
             wall[name] += time.perf_counter() - started
             steps["plain" if name == "vllm_plain" else "plugin"].append(
                 None
@@ -156,9 +181,9 @@ def main(argv: list[str] | None = None) -> int:
         for row, after in zip(record, record[1:]):
             if row is None or after is None:
                 continue
-            took, tokens, requests, new, drafts = row
+            took, tokens, requests, new, drafts, drafting = row
             kind = (
-                "join"
+                ("join+v" if drafts else "join")
                 if new
                 else "prefill"
                 if tokens > requests + drafts
@@ -166,14 +191,17 @@ def main(argv: list[str] | None = None) -> int:
                 if drafts
                 else "plain"
             )
-            kinds[(kind, batch_bucket(requests))].append((took, tokens, drafts))
+            kinds[(kind, batch_bucket(requests))].append((took, tokens, drafts, drafting))
         for (kind, bucket), rows in sorted(kinds.items()):
             mean = 1000 * sum(r[0] for r in rows) / len(rows)
             tokens = sum(r[1] for r in rows) / len(rows)
+            proposed = sum(r[3] > 0 for r in rows)
+            drafter = 1000 * sum(r[3] for r in rows) / max(proposed, 1)
             print(
-                f"{engine:7s} {kind:8s} class {bucket:3d}: {len(rows):5d} steps, {mean:6.1f} ms, {tokens:6.1f} tokens"
+                f"{engine:7s} {kind:8s} class {bucket:3d}: {len(rows):5d} steps, {mean:6.1f} ms, {tokens:6.1f} tokens,"
+                f" drafter after {proposed:4d} of them ({drafter:5.1f} ms)"
             )
-    for kind in ("plain", "draft"):
+    for kind in ("plain after a plain step", "plain after a drafting step", "draft"):
         for bucket in sorted({b for k, b, _ in gate_steps if k == kind}):
             values = [1000 * s for k, b, s in gate_steps if k == kind and b == bucket]
             print(
