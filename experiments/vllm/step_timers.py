@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import itertools
 import json
 import os
 import statistics
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         rounds.DrafterGate.draft = lambda self, batch: False
     if args.pattern:
         cycle = [c == "d" for c in args.pattern.lower()]
-        turns = iter(range(10**9))
+        turns = itertools.count()
         rounds.DrafterGate.draft = lambda self, batch: self._decide(cycle[next(turns) % len(cycle)])
     seconds, calls = collections.defaultdict(float), collections.defaultdict(int)
 
