@@ -165,10 +165,8 @@ def choose_lengths(
 
 MIN_STEPS, MIN_ROUNDS = 2, 8  # what ``DrafterGate`` measures of a class before it trusts its comparison
 STEP_WINDOW = 9  # the recent steps of a kind whose median is a class's step time
-JOIN_WINDOW, MIN_JOIN_STEPS = (
-    32,
-    6,
-)  # the recent steps with a join of each kind a class fits, and the fewest it needs
+# the recent steps at a join of each kind that a class fits, and the fewest of each it needs
+JOIN_WINDOW, MIN_JOIN_STEPS = 32, 6
 
 
 def batch_bucket(batch: int) -> int:
