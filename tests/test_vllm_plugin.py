@@ -26,7 +26,6 @@ from adaflash_hf.vllm.rounds import (
     Settings,
     StepCost,
     StepStats,
-    _drafting_coefficient,
     choose_lengths,
 )
 
@@ -242,57 +241,6 @@ def test_the_gate_carries_a_loss_to_larger_batches_and_a_gain_to_smaller_ones():
     assert chunked.arm(2).counts[:2] == [1, 1] and chunked.arm(2).draft == pytest.approx(0.1)
     with pytest.raises(ValueError, match="budget: expected a fraction in"):
         DrafterGate(budget=0)
-
-
-def test_the_gate_counts_what_drafting_adds_to_the_steps_requests_join_in():
-    gate = DrafterGate()
-    arm = gate.arm(4)
-    # steady steps: a drafting step costs 1.8 plain steps and commits 2 tokens a request: drafting pays by 0.2
-    arm.plain_steps.extend([0.010, 0.010]), arm.draft_steps.extend([0.018, 0.018])
-    arm.counts[:2], arm.share, arm.closed[0] = [2, 2], 1.0, 48
-    for _ in range(8):
-        gate.observe_round(1, 4)
-    assert gate.loss(4) == pytest.approx(-0.2)
-    # then a request finishes and another joins at every step; its prompt (20-80 tokens) is prefilled beside the
-    # others' tokens, and drafting adds 30 ms a request to such a step (the drafter over the new prompt, drafts
-    # verified beside a prefill)
-    ids, now = ["r0", "r1", "r2", "r3"], 0.0
-    gate.start(now, 4, ids, tokens=4)
-    losses = []
-    for k in range(16):
-        drafting = k % 2 == 0
-        if drafting:
-            gate.drafted([2, 2, 2, 2])
-        prompt = 20 + 20 * (k % 4)
-        ids = [*ids[1:], f"n{k}"]
-        now += 4 * (0.010 + 0.001 * prompt / 4 + (0.030 if drafting else 0.0))
-        gate.start(now, 4, ids, tokens=(3 if drafting else 1) * 3 + prompt)
-        losses.append(gate.loss(4))
-    # until 6 steps of each kind are in, the steady steps' verdict stands
-    assert losses[:10] == [pytest.approx(-0.2)] * 10
-    assert arm.closed == [48, 16] and arm.join_share() == pytest.approx(0.25)
-    assert arm.join_cost() == pytest.approx(0.030)  # the prompts' own cost fitted away
-    # a quarter of the steps cost 3 plain steps more when drafting, for the same 1 draft accepted a request
-    assert gate.loss(4) == pytest.approx(0.75 * -0.2 + 0.25 * (3.0 - 1.0))
-    assert [gate.draft(4) for _ in range(4)] == [False] * 4
-    report = gate.report()["4"]
-    assert report["join_share"] == 0.25 and report["join_drafting_ms_per_request"] == pytest.approx(30.0)
-    # a new request after every request finished (the engine may have been idle in between) is not booked
-    gate.start(now + 60.0, 1, ["late"], tokens=50)
-    assert arm.closed == [48, 16]
-
-
-def test_the_join_fit_separates_drafting_from_the_prompts_it_meets():
-    rows = [(0.01 + 0.002 * x + 0.005 * d, x, d) for x, d in [(1, 1), (2, 0), (3, 1), (5, 0), (8, 1), (1, 0)]]
-    assert _drafting_coefficient(rows) == pytest.approx(0.005)
-    # drafting steps that met longer prompts: a difference of means would blame the drafter for the prompts
-    skewed = [
-        (0.01 + 0.002 * x + 0.005 * d, x, d) for x, d in [(10, 1), (12, 1), (11, 1), (1, 0), (2, 0), (0, 0)]
-    ]
-    assert _drafting_coefficient(skewed) == pytest.approx(0.005)
-    # no prompt tokens in any (the steps after a join): the difference of the two kinds' means
-    flat = [(0.02, 0.0, 1), (0.04, 0.0, 1), (0.01, 0.0, 0), (0.03, 0.0, 0)]
-    assert _drafting_coefficient(flat) == pytest.approx(0.01)
 
 
 def _row(request_id: str, tokens: list[int], prompt_length: int) -> Row:

@@ -165,8 +165,6 @@ def choose_lengths(
 
 MIN_STEPS, MIN_ROUNDS = 2, 8  # what ``DrafterGate`` measures of a class before it trusts its comparison
 STEP_WINDOW = 9  # the recent steps of a kind whose median is a class's step time
-# the recent steps at a join of each kind that a class fits, and the fewest of each it needs
-JOIN_WINDOW, MIN_JOIN_STEPS = 32, 6
 
 
 def batch_bucket(batch: int) -> int:
@@ -188,12 +186,6 @@ class _Arm:
     accepted_squared: float | None = None
     # plain steps timed, drafting steps timed, rounds reported, drafting steps booked
     counts: list[int] = field(default_factory=lambda: [0, 0, 0, 0])
-    # steps a request joined in (its prefill inside, or the drafter's forward over its prompt after it), without and
-    # with the drafter, each kind's recent ones (the kind the gate takes seldom keeps older ones): seconds a request,
-    # prompt tokens prefilled a request, drafted; and the steps closed in this class, [steady, join]
-    joins: tuple = field(default_factory=lambda: (deque(maxlen=JOIN_WINDOW), deque(maxlen=JOIN_WINDOW)))
-    closed: list[int] = field(default_factory=lambda: [0, 0])
-    _join_fit: tuple[int, float | None] = (-1, None)
 
     @property
     def plain(self) -> float | None:
@@ -223,70 +215,13 @@ class _Arm:
     def timed(self) -> bool:
         return self.counts[0] >= MIN_STEPS and self.counts[1] >= MIN_STEPS
 
-    def join_cost(self) -> float | None:
-        """What drafting adds to a step a request joined in, in seconds a request: the coefficient of drafting in a
-        least-squares fit of those steps' seconds on the prompt tokens they prefilled (prompt lengths vary too much
-        for a plain mean; both kinds meet the same prompts) and on whether they drafted. None until
-        ``MIN_JOIN_STEPS`` of each kind are in."""
-        booked = self.closed[1]
-        if self._join_fit[0] == booked:
-            return self._join_fit[1]
-        plain, drafted = self.joins
-        value = None
-        if min(len(plain), len(drafted)) >= MIN_JOIN_STEPS:
-            value = _drafting_coefficient([*plain, *drafted])
-        self._join_fit = (booked, value)
-        return value
-
-    def join_share(self) -> float:
-        """The share of this class's closed steps that a request joined in."""
-        total = sum(self.closed)
-        return self.closed[1] / total if total else 0.0
-
-    def loss(self, gain: float | None = None) -> float | None:
+    def loss(self) -> float | None:
         """What one drafting step costs beyond plain steps that commit as many tokens, in plain steps (< 0: drafting
-        pays), ``gain`` (drafts accepted a request) this class's own unless given; None until both arms and the gain
-        are measured. Steps a request joined in are not timed beside the others (a prefill is inside them); once
-        enough of both kinds are in, what drafting adds to them (``join_cost``) counts at their share of the steps:
-        drafting there also pays for the drafter's forward over the new prompts, and verifies beside a prefill."""
-        gain = self.gain() if gain is None else gain
+        pays); None until both arms and the gain are measured."""
+        gain = self.gain()
         if not self.timed() or gain is None:
             return None
-        steady = self.draft / self.plain - (1.0 + gain)
-        extra = self.join_cost()
-        if extra is None:
-            return steady
-        share = self.join_share()
-        return (1.0 - share) * steady + share * (extra / self.plain - gain)
-
-
-def _drafting_coefficient(rows: Sequence[tuple[float, float, bool]]) -> float:
-    """``c`` of the least-squares fit ``seconds = a + b * tokens + c * drafted`` over ``rows``; with no spread in
-    ``tokens``, the difference of the two kinds' means."""
-    n = len(rows)
-    sx = sum(x for _, x, _ in rows)
-    sd = sum(d for _, _, d in rows)
-    sy = sum(y for y, _, _ in rows)
-    sxx = sum(x * x for _, x, _ in rows)
-    sxd = sum(x for _, x, d in rows if d)
-    sxy = sum(x * y for y, x, _ in rows)
-    sdy = sum(y for y, _, d in rows if d)
-    # normal equations, solved by Cramer's rule (a 3 x 3 system; drafted is 0 or 1, so sum d^2 = sum d)
-    matrix = [[n, sx, sd], [sx, sxx, sxd], [sd, sxd, sd]]
-
-    def det(m):
-        return (
-            m[0][0] * (m[1][1] * m[2][2] - m[1][2] * m[2][1])
-            - m[0][1] * (m[1][0] * m[2][2] - m[1][2] * m[2][0])
-            + m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0])
-        )
-
-    whole = det(matrix)
-    scale = max(abs(v) for row in matrix for v in row) ** 3
-    if abs(whole) <= 1e-9 * scale:
-        return sdy / sd - (sy - sdy) / (n - sd)
-    third = [[matrix[i][0], matrix[i][1], (sy, sxy, sdy)[i]] for i in range(3)]
-    return det(third) / whole
+        return self.draft / self.plain - (1.0 + gain)
 
 
 @dataclass
@@ -315,9 +250,6 @@ class DrafterGate:
     (powers of two) the gate keeps the seconds per request of such steps with the drafter and without, and the drafts
     accepted per request of a drafting step (the share of requests that drafted times the drafts accepted per
     verified round, reported one step late). Drafting at batch b pays when ``(1 + gain) / t_draft >= 1 / t_plain``.
-    The steps at either end of a join are kept apart, with the prompt tokens they prefilled: what drafting adds to
-    them, fitted past the prompts' own cost, counts at their share of the class's steps (``_Arm.loss``); at 32 in
-    flight with requests of mixed lengths half the steps are such steps, and drafting costs more in them.
 
     A class that lacks measurements (``MIN_STEPS`` steps of each kind, ``MIN_ROUNDS`` rounds) takes steps of the
     missing kind, plain first, the gain of the nearest class standing in until its own is in; a class drafts while
@@ -360,26 +292,13 @@ class DrafterGate:
         prefill, a prompt's later prefill chunks (same requests, more tokens) and the drafter context written for
         them would be inside the interval."""
         last = self._last
-        known = set(last.request_ids) if last is not None else set()
-        steady = last is not None and set(request_ids) <= known
+        steady = last is not None and set(request_ids) <= set(last.request_ids)
         if steady and tokens is not None and tokens != sum(last.scheduled.get(i, 1) for i in request_ids):
             steady = False  # (a request that finished takes its tokens with it)
-        if last is not None and now > last.start and last.batch > 0:
-            seconds = (now - last.start) / last.batch
-            if steady and last.steady:
-                arm = self.arm(last.batch)
-                (arm.draft_steps if last.drafted else arm.plain_steps).append(seconds)
-                arm.counts[int(last.drafted)] += 1
-                arm.closed[0] += 1
-            elif tokens is not None:
-                # a step a request joined in, or the one after it: booked apart, with its prompt tokens, where some
-                # request went on through it (none: the engine may have been idle before the new one came)
-                going_on = [i for i in request_ids if i in known]
-                if going_on:
-                    prefilled = max(tokens - sum(last.scheduled.get(i, 1) for i in going_on), 0)
-                    arm = self.arm(last.batch)
-                    arm.joins[int(last.drafted)].append((seconds, prefilled / last.batch, last.drafted))
-                    arm.closed[1] += 1
+        if steady and last.steady and now > last.start and last.batch > 0:
+            arm = self.arm(last.batch)
+            (arm.draft_steps if last.drafted else arm.plain_steps).append((now - last.start) / last.batch)
+            arm.counts[int(last.drafted)] += 1
         self._last = _Opened(now, batch, steady, list(request_ids))
 
     def drafted(self, lengths: Sequence[int]) -> None:
@@ -415,7 +334,7 @@ class DrafterGate:
         if arm is None or not arm.timed():
             return None
         gain = self._nearest(bucket, _Arm.gain)
-        return None if gain is None else arm.loss(gain)
+        return None if gain is None else arm.draft / arm.plain - (1.0 + gain)
 
     def _optimistic(self, bucket: int, loss: float) -> float:
         """``loss`` less one standard error of the class's gain: a class judged on a few rounds (at one request,
@@ -465,14 +384,12 @@ class DrafterGate:
         """Per class: milliseconds per request of a step without and with the drafter, gain and loss."""
         out = {}
         for bucket, arm in sorted(self.arms.items()):
-            gain, loss, join = arm.gain(), self.loss(bucket), arm.join_cost()
+            gain, loss = arm.gain(), self.loss(bucket)
             out[str(bucket)] = {
                 "plain_ms_per_request": None if arm.plain is None else round(1000 * arm.plain, 3),
                 "draft_ms_per_request": None if arm.draft is None else round(1000 * arm.draft, 3),
                 "accepted_per_request": None if gain is None else round(gain, 3),
                 "loss_in_plain_steps": None if loss is None else round(loss, 3),
-                "join_share": round(arm.join_share(), 3),
-                "join_drafting_ms_per_request": None if join is None else round(1000 * join, 3),
             }
         return out
 
