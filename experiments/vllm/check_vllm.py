@@ -420,8 +420,12 @@ def run_paired(
         for index in range(waves):
             wave = _wave(prompts, c * (continuous or 1), index)
             batch = [TokensPrompt(prompt_token_ids=p) for p in wave]
-            lengths = _lengths(len(wave), max_tokens, spread, index)
-            own = [SamplingParams(temperature=0.0, max_tokens=n) for n in lengths] if continuous else None
+            own = None  # with continuous: one SamplingParams per prompt, each its own length
+            if continuous:
+                own = [
+                    SamplingParams(temperature=0.0, max_tokens=n)
+                    for n in _lengths(len(wave), max_tokens, spread, index)
+                ]
             measured = {}
             for name in order if index % 2 == 0 else order[::-1]:
                 started = time.perf_counter()

@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         batch = check_vllm._wave(prompts, 4 * c, index)
         own = [
             SamplingParams(temperature=0.0, max_tokens=n)
-            for n in check_vllm._lengths(len(batch), 64, args.max_tokens_spread, index)
+            for n in check_vllm._lengths(len(batch), params.max_tokens, args.max_tokens_spread, index)
         ]
         for name in list(engines) if index % 2 == 0 else list(engines)[::-1]:
             started = time.perf_counter()
