@@ -3,6 +3,7 @@ it is given and starts, or refuses to start like a GPU build short of memory."""
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -35,7 +36,7 @@ class _Output:
         self.outputs = [type("Completion", (), {"token_ids": ids})()]
 
 
-class _Engine:  # the step API: one request finishes a step, so requests finish apart
+class _Engine:  # the step API: one request finishes a step, so requests finish apart; the others report 1 token
     def __init__(self, spec):
         self.spec, self.running = spec, []
 
@@ -51,7 +52,8 @@ class _Engine:  # the step API: one request finishes a step, so requests finish 
     def step(self):
         request_id, n = self.running.pop(0)
         out = {"request_id": request_id, "finished": True, "outputs": _Output(list(range(n))).outputs}
-        return [type("Out", (), out)]
+        running = [{"request_id": r, "finished": False, "outputs": _Output([0]).outputs} for r, _ in self.running]
+        return [type("Out", (), o) for o in [out, *running]]
 
 
 class LLM:
@@ -198,6 +200,22 @@ def test_continuous_waves_keep_c_in_flight_and_replace_each_finished_request(tmp
     rows = [r for r in report["rows"] if "wave" in r]
     assert len(rows) == 4 and all(r["tokens"] == 6 * 4 for r in rows)
     assert report["equals_plain"] == {"vllm_dflash_float32@2": True}
+    # while 2 were in flight: up to the 5th finish, when no prompt was left to replace it; the tokens then the 5
+    # finished requests' and the one token the 6th had
+    for row in rows:
+        assert row["in_flight_tokens"] == 5 * 4 + 1 and 0 < row["in_flight_seconds"] <= row["seconds"]
+        assert row["in_flight_tokens_per_s"] == pytest.approx(
+            row["in_flight_tokens"] / row["in_flight_seconds"]
+        )
+    dflash = [r for r in rows if r["engine"] == "vllm_dflash_float32"]
+    plain = {r["wave"]: r for r in rows if r["engine"] == "vllm_plain_float32"}
+    for row in dflash:
+        ratio = row["in_flight_tokens_per_s"] / plain[row["wave"]]["in_flight_tokens_per_s"]
+        assert row["in_flight_vs_vllm_plain"] == pytest.approx(ratio)
+    summary = next(s for s in report["summary"] if s["engine"] == "vllm_dflash_float32")
+    assert summary["in_flight_vs_vllm_plain"] == pytest.approx(
+        statistics.median(r["in_flight_vs_vllm_plain"] for r in dflash)
+    )
 
 
 def test_a_spread_gives_each_prompt_its_own_length_the_same_for_every_engine(tmp_path):

@@ -22,7 +22,10 @@ steps the drafter sat out. ``--paired N`` starts the engines of a dtype side by 
 runs every level as N waves, each wave by every engine in turn: the ratio to plain is taken per wave, seconds apart
 (on a shared host whose speed drifts, engines run minutes apart compare the hour as much as the engine);
 ``--continuous R`` makes each wave R x c prompts served with c in flight, a finished request replaced at once (as c
-clients of a server replace theirs), where a wave of ``llm.generate`` ends on its slowest request. An engine vLLM cannot start is recorded with its error; when none starts, ``run`` says so
+clients of a server replace theirs), where a wave of ``llm.generate`` ends on its slowest request; such a wave also
+records its tokens/s while c requests were in flight (``in_flight_*``: up to the first request that finished with no
+prompt left to replace it), apart from the drain after it, whose length depends on how far apart the last requests
+finish. An engine vLLM cannot start is recorded with its error; when none starts, ``run`` says so
 and exits with status 1. ``--gpu-memory-utilization`` is passed to vLLM (on a GPU build that finds less free memory
 than its default 0.9 asks for, e.g. a 24 GB card). The same prompts and levels in ``adaflash bench serve
 --concurrency 1 4 16 --requests-per-level 16 --max-new-tokens 64`` (its held-out prompts are these) give ours beside
@@ -297,13 +300,22 @@ def _lengths(count: int, max_tokens: int, spread: float, index: int) -> list[int
     return [draw.randint(low, high) for _ in range(count)]
 
 
-def _continuous(llm, prompts: list[list[int]], params, concurrency: int, label: str) -> list[list[int]]:
+def _continuous(
+    llm, prompts: list[list[int]], params, concurrency: int, label: str, in_flight: dict | None = None
+) -> list[list[int]]:
     """Every prompt through ``llm``'s engine with ``concurrency`` in flight: a finished request's place is taken by
     the next prompt at once, as by ``concurrency`` clients that each send their next request when the last one is
-    answered. ``params`` is one ``SamplingParams`` for all or one per prompt. The texts, in the prompts' order."""
+    answered. ``params`` is one ``SamplingParams`` for all or one per prompt. The texts, in the prompts' order.
+
+    ``in_flight``, a dict, gets the ``seconds`` and ``tokens`` of the wave while ``concurrency`` requests were in
+    flight: from the first request sent to the first one that finished with no prompt left to take its place (the
+    tokens committed by then, running requests' included). What follows is the wave's drain, at fewer requests
+    than the level names, and its length depends on how far apart the last requests finish: requests of one length
+    that start together finish together in plain decoding, while any drafting step spreads them."""
     from vllm import TokensPrompt
 
-    engine, done, sent = llm.llm_engine, {}, 0
+    engine, done, sent, progress = llm.llm_engine, {}, 0, {}
+    started = time.perf_counter()
 
     def send() -> None:
         nonlocal sent
@@ -314,11 +326,17 @@ def _continuous(llm, prompts: list[list[int]], params, concurrency: int, label: 
     while sent < min(concurrency, len(prompts)):
         send()
     while engine.has_unfinished_requests():
+        draining = False
         for output in engine.step():
+            progress[output.request_id] = len(output.outputs[0].token_ids)
             if output.finished:
                 done[int(output.request_id.rsplit("-", 1)[1])] = list(output.outputs[0].token_ids)
                 if sent < len(prompts):
                     send()
+                else:
+                    draining = True
+        if draining and in_flight is not None and not in_flight:
+            in_flight |= {"seconds": time.perf_counter() - started, "tokens": sum(progress.values())}
     return [done[i] for i in range(len(prompts))]
 
 
@@ -355,6 +373,12 @@ def summarize_paired(rows: list[dict]) -> list[dict]:
             entry |= {
                 "vs_vllm_plain": statistics.median(ratios),
                 "vs_vllm_plain_quartiles": _quartiles(ratios),
+            }
+        steady = [r["in_flight_vs_vllm_plain"] for r in group if "in_flight_vs_vllm_plain" in r]
+        if steady:
+            entry |= {
+                "in_flight_vs_vllm_plain": statistics.median(steady),
+                "in_flight_vs_vllm_plain_quartiles": _quartiles(steady),
             }
         plain = groups.get((f"vllm_plain_{engine.rsplit('_', 1)[1]}", c), [])
         if ratios and len(plain) == len(group) and all("seconds" in r for r in group + plain):
@@ -428,27 +452,37 @@ def run_paired(
                 ]
             measured = {}
             for name in order if index % 2 == 0 else order[::-1]:
-                started = time.perf_counter()
+                started, window = time.perf_counter(), {}
                 if continuous:
-                    tokens = _continuous(engines[name], wave, own, c, f"c{c}w{index}")
+                    tokens = _continuous(engines[name], wave, own, c, f"c{c}w{index}", window)
                 else:
                     outputs = engines[name].generate(batch, params, use_tqdm=False)
                     tokens = [list(o.outputs[0].token_ids) for o in outputs]
                 seconds = time.perf_counter() - started
-                measured[name] = (sum(map(len, tokens)) / seconds, tokens, seconds)
-            plain_rate, plain_tokens, _ = measured["vllm_plain"]
+                steady = window["tokens"] / window["seconds"] if window.get("seconds") else None
+                measured[name] = (sum(map(len, tokens)) / seconds, tokens, seconds, steady, window)
+            plain_rate, plain_tokens, _, plain_steady, _ = measured["vllm_plain"]
             for name in order:
-                rate, tokens, seconds = measured[name]
+                rate, tokens, seconds, steady, window = measured[name]
                 row = {"engine": f"{name}_{dtype}", "concurrency": c, "wave": index, "tokens_per_s": rate}
                 row |= {"tokens": sum(map(len, tokens)), "seconds": seconds}
+                if steady is not None:
+                    row |= {f"in_flight_{key}": value for key, value in window.items()}
+                    row["in_flight_tokens_per_s"] = steady
                 if name != "vllm_plain":
                     row["vs_vllm_plain"] = rate / plain_rate
                     row["equal_to_plain"] = sum(a == b for a, b in zip(tokens, plain_tokens)) / len(tokens)
+                    if steady is not None and plain_steady:
+                        row["in_flight_vs_vllm_plain"] = steady / plain_steady
                 rows.append(row)
+            in_flight = ""
+            if all(measured[name][3] for name in order):
+                in_flight = " (while c in flight: " + ", ".join(f"{measured[n][3]:.1f}" for n in order) + ")"
             print(
                 f"c={c} wave {index}: "
                 + ", ".join(f"{name} {measured[name][0]:.1f}" for name in order)
-                + " tok/s",
+                + " tok/s"
+                + in_flight,
                 flush=True,
             )
         for name, llm in engines.items():
