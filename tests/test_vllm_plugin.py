@@ -111,7 +111,7 @@ class _Steps:
 
 
 def test_the_gate_measures_both_kinds_of_step_and_drafts_only_where_it_pays():
-    gate = DrafterGate(explore_every=4, budget=0.5)
+    gate = DrafterGate(explore_every=4, budget=0.5, trial_every=1)
     steps = _Steps(gate, plain=0.010, draft=0.030, accepted=1)  # 2 tokens for 3 steps' time: drafting loses
     decisions = steps.run(batch=16, steps=21)
     # plain steps until two are timed (the first interval follows the batch's arrival), then drafting until two
@@ -127,8 +127,18 @@ def test_the_gate_measures_both_kinds_of_step_and_drafts_only_where_it_pays():
     assert report["accepted_per_request"] == pytest.approx(1.0)
 
     # a cheaper exploration budget spaces the drafting steps further: loss / budget = 1 / 0.1 = 10 steps
-    spaced = _Steps(DrafterGate(explore_every=4, budget=0.1), plain=0.010, draft=0.030, accepted=1)
+    spaced = _Steps(
+        DrafterGate(explore_every=4, budget=0.1, trial_every=1), plain=0.010, draft=0.030, accepted=1
+    )
     assert spaced.run(batch=16, steps=25)[5:] == ([False] * 9 + [True]) * 2
+    # by default a drafting step tried where drafting loses waits at least trial_every = 64 steps, however cheap
+    # its own interval says the trial is (it spreads the batch's finishing steps apart)
+    rare = _Steps(DrafterGate(explore_every=4, budget=0.5), plain=0.010, draft=0.030, accepted=1)
+    assert rare.run(batch=16, steps=5 + 3 * 64)[5:] == ([False] * 63 + [True]) * 3
+    # while a plain step tried where drafting pays waits only max(explore_every, |loss| / budget) = 4 steps
+    tried = _Steps(DrafterGate(explore_every=4, budget=0.5), plain=0.010, draft=0.012, accepted=2)
+    plain = [i for i, drafting in enumerate(tried.run(batch=16, steps=40)) if not drafting and i >= 8]
+    assert len(plain) >= 7 and {b - a for a, b in zip(plain, plain[1:])} == {4}
 
     # where drafting pays it drafts every step
     paying = _Steps(DrafterGate(explore_every=4), plain=0.010, draft=0.020, accepted=3)
@@ -136,7 +146,7 @@ def test_the_gate_measures_both_kinds_of_step_and_drafts_only_where_it_pays():
 
 
 def test_the_gate_measures_plain_steps_again_where_drafting_pays_and_changes_its_mind_when_the_host_does():
-    gate = DrafterGate(explore_every=4, budget=0.5)
+    gate = DrafterGate(explore_every=4, budget=0.5, trial_every=1)
     # the host is slow while the class's first plain steps are timed: drafting seems to pay
     steps = _Steps(gate, plain=0.040, draft=0.025, accepted=1)
     steps.run(batch=16, steps=8)
@@ -197,7 +207,7 @@ def test_the_gate_measures_plain_steps_again_where_drafting_pays_and_changes_its
 
 
 def test_the_gate_carries_a_loss_to_larger_batches_and_a_gain_to_smaller_ones():
-    losing = DrafterGate(explore_every=8, budget=1.0)
+    losing = DrafterGate(explore_every=8, budget=1.0, trial_every=1)
     steps = _Steps(losing, plain=0.010, draft=0.030, accepted=1)
     steps.run(batch=4, steps=7)
     assert losing.loss(4) > 0
@@ -241,6 +251,8 @@ def test_the_gate_carries_a_loss_to_larger_batches_and_a_gain_to_smaller_ones():
     assert chunked.arm(2).counts[:2] == [1, 1] and chunked.arm(2).draft == pytest.approx(0.1)
     with pytest.raises(ValueError, match="budget: expected a fraction in"):
         DrafterGate(budget=0)
+    with pytest.raises(ValueError, match="trial_every: expected an int >= 1, got 0"):
+        DrafterGate(trial_every=0)
 
 
 def _row(request_id: str, tokens: list[int], prompt_length: int) -> Row:

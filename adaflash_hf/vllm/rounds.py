@@ -259,17 +259,25 @@ class DrafterGate:
     and one below a class where it measurably paid drafts without trying plain first. Either way it tries
     the other kind again once the steps taken since it last did reach ``|loss| / budget`` (the exploration then
     costs at most ``budget`` of the time, ``loss`` as ``_Arm.loss``) and at least ``explore_every``, so its
-    estimates follow the traffic and the host: a verdict reached while the host was slow is measured again."""
+    estimates follow the traffic and the host: a verdict reached while the host was slow is measured again. A
+    drafting step tried where drafting loses waits at least ``trial_every`` steps: it costs more than its own
+    interval shows. Requests that had accepted different numbers of drafts finish on different steps, so a batch whose
+    requests started together no longer finishes together (its next prompts prefill one or a few at a time, its last
+    requests drain one at a time), and the drafter first reads the context of every step it sat out. A plain step
+    tried where drafting pays costs neither."""
 
     def __init__(
         self,
         explore_every: int = 4,
         budget: float = 0.01,
         gain_smoothing: float = 0.05,
+        trial_every: int = 64,
     ):
         if not 0 < budget <= 1:
             raise ValueError(f"budget: expected a fraction in (0, 1], got {budget}")
-        self.explore_every, self.budget = explore_every, budget
+        if trial_every < 1:
+            raise ValueError(f"trial_every: expected an int >= 1, got {trial_every}")
+        self.explore_every, self.budget, self.trial_every = explore_every, budget, trial_every
         self.gain_smoothing = gain_smoothing  # a round's accepted count is noisy
         self.arms: dict[int, _Arm] = {}
         self.skipped = 0  # steps without the drafter since the last drafting step
@@ -369,7 +377,7 @@ class DrafterGate:
         # drafting pays: a plain step now and then, to see that it still does
         if self._optimistic(bucket, loss) <= 0:
             return self._decide(self.drafted_in_a_row + 1 < self._wait(max(-loss, 0.0)))
-        return self._decide(self.skipped + 1 >= self._wait(max(loss, 0.0)))
+        return self._decide(self.skipped + 1 >= max(self.trial_every, self._wait(max(loss, 0.0))))
 
     def _wait(self, margin: float) -> int:
         """Steps of one kind between two of the other, where the other costs ``margin`` plain steps more."""

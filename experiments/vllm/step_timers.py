@@ -10,7 +10,8 @@ plain) and batch class with its mean wall time (from one ``execute_model`` to th
 drafter ran after (its mean milliseconds there), and the gate's timed steps per class (what its medians are taken
 from). ``--gate-off`` keeps the drafter out of every step (the floor any gate reaches: the cost of a
 step with speculative decoding configured); ``--max-tokens-spread F`` gives each prompt its own length, drawn from
-64 x [1 - F, 1 + F] (``check_vllm._lengths``).
+64 x [1 - F, 1 + F] (``check_vllm._lengths``); ``--trial-every N`` sets the gate's fewest steps between two drafting
+steps tried where drafting loses (``rounds.DrafterGate``; 1: spaced by the trial's own timed loss alone).
 """
 
 from __future__ import annotations
@@ -67,6 +68,11 @@ def main(argv: list[str] | None = None) -> int:
         help="the gate's decisions as a cycle of d (draft) and p (plain), e.g. dddp, instead of its own judgement",
     )
     parser.add_argument(
+        "--trial-every",
+        type=int,
+        help="the gate's fewest steps between two drafting steps tried where drafting loses (its default otherwise)",
+    )
+    parser.add_argument(
         "--max-tokens-spread",
         type=float,
         default=0.0,
@@ -86,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.gate_off:
         rounds.DrafterGate.draft = lambda self, batch: False
+    if args.trial_every is not None:
+        defaults = rounds.DrafterGate.__init__.__defaults__
+        rounds.DrafterGate.__init__.__defaults__ = (*defaults[:-1], args.trial_every)
     if args.pattern:
         cycle = [c == "d" for c in args.pattern.lower()]
         turns = itertools.count()
