@@ -459,25 +459,25 @@ def run_paired(
                     outputs = engines[name].generate(batch, params, use_tqdm=False)
                     tokens = [list(o.outputs[0].token_ids) for o in outputs]
                 seconds = time.perf_counter() - started
-                steady = window["tokens"] / window["seconds"] if window.get("seconds") else None
-                measured[name] = (sum(map(len, tokens)) / seconds, tokens, seconds, steady, window)
-            plain_rate, plain_tokens, _, plain_steady, _ = measured["vllm_plain"]
+                if window:
+                    window["tokens_per_s"] = window["tokens"] / window["seconds"]
+                measured[name] = (sum(map(len, tokens)) / seconds, tokens, seconds, window)
+            plain_rate, plain_tokens, _, plain_window = measured["vllm_plain"]
             for name in order:
-                rate, tokens, seconds, steady, window = measured[name]
+                rate, tokens, seconds, window = measured[name]
                 row = {"engine": f"{name}_{dtype}", "concurrency": c, "wave": index, "tokens_per_s": rate}
                 row |= {"tokens": sum(map(len, tokens)), "seconds": seconds}
-                if steady is not None:
-                    row |= {f"in_flight_{key}": value for key, value in window.items()}
-                    row["in_flight_tokens_per_s"] = steady
+                row |= {f"in_flight_{key}": value for key, value in window.items()}
                 if name != "vllm_plain":
                     row["vs_vllm_plain"] = rate / plain_rate
                     row["equal_to_plain"] = sum(a == b for a, b in zip(tokens, plain_tokens)) / len(tokens)
-                    if steady is not None and plain_steady:
-                        row["in_flight_vs_vllm_plain"] = steady / plain_steady
+                    if window and plain_window:
+                        row["in_flight_vs_vllm_plain"] = window["tokens_per_s"] / plain_window["tokens_per_s"]
                 rows.append(row)
             in_flight = ""
             if all(measured[name][3] for name in order):
-                in_flight = " (while c in flight: " + ", ".join(f"{measured[n][3]:.1f}" for n in order) + ")"
+                rates = ", ".join(f"{measured[n][3]['tokens_per_s']:.1f}" for n in order)
+                in_flight = f" (while c in flight: {rates})"
             print(
                 f"c={c} wave {index}: "
                 + ", ".join(f"{name} {measured[name][0]:.1f}" for name in order)

@@ -92,9 +92,9 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.gate_off:
         rounds.DrafterGate.draft = lambda self, batch: False
-    if args.trial_every is not None:
-        defaults = rounds.DrafterGate.__init__.__defaults__
-        rounds.DrafterGate.__init__.__defaults__ = (*defaults[:-1], args.trial_every)
+    if args.trial_every is not None:  # the proposer builds its gate with the defaults
+        init = rounds.DrafterGate.__init__
+        rounds.DrafterGate.__init__ = lambda self, **kw: init(self, **{"trial_every": args.trial_every, **kw})
     if args.pattern:
         cycle = [c == "d" for c in args.pattern.lower()]
         turns = itertools.count()
