@@ -368,20 +368,16 @@ def summarize_paired(rows: list[dict]) -> list[dict]:
             "median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in group),
             "waves": len(group),
         }
-        ratios = [r["vs_vllm_plain"] for r in group if "vs_vllm_plain" in r]
-        if ratios:
-            entry |= {
-                "vs_vllm_plain": statistics.median(ratios),
-                "vs_vllm_plain_quartiles": _quartiles(ratios),
-            }
-        steady = [r["in_flight_vs_vllm_plain"] for r in group if "in_flight_vs_vllm_plain" in r]
-        if steady:
-            entry |= {
-                "in_flight_vs_vllm_plain": statistics.median(steady),
-                "in_flight_vs_vllm_plain_quartiles": _quartiles(steady),
-            }
+        for key in ("vs_vllm_plain", "in_flight_vs_vllm_plain"):  # the whole waves; while c were in flight
+            ratios = [r[key] for r in group if key in r]
+            if ratios:
+                entry |= {key: statistics.median(ratios), f"{key}_quartiles": _quartiles(ratios)}
         plain = groups.get((f"vllm_plain_{engine.rsplit('_', 1)[1]}", c), [])
-        if ratios and len(plain) == len(group) and all("seconds" in r for r in group + plain):
+        if (
+            "vs_vllm_plain" in entry
+            and len(plain) == len(group)
+            and all("seconds" in r for r in group + plain)
+        ):
             entry["vs_vllm_plain_all_waves"] = _rate(group) / _rate(plain)
         summary.append(entry)
     return summary
